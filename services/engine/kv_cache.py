@@ -1,0 +1,67 @@
+"""The paged KV cache tensors, and moving a sequence's KV out of and into them.
+
+Layout: K and V are each ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so a
+run of consecutive block ids in one layer is one contiguous span of memory.
+
+Export and import use one buffer layout, the same in every engine that shares a model
+fingerprint::
+
+    buffer[layer, 0 = K | 1 = V, i, token_in_block, kv_head, head_dim]   for block_ids[i]
+
+A buffer exported from one engine's blocks can be imported into any block ids of
+another engine with the same model, dtype and block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.k.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block ids out of range 0..{self.num_blocks - 1}")
+        return ids
+
+    def export_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
+        """One layer's K and V of ``block_ids`` as a new contiguous ``[2, n, ...]`` tensor."""
+        ids = self._ids(block_ids)
+        return torch.stack([self.k[layer].index_select(0, ids),
+                            self.v[layer].index_select(0, ids)])
+
+    def import_layer(self, layer: int, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
+        """Write a buffer from :meth:`export_layer` into ``block_ids`` of this cache."""
+        ids = self._ids(block_ids)
+        expected = (2, len(ids), *self.k.shape[2:])
+        if tuple(buffer.shape) != expected or buffer.dtype != self.k.dtype:
+            raise ValueError(f"KV buffer must be {expected} {self.k.dtype}, "
+                             f"got {tuple(buffer.shape)} {buffer.dtype}")
+        self.k[layer].index_copy_(0, ids, buffer[0].to(self.k.device))
+        self.v[layer].index_copy_(0, ids, buffer[1].to(self.v.device))
+
+    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """All layers: ``[layers, 2, n, block_size, kv_heads, head_dim]``."""
+        return torch.stack([self.export_layer(i, block_ids) for i in range(self.num_layers)])
+
+    def import_blocks(self, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
+        if buffer.dim() != 6 or buffer.shape[0] != self.num_layers:
+            raise ValueError(f"KV buffer must have {self.num_layers} layers in dim 0, "
+                             f"got shape {tuple(buffer.shape)}")
+        for i in range(self.num_layers):
+            self.import_layer(i, block_ids, buffer[i])

@@ -1,0 +1,195 @@
+"""The Llama family in torch, on a flat token batch and a paged KV cache.
+
+Covers Llama 2/3, SmolLM2, Mistral and Qwen2 from one config: RMSNorm, rotary
+embeddings (with Llama 3 frequency scaling), grouped-query attention with optional q/k/v
+bias, SwiGLU MLP, and tied or separate output embeddings. Weights use Hugging Face
+names; q/k/v and gate/up are fused into one matmul each at load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionBackend, AttentionMetadata
+from services.engine.model_config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the band
+    # between them interpolated smoothly.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return torch.where(mid, blended, scaled)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in the half-split layout Hugging Face weights expect."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float()
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions, q, k):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend,
+                               k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run T tokens; return float32 logits ``[len(logits_indices), vocab]``.
+
+        ``kv_cache`` is (K, V), each ``[layers, blocks, block_size, kv_heads, head_dim]``.
+        """
+        k_all, v_all = kv_cache
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, self.backend, k_all[i], v_all[i], meta)
+        x = self.norm(x.index_select(0, logits_indices))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+        own = self.state_dict()
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            if own[name].shape != value.shape:
+                raise ValueError(f"weight {name}: expected shape {tuple(own[name].shape)}, "
+                                 f"got {tuple(value.shape)}")
+            own[name].copy_(value)
+            loaded.add(name)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"missing weight {name}")
+            return tensors[name]
+
+        with torch.no_grad():
+            put("embed_tokens.weight", take("model.embed_tokens.weight"))
+            put("norm.weight", take("model.norm.weight"))
+            if self.lm_head is not None:
+                put("lm_head.weight", take("lm_head.weight"))
+            for i in range(self.cfg.num_layers):
+                src, dst = f"model.layers.{i}.", f"layers.{i}."
+                attn = src + "self_attn."
+                put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                    [take(attn + f"{p}_proj.weight") for p in "qkv"]))
+                if self.cfg.attention_bias:
+                    put(dst + "self_attn.qkv_proj.bias", torch.cat(
+                        [take(attn + f"{p}_proj.bias") for p in "qkv"]))
+                put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+                put(dst + "mlp.gate_up_proj.weight", torch.cat(
+                    [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]))
+                put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
+                put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
+                put(dst + "post_attention_layernorm.weight",
+                    take(src + "post_attention_layernorm.weight"))
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"weights not provided for: {sorted(missing)[:5]}")

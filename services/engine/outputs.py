@@ -1,0 +1,45 @@
+"""What the engine reports about a request after a step, and at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from services.engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's progress in one step: the tokens it gained, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class Completion(NamedTuple):
+    """A finished request from :meth:`LLMEngine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs | None]
+
+
+class RemoteSlots(NamedTuple):
+    """Blocks reserved for a prompt whose KV will be written by another engine.
+
+    ``block_ids`` cover the whole prompt; the first ``num_cached_blocks`` already hold
+    this engine's cached prefix, so only ``block_ids[num_cached_blocks:]`` need KV.
+    """
+
+    block_ids: list[int]
+    num_cached_blocks: int

@@ -1,0 +1,117 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step has a token budget. Running sequences go first, in admission order: a
+decoding sequence takes one token, a sequence still prefilling takes its next chunk.
+Waiting sequences are then admitted while budget, sequence slots and blocks last, each
+starting from its longest cached prefix. Decodes and prefill chunks share one batch.
+
+When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed (its full blocks stay in the prefix cache) and it waits
+at the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from services.engine.kv_manager import KVCacheManager
+from services.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int | None = None  # cap on one sequence's tokens per step
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError("prefill_chunk_size must be >= 1")
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.chunk = config.prefill_chunk_size or config.max_num_batched_tokens
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues (finished or aborted); the caller frees blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            hits = self.kv.match_prefix(seq)
+            start = len(hits) * self.kv.block_size
+            n = min(seq.num_tokens - start, budget, self.chunk)
+            if not self.kv.allocate_slots(seq, n, hits):
+                seq.block_hashes = []
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = start
+            seq.num_computed_tokens = start
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)

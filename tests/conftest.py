@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+
+from services.engine.config import EngineConfig
+from tests.tiny_models import load_reference, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One saved tiny model per architecture, shared by the session."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "llama3")}
+
+
+@pytest.fixture(scope="session")
+def references(tiny_dirs):
+    return {arch: load_reference(path) for arch, path in tiny_dirs.items()}
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines; after the test, assert none leaked a block."""
+    from services.engine.engine import LLMEngine
+
+    engines = []
+
+    def build(model, **kw):
+        kw.setdefault("dtype", "float64")
+        engine = LLMEngine(EngineConfig(model=str(model), **kw))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        held = [r for r, s in engine.requests.items() if s.hold_blocks]
+        for rid in held:
+            engine.release(rid)
+        engine.block_pool.check_invariants()
+        assert not engine.requests, f"requests left behind: {list(engine.requests)}"
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks

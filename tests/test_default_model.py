@@ -1,0 +1,63 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.sampling_params import SamplingParams
+from services.engine.weights import DEFAULT_MODEL, resolve_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from services.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=256 << 20))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(resolve_model(DEFAULT_MODEL))
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_logits_close_to_transformers(engine, hf_model):
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    engine.add_request("logits", prompt, SamplingParams(temperature=0, max_tokens=1,
+                                                        logprobs=5))
+    out = engine.step()[0]
+    with torch.inference_mode():
+        want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    got = out.new_logprobs[0]
+    assert got.token_id == int(want.argmax())
+    want_top = torch.topk(want, 5)
+    assert [t for t, _ in got.top] == want_top.indices.tolist()
+    assert [lp for _, lp in got.top] == pytest.approx(want_top.values.tolist(), abs=2e-3)
+
+
+def test_greedy_continuation_matches_transformers(engine, hf_model):
+    prompt = engine.tokenizer.encode("Once upon a time, in a small village,")
+    got = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24,
+                                                   ignore_eos=True))[0].token_ids
+    with torch.inference_mode():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                min_new_tokens=24)[0, len(prompt):].tolist()
+    assert got == ref
+
+
+def test_chat_answers_paris(engine):
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}])
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=24))[0]
+    text = engine.tokenizer.decode(out.token_ids)
+    assert "Paris" in text
+    assert out.finish_reason == "stop"
