@@ -40,9 +40,12 @@ def run_ours(args) -> dict:
     from services.engine.engine import LLMEngine
     from services.engine.sampling_params import SamplingParams
 
+    start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mib << 20,
+                                    dtype=args.dtype,
                                     max_num_batched_tokens=args.max_batched_tokens,
                                     enable_prefix_caching=False))
+    load_s = time.perf_counter() - start
     prompts = make_prompts(args.num_prompts, engine.model_config.vocab_size, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -58,7 +61,7 @@ def run_ours(args) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     prefill_s = time.perf_counter() - start
-    return {"generate_s": elapsed, "outputs": outputs, "prefill_s": prefill_s,
+    return {"generate_s": elapsed, "outputs": outputs, "prefill_s": prefill_s, "load_s": load_s,
             "preemptions": engine.scheduler.num_preemptions, "peak_rss_mib": peak_rss_mib()}
 
 
@@ -68,13 +71,16 @@ def run_transformers(args) -> dict:
 
     from services.engine.weights import resolve_model
 
+    dtype = getattr(torch, args.dtype)
+    start = time.perf_counter()
     path = Path(resolve_model(args.model))
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32)
+                                                     dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
+    load_s = time.perf_counter() - start
     prompts = make_prompts(args.num_prompts, model.config.vocab_size, args.seed)
     width = max(len(p) for p in prompts)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -94,14 +100,14 @@ def run_transformers(args) -> dict:
         model(torch.tensor([long_prompt]))
         prefill_s = time.perf_counter() - start
     outputs = out[:, width:].tolist()
-    return {"generate_s": elapsed, "outputs": outputs, "prefill_s": prefill_s,
+    return {"generate_s": elapsed, "outputs": outputs, "prefill_s": prefill_s, "load_s": load_s,
             "peak_rss_mib": peak_rss_mib()}
 
 
 def run_side(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--num-prompts", str(args.num_prompts),
            "--output-len", str(args.output_len), "--model", args.model, "--seed", str(args.seed),
-           "--kv-cache-mib", str(args.kv_cache_mib),
+           "--kv-cache-mib", str(args.kv_cache_mib), "--dtype", args.dtype,
            "--max-batched-tokens", str(args.max_batched_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
@@ -125,7 +131,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title, fontsize=9)
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
-    fig.suptitle(f"{result['model']}: {result['num_prompts']} prompts × "
+    fig.suptitle(f"{result['model']} ({result['dtype']}): {result['num_prompts']} prompts × "
                  f"{result['output_len']} tokens (ratio {result['output_ratio']:.2f}×)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -139,6 +145,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-mib", type=int, default=3072)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="compute precision of both sides")
     ap.add_argument("--side", choices=["ours", "transformers"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
@@ -148,14 +156,14 @@ def main() -> None:
         return
 
     total_out = args.num_prompts * args.output_len
-    result = {"model": args.model, "num_prompts": args.num_prompts,
+    result = {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
               "output_len": args.output_len}
     for name, side in (("pdserve", "ours"), ("transformers", "transformers")):
         r = run_side(side, args)
         result[name] = {"generate_s": r["generate_s"],
                         "output_tok_s": total_out / r["generate_s"],
                         "prefill_tok_s": 1024 / r["prefill_s"],
-                        "peak_rss_mib": r["peak_rss_mib"]}
+                        "load_s": r["load_s"], "peak_rss_mib": r["peak_rss_mib"]}
         result[name + "_outputs"] = r["outputs"]
         if "preemptions" in r:
             result[name]["preemptions"] = r["preemptions"]
@@ -169,14 +177,15 @@ def main() -> None:
     for name in ("pdserve", "transformers"):
         r = result[name]
         print(f"{name:>13}: {r['output_tok_s']:8.1f} output tok/s  "
-              f"{r['prefill_tok_s']:8.1f} prefill tok/s  peak RSS {r['peak_rss_mib']:.0f} MiB")
+              f"{r['prefill_tok_s']:8.1f} prefill tok/s  load {r['load_s']:.1f} s  "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB")
     print(f"output throughput ratio: {result['output_ratio']:.2f}x   "
           f"prefill ratio: {result['prefill_ratio']:.2f}x   "
           f"identical greedy outputs: {result['identical_outputs']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "throughput.png")
+    (out / f"throughput-{args.dtype}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"throughput-{args.dtype}.png")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Triton one can replace it on CUDA.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -127,13 +126,12 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup):
     ctx = group.max_context_len
     nblk = (ctx + block_size - 1) // block_size
     tables = group.block_tables[:, :nblk]
+    # [size, kv_heads, ctx, head_dim] views of the gathered blocks.
     keys = k_cache[tables].view(size, nblk * block_size, num_kv_heads, head_dim)[:, :ctx]
     values = v_cache[tables].view(size, nblk * block_size, num_kv_heads, head_dim)[:, :ctx]
-    rep = num_heads // num_kv_heads
-    qg = q.view(size, num_kv_heads, rep, head_dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * (1.0 / math.sqrt(head_dim))
-    pad = torch.arange(ctx, device=q.device)[None, :] >= group.context_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [size, kv, rep, d]
+    valid = torch.arange(ctx, device=q.device)[None, :] < group.context_lens[:, None]
+    # Query heads sharing a KV head become that head's rows: [size, kv, rep, d].
+    qg = q.view(size, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=valid[:, None, None, :])
     return out.reshape(size, num_heads, head_dim)

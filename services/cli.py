@@ -1,0 +1,58 @@
+"""The ``pdserve`` command.
+
+    pdserve generate [--model NAME] [--max-tokens N] [--temperature T] [--chat] PROMPT...
+
+Service subcommands (gateway, conductor, prefill, decode, cache-pool) join this entry
+point as the services land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed)
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
+                                        kv_cache_bytes=args.kv_cache_mib << 20))
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                   if args.chat else p for p in args.prompt]
+        for done in engine.generate(prompts, params):
+            print(engine.tokenizer.decode(done.token_ids))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline with the engine")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--model", default="smollm2-135m-instruct")
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--kv-cache-mib", type=int, default=512)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
