@@ -1,0 +1,241 @@
+"""The data-plane interface: how KV bytes move from a prefill worker to a decode worker.
+
+The decode side owns a ``KVReceiver``. Before asking for a remote prefill it calls
+``expect(request_id, lease_s)`` and hands the receiver's ``address`` to the prefill worker
+over the control plane. The prefill side owns a ``KVSender`` and, per request::
+
+    send(address, rid, layer, block_ids, payload)   once per layer and run of blocks
+    ...
+    finish(address, rid, num_chunks)                 or abort(address, rid, reason)
+
+Every chunk is checked end to end (xxh3_64 of its payload) and handed to the receiver's
+``ChunkSink``, which copies it into the paged KV cache. The transfer ends exactly once::
+
+    PENDING --first chunk--> TRANSFERRING --finish(n), n chunks verified--> DONE
+       |                         |
+       +-------------------------+--> FAILED     checksum mismatch, wrong chunk count,
+       |                         |               sender abort, lease expired, sink raised,
+       |                         |               sender connection lost mid-message
+       +-------------------------+--> CANCELLED  cancel(), receiver closed
+
+The first terminal state reached wins; anything that arrives afterwards is dropped.
+This module imports neither torch nor numpy: payloads are bytes-like objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+ChunkSink = Callable[[str, int, list[int], memoryview], None]
+"""``sink(request_id, layer, block_ids, payload)``.
+
+Called on the receiver's event loop for each verified chunk of an expected, live
+transfer, in arrival order. ``payload`` is valid only during the call (the receiver
+reuses its buffer): copy what you keep. If the sink raises, that transfer fails with
+the exception recorded as its error; the receiver keeps serving.
+"""
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_live(self) -> bool:
+        return self in (TransferState.PENDING, TransferState.TRANSFERRING)
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or was cancelled, or a peer could not be reached.
+
+    ``reason`` is the short cause ("lease expired", "checksum mismatch ...");
+    ``request_id`` is set when the error concerns one request.
+    """
+
+    def __init__(self, reason: str, request_id: str | None = None) -> None:
+        self.reason = reason
+        self.request_id = request_id
+        super().__init__(reason if request_id is None else f"transfer {request_id!r}: {reason}")
+
+
+class Transfer:
+    """One request's incoming KV on the receiving side.
+
+    Created by ``KVReceiver.expect`` on the receiver's event loop; the lease timer starts
+    then and is not renewed by progress. ``bytes_received`` and ``chunks_received`` count
+    chunks that were verified and accepted by the sink. ``error`` is set when the state
+    is FAILED or CANCELLED.
+
+    Methods starting with an underscore are for receiver backends only.
+    """
+
+    def __init__(self, request_id: str, lease_s: float, on_end: Callable[[Transfer], None]) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not (isinstance(lease_s, int | float) and math.isfinite(lease_s) and lease_s > 0):
+            raise ValueError(f"lease_s must be a finite number > 0, got {lease_s!r}")
+        loop = asyncio.get_running_loop()
+        self.request_id = request_id
+        self.state = TransferState.PENDING
+        self.bytes_received = 0
+        self.chunks_received = 0
+        self.error: str | None = None
+        self._on_end = on_end
+        self._ended = asyncio.Event()
+        self._lease = loop.call_later(lease_s, self._end, TransferState.FAILED, "lease expired")
+
+    @property
+    def is_live(self) -> bool:
+        return self.state.is_live
+
+    async def wait(self) -> None:
+        """Return once the transfer is DONE.
+
+        Raises TransferError (with ``reason`` = ``error``) when it ends FAILED or
+        CANCELLED, including when its lease expires. Never waits past the lease.
+        """
+        await self._ended.wait()
+        if self.state is not TransferState.DONE:
+            raise TransferError(self.error or self.state.value, self.request_id)
+
+    def _accept_chunk(self, nbytes: int) -> None:
+        if self.is_live:
+            self.state = TransferState.TRANSFERRING
+            self.bytes_received += nbytes
+            self.chunks_received += 1
+
+    def _end(self, state: TransferState, error: str | None = None) -> bool:
+        """Move to terminal ``state``; False (and no change) if already ended."""
+        if not self.is_live:
+            return False
+        if state.is_live:
+            raise ValueError(f"{state} is not a terminal state")
+        self.state = state
+        self.error = error
+        self._lease.cancel()
+        self._ended.set()
+        self._on_end(self)
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"Transfer({self.request_id!r}, {self.state.name}, chunks={self.chunks_received}, "
+            f"bytes={self.bytes_received}, error={self.error!r})"
+        )
+
+
+class KVReceiver(ABC):
+    """Accepts KV chunks from any number of senders and hands them to a ChunkSink.
+
+    All methods run on one event loop, the one ``start`` ran on.
+    """
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """What senders connect to, e.g. ``tcp://127.0.0.1:40123``.
+
+        Raises RuntimeError before ``start``.
+        """
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Bind and begin serving. Raises RuntimeError if called twice, OSError if the
+        bind fails."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Cancel every live transfer (CANCELLED, "receiver closed") and close all
+        sockets. Idempotent."""
+
+    @abstractmethod
+    def expect(self, request_id: str, lease_s: float) -> Transfer:
+        """Register a transfer; call before any of its chunks can arrive.
+
+        Chunks for request ids that are not live (never expected, or already ended) are
+        read, dropped and logged, never fatal. Raises ValueError if ``request_id`` is
+        already live or ``lease_s`` is not > 0, RuntimeError if the receiver is not
+        serving. An id may be expected again once its previous transfer has ended.
+        """
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """End the transfer CANCELLED: later chunks are dropped, ``wait`` raises.
+
+        A no-op for ids that are not live.
+        """
+
+    @abstractmethod
+    def live(self) -> int:
+        """Number of PENDING or TRANSFERRING transfers."""
+
+
+class KVSender(ABC):
+    """Sends KV chunks to receivers, pooling one connection per address.
+
+    Messages to one address arrive in the order their calls started writing; concurrent
+    calls never interleave bytes of two messages. A connection that breaks is dropped
+    from the pool and the next call reconnects. A call cancelled mid-write drops its
+    connection too, so the receiver fails that message's transfer.
+
+    Raises TransferError when the receiver cannot be reached or the connection breaks,
+    ValueError for a malformed address or argument. Returning means the message was
+    handed to the OS, not that the receiver accepted it: the receiver's ``Transfer``
+    is the authority on the outcome.
+    """
+
+    @abstractmethod
+    async def send(
+        self,
+        address: str,
+        request_id: str,
+        layer: int,
+        block_ids: list[int],
+        payload: bytes | bytearray | memoryview,
+    ) -> None:
+        """Send one chunk: ``payload`` holds ``layer``'s KV for ``block_ids``.
+
+        ``payload`` must be C-contiguous; it is read, not kept, once the call returns.
+        """
+
+    @abstractmethod
+    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
+        """Declare the transfer complete after ``num_chunks`` chunks. The receiver ends
+        it DONE if it verified exactly that many, else FAILED
+        ("expected N chunks, got M")."""
+
+    @abstractmethod
+    async def abort(self, address: str, request_id: str, reason: str) -> None:
+        """Tell the receiver the transfer will not complete: it ends FAILED with
+        ``reason``."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close every pooled connection. Idempotent; later calls raise TransferError."""
+
+
+def make_receiver(
+    kind: str = "tcp", *, host: str = "127.0.0.1", port: int = 0, sink: ChunkSink
+) -> KVReceiver:
+    """Build an unstarted receiver of backend ``kind``; port 0 picks a free port."""
+    if kind == "tcp":
+        from common.transfer.tcp import TcpReceiver
+
+        return TcpReceiver(host, port, sink=sink)
+    raise ValueError(f"unknown transfer backend {kind!r}; known: 'tcp'")
+
+
+def make_sender(kind: str = "tcp") -> KVSender:
+    """Build a sender of backend ``kind``."""
+    if kind == "tcp":
+        from common.transfer.tcp import TcpSender
+
+        return TcpSender()
+    raise ValueError(f"unknown transfer backend {kind!r}; known: 'tcp'")

@@ -1,0 +1,305 @@
+"""The tcp backend: plain asyncio sockets, the data plane that always works.
+
+Addresses are ``tcp://host:port`` (IPv6 hosts in brackets: ``tcp://[::1]:7000``).
+Messages are framed as in ``wire.py``. Sockets ask for 4 MiB send and receive buffers
+(the kernel may cap them at net.core.wmem_max / rmem_max) and set TCP_NODELAY; the
+listening socket gets its buffers before ``listen`` so the TCP window can scale.
+
+Sender (asyncio streams): one pooled connection per address, a lock per connection so
+that messages never interleave, and each payload slice drained into the kernel before the
+next is written, so at most one slice plus the socket buffers are in flight per
+connection. Receiver: a server whose per-connection protocol is a ``FrameReader`` (a
+``BufferedProtocol``: payloads are received straight into a reused buffer, which a
+``StreamReader`` cannot do), all connections feeding one ``TransferTable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+from common.transfer import wire
+from common.transfer.base import ChunkSink, KVReceiver, KVSender, Transfer, TransferError
+from common.transfer.frame_reader import FrameReader
+from common.transfer.table import TransferTable
+
+SOCKET_BUFFER_BYTES = 4 << 20
+_SCHEME = "tcp://"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"tcp://host:port"`` → ``(host, port)``; ValueError if malformed."""
+    if not isinstance(address, str) or not address.startswith(_SCHEME):
+        raise ValueError(f"not a tcp address (tcp://host:port): {address!r}")
+    host, sep, port = address[len(_SCHEME) :].rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"not a tcp address (tcp://host:port): {address!r}")
+    return host, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"{_SCHEME}[{host}]:{port}" if ":" in host else f"{_SCHEME}{host}:{port}"
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpReceiver(KVReceiver):
+    """KVReceiver over TCP. ``dropped`` counts messages for request ids not live."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        sink: ChunkSink,
+        max_payload_bytes: int = 1 << 30,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+    ) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {port!r}")
+        if max_payload_bytes <= 0:
+            raise ValueError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
+        self._host, self._port = host, port
+        self._table = TransferTable(sink)
+        self._max_payload = max_payload_bytes
+        self._buffer_bytes = socket_buffer_bytes
+        self._server: asyncio.Server | None = None
+        self._readers: set[FrameReader] = set()
+        self._address: str | None = None
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise RuntimeError("receiver has no address before start()")
+        return self._address
+
+    @property
+    def dropped(self) -> int:
+        return self._table.dropped
+
+    @property
+    def connections(self) -> int:
+        """Sender connections open right now."""
+        return len(self._readers)
+
+    async def start(self) -> None:
+        if self._server is not None or self._closed:
+            raise RuntimeError("receiver already started" if self._server else "receiver closed")
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, type_, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tune_socket(sock, self._buffer_bytes)
+            sock.bind(sockaddr)
+            sock.setblocking(False)
+            self._server = await loop.create_server(self._new_reader, sock=sock, backlog=128)
+        except BaseException:
+            sock.close()
+            raise
+        self._address = format_address(self._host, sock.getsockname()[1])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._table.cancel_all("receiver closed")
+        if self._server is not None:
+            self._server.close()
+        for reader in list(self._readers):
+            reader.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def expect(self, request_id: str, lease_s: float) -> Transfer:
+        if self._server is None or self._closed:
+            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
+        return self._table.expect(request_id, lease_s)
+
+    def cancel(self, request_id: str) -> None:
+        self._table.cancel(request_id)
+
+    def live(self) -> int:
+        return self._table.live()
+
+    def _new_reader(self) -> FrameReader:
+        reader = FrameReader(self._table, self._max_payload, self._readers.discard)
+        self._readers.add(reader)
+        return reader
+
+
+class _Connection:
+    __slots__ = ("reader", "writer", "lock", "broken")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.lock = asyncio.Lock()
+        self.broken = False
+
+    def usable(self) -> bool:
+        # The receiver never writes, so EOF on our read side means it closed on us.
+        return not (self.broken or self.writer.is_closing() or self.reader.at_eof())
+
+
+class TcpSender(KVSender):
+    """KVSender over TCP.
+
+    Payloads are written in ``write_slice_bytes`` slices, each drained into the kernel
+    before the next, so a large chunk is never copied whole into the transport's buffer
+    and the caller's payload is no longer referenced once ``send`` returns.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 5.0,
+        write_slice_bytes: int = 4 << 20,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+    ) -> None:
+        if connect_timeout_s <= 0 or write_slice_bytes <= 0:
+            raise ValueError("connect_timeout_s and write_slice_bytes must be > 0")
+        self._connect_timeout_s = connect_timeout_s
+        self._slice = write_slice_bytes
+        self._buffer_bytes = socket_buffer_bytes
+        self._pool: dict[str, _Connection] = {}
+        self._dialing: dict[str, asyncio.Lock] = {}
+        self._closed = False
+
+    async def send(
+        self,
+        address: str,
+        request_id: str,
+        layer: int,
+        block_ids: list[int],
+        payload: bytes | bytearray | memoryview,
+    ) -> None:
+        view = _byte_view(payload)
+        if not isinstance(block_ids, list | tuple):
+            raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
+        chunk = wire.Chunk(request_id, layer, list(block_ids), wire.checksum(view))
+        await self._write(address, request_id, wire.encode(chunk, view.nbytes), view)
+
+    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
+        head = wire.encode(wire.Finish(request_id, num_chunks))
+        await self._write(address, request_id, head, None)
+
+    async def abort(self, address: str, request_id: str, reason: str) -> None:
+        await self._write(address, request_id, wire.encode(wire.Abort(request_id, reason)), None)
+
+    async def close(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, {}
+        for conn in pool.values():
+            conn.broken = True
+            conn.writer.close()  # flushes what is buffered, then FIN
+        for conn in pool.values():
+            with contextlib.suppress(OSError):
+                await conn.writer.wait_closed()
+
+    @property
+    def connections(self) -> int:
+        """Pooled connections that are still usable (the peer has not closed them)."""
+        return sum(conn.usable() for conn in self._pool.values())
+
+    async def _write(
+        self, address: str, request_id: str, head: bytes, payload: memoryview | None
+    ) -> None:
+        for _ in range(3):  # another call may break the connection while we queue for it
+            conn = await self._connection(address)
+            async with conn.lock:
+                if not conn.usable():
+                    self._drop(address, conn)
+                    continue
+                try:
+                    conn.writer.write(head)
+                    if payload is not None:
+                        for start in range(0, payload.nbytes, self._slice):
+                            conn.writer.write(payload[start : start + self._slice])
+                            await conn.writer.drain()
+                    await conn.writer.drain()
+                except BaseException as exc:
+                    # Part of a message may be out: the stream is no longer framed.
+                    self._drop(address, conn)
+                    if isinstance(exc, OSError):
+                        raise TransferError(
+                            f"connection to {address} broke: {exc!r}", request_id
+                        ) from exc
+                    raise
+                return
+        raise TransferError(f"connection to {address} kept breaking", request_id)
+
+    async def _connection(self, address: str) -> _Connection:
+        conn = self._pool.get(address)
+        if conn is not None and conn.usable():
+            return conn
+        async with self._dialing.setdefault(address, asyncio.Lock()):
+            conn = self._pool.get(address)
+            if conn is not None and conn.usable():
+                return conn
+            if conn is not None:
+                self._drop(address, conn)
+            if self._closed:
+                raise TransferError("sender is closed")
+            conn = await self._dial(address)
+            self._pool[address] = conn
+            return conn
+
+    async def _dial(self, address: str) -> _Connection:
+        host, port = parse_address(address)
+        if port == 0:
+            raise ValueError(f"cannot connect to port 0: {address!r}")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                error: OSError = OSError(f"no address for {host!r}")
+                for family, type_, proto, _, sockaddr in infos:
+                    sock = socket.socket(family, type_, proto)
+                    try:
+                        tune_socket(sock, self._buffer_bytes)
+                        sock.setblocking(False)
+                        await loop.sock_connect(sock, sockaddr)
+                    except OSError as exc:
+                        sock.close()
+                        error = exc
+                        continue
+                    except BaseException:
+                        sock.close()
+                        raise
+                    reader, writer = await asyncio.open_connection(sock=sock)
+                    # Any buffered byte pauses writing, so drain() returns only once the
+                    # kernel holds every byte: the transport keeps no reference to the
+                    # caller's payload after send() returns (it may on Python >= 3.12).
+                    writer.transport.set_write_buffer_limits(high=0)
+                    return _Connection(reader, writer)
+                raise error
+        except OSError as exc:  # TimeoutError is an OSError
+            raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
+
+    def _drop(self, address: str, conn: _Connection) -> None:
+        conn.broken = True
+        if self._pool.get(address) is conn:
+            del self._pool[address]
+        conn.writer.transport.abort()
+
+
+def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    try:
+        view = memoryview(payload)
+    except TypeError:
+        raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("payload must be C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

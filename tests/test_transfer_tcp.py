@@ -1,0 +1,432 @@
+"""The tcp data plane on loopback: exact delivery, integrity, leases, cancellation, and
+the failures a real network produces (dead senders, garbage, closed ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from common.transfer import TransferError, TransferState, make_receiver, make_sender, wire
+from common.transfer.tcp import TcpReceiver, TcpSender
+
+
+class Sink:
+    """Records every chunk the receiver hands over; optionally raises for one request."""
+
+    def __init__(self, raise_for: str | None = None) -> None:
+        self.chunks: list[tuple[str, int, list[int], bytes]] = []
+        self.raise_for = raise_for
+
+    def __call__(self, request_id, layer, block_ids, payload) -> None:
+        if request_id == self.raise_for:
+            raise RuntimeError("destination blocks were freed")
+        self.chunks.append((request_id, layer, block_ids, bytes(payload)))
+
+    def of(self, request_id: str) -> list[tuple[str, int, list[int], bytes]]:
+        return [c for c in self.chunks if c[0] == request_id]
+
+
+@pytest.fixture
+def sink() -> Sink:
+    return Sink()
+
+
+@pytest.fixture
+async def receiver(sink):
+    rx = make_receiver("tcp", sink=sink)
+    await rx.start()
+    yield rx
+    assert rx.live() == 0, "a test left a transfer live"
+    await rx.close()
+
+
+@pytest.fixture
+async def sender():
+    tx = make_sender("tcp")
+    yield tx
+    await tx.close()
+
+
+async def until(predicate, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+def chunks_for(request_id: str, seed: int, sizes=(1000, 4096, 77)):
+    """3 layers x two non-contiguous, out-of-order runs of block ids, random bytes."""
+    rng = random.Random(seed)
+    runs = [[9, 3], [17, 4, 12]]
+    return [
+        (request_id, layer, list(run), rng.randbytes(sizes[layer % len(sizes)] * len(run)))
+        for layer in range(3)
+        for run in runs
+    ]
+
+
+async def send_all(sender, address, chunks) -> None:
+    for rid, layer, blocks, data in chunks:
+        await sender.send(address, rid, layer, blocks, data)
+    await sender.finish(address, chunks[0][0], len(chunks))
+
+
+async def raw_connection(address: str):
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def test_chunks_arrive_byte_exact_with_layers_and_block_ids(receiver, sender, sink):
+    transfer = receiver.expect("r1", lease_s=5)
+    assert transfer.state is TransferState.PENDING and receiver.live() == 1
+    chunks = chunks_for("r1", seed=1)
+    await send_all(sender, receiver.address, chunks)
+    await transfer.wait()
+    assert transfer.state is TransferState.DONE and transfer.error is None
+    assert sink.chunks == chunks
+    assert transfer.chunks_received == 6
+    assert transfer.bytes_received == sum(len(c[3]) for c in chunks)
+    assert receiver.live() == 0
+
+
+async def test_64_mib_payload_round_trip(receiver, sender, sink):
+    data = bytearray(random.Random(2).randbytes(64 << 20))
+    transfer = receiver.expect("big", lease_s=20)
+    await sender.send(receiver.address, "big", 5, [0, 1], memoryview(data))
+    await sender.finish(receiver.address, "big", 1)
+    await transfer.wait()
+    [(_, layer, blocks, got)] = sink.chunks
+    assert (layer, blocks, len(got)) == (5, [0, 1], 64 << 20)
+    assert xxhash.xxh3_64_intdigest(got) == xxhash.xxh3_64_intdigest(data)
+    assert transfer.bytes_received == 64 << 20
+
+
+async def test_four_senders_into_one_receiver_at_once(receiver, sink):
+    senders = [make_sender("tcp") for _ in range(4)]
+    plans = [chunks_for(f"s{i}", seed=10 + i, sizes=(65536, 3, 200000)) for i in range(4)]
+    transfers = [receiver.expect(f"s{i}", lease_s=10) for i in range(4)]
+    try:
+        await asyncio.gather(
+            *(send_all(s, receiver.address, p) for s, p in zip(senders, plans, strict=True))
+        )
+        await asyncio.gather(*(t.wait() for t in transfers))
+    finally:
+        for s in senders:
+            await s.close()
+    for i, plan in enumerate(plans):
+        assert sink.of(f"s{i}") == plan
+
+
+async def test_concurrent_calls_on_one_connection_never_interleave(sink):
+    # Tiny socket buffers fill at once, so every message waits in drain() mid-payload:
+    # without the per-connection lock, bytes of different messages would mix.
+    rx = TcpReceiver(sink=sink, socket_buffer_bytes=16384)
+    await rx.start()
+    tx = TcpSender(write_slice_bytes=4096, socket_buffer_bytes=16384)
+    plans = [chunks_for(f"c{i}", seed=20 + i, sizes=(30000, 50000, 7)) for i in range(6)]
+    transfers = [rx.expect(f"c{i}", lease_s=10) for i in range(6)]
+    try:
+        await asyncio.gather(*(send_all(tx, rx.address, p) for p in plans))
+        await asyncio.gather(*(t.wait() for t in transfers))
+        assert tx.connections == 1 and rx.connections == 1
+    finally:
+        await tx.close()
+        await rx.close()
+    for i, plan in enumerate(plans):
+        assert sink.of(f"c{i}") == plan
+
+
+async def mutate_after_send_scenario(sink) -> None:
+    """send() returning means the payload may be reused: the receiver must still get
+    the bytes as they were at the call."""
+    rx = TcpReceiver(sink=sink, socket_buffer_bytes=16384)
+    await rx.start()
+    tx = TcpSender(socket_buffer_bytes=16384)
+    try:
+        transfer = rx.expect("reuse", lease_s=5)
+        buffer = bytearray(random.Random(13).randbytes(3 << 20))
+        original = bytes(buffer)
+        await tx.send(rx.address, "reuse", 0, [0], buffer)
+        buffer[:] = bytes(len(buffer))  # the KV slot is reused at once
+        buffer.extend(b"grown")  # would raise BufferError if the sender still held it
+        await tx.finish(rx.address, "reuse", 1)
+        await transfer.wait()
+        assert sink.of("reuse") == [("reuse", 0, [0], original)]
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def test_payload_may_be_reused_once_send_returns(sink):
+    await mutate_after_send_scenario(sink)
+
+
+async def test_corrupted_payload_fails_with_checksum_and_connection_keeps_serving(receiver, sink):
+    bad, good = receiver.expect("bad", lease_s=5), receiver.expect("good", lease_s=5)
+    data = random.Random(3).randbytes(10000)
+    corrupted = bytearray(data)
+    corrupted[1234] ^= 0x10  # one bit flipped in flight
+    _, writer = await raw_connection(receiver.address)
+    writer.write(wire.encode(wire.Chunk("bad", 0, [1], wire.checksum(data)), len(data)))
+    writer.write(corrupted)
+    writer.write(wire.encode(wire.Chunk("good", 0, [2], wire.checksum(data)), len(data)))
+    writer.write(data)
+    writer.write(wire.encode(wire.Finish("good", 1)))
+    await writer.drain()
+    await good.wait()
+    with pytest.raises(TransferError, match="checksum mismatch"):
+        await bad.wait()
+    assert bad.state is TransferState.FAILED and bad.chunks_received == 0
+    assert sink.chunks == [("good", 0, [2], data)]
+    writer.close()
+
+
+async def test_finish_with_wrong_count_fails(receiver, sender):
+    transfer = receiver.expect("r", lease_s=5)
+    await sender.send(receiver.address, "r", 0, [1], b"a" * 10)
+    await sender.send(receiver.address, "r", 1, [1], b"b" * 10)
+    await sender.finish(receiver.address, "r", 3)
+    with pytest.raises(TransferError) as info:
+        await transfer.wait()
+    assert info.value.reason == "expected 3 chunks, got 2"
+    assert info.value.request_id == "r" and transfer.state is TransferState.FAILED
+
+
+async def test_abort_fails_with_the_senders_reason(receiver, sender):
+    transfer = receiver.expect("r", lease_s=5)
+    await sender.abort(receiver.address, "r", "prefill worker out of memory")
+    with pytest.raises(TransferError, match="prefill worker out of memory"):
+        await transfer.wait()
+    assert transfer.error == "prefill worker out of memory"
+
+
+async def test_lease_expiry_fails_the_transfer_on_time(receiver, sender):
+    start = time.monotonic()
+    transfer = receiver.expect("slow", lease_s=0.3)
+    with pytest.raises(TransferError, match="lease expired"):
+        await transfer.wait()
+    assert 0.3 <= time.monotonic() - start < 0.8
+    assert transfer.state is TransferState.FAILED and receiver.live() == 0
+    await sender.send(receiver.address, "slow", 0, [0], b"late")
+    await until(lambda: receiver.dropped == 1)
+
+
+async def test_cancel_drops_later_chunks(receiver, sender, sink):
+    transfer = receiver.expect("r", lease_s=5)
+    await sender.send(receiver.address, "r", 0, [1], b"first")
+    await until(lambda: transfer.chunks_received == 1)
+    receiver.cancel("r")
+    receiver.cancel("r")  # idempotent
+    assert transfer.state is TransferState.CANCELLED and receiver.live() == 0
+    await sender.send(receiver.address, "r", 1, [1], b"second")
+    await sender.finish(receiver.address, "r", 2)
+    await until(lambda: receiver.dropped == 2)
+    with pytest.raises(TransferError, match="cancelled"):
+        await transfer.wait()
+    assert sink.chunks == [("r", 0, [1], b"first")]
+
+
+@pytest.mark.parametrize("hang_up", ["close", "abort"])
+async def test_sender_killed_mid_payload_fails_at_once_and_receiver_keeps_serving(
+    receiver, sender, sink, hang_up
+):
+    transfer = receiver.expect("dying", lease_s=30)
+    data = random.Random(4).randbytes(1 << 20)
+    _, writer = await raw_connection(receiver.address)
+    writer.write(wire.encode(wire.Chunk("dying", 0, [0], wire.checksum(data)), len(data)))
+    writer.write(data[: len(data) // 2])
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    if hang_up == "close":  # FIN, as when a process exits
+        writer.close()
+    else:  # RST
+        writer.transport.abort()
+    with pytest.raises(TransferError, match="connection lost mid-message"):
+        await asyncio.wait_for(transfer.wait(), 1.0)  # the lease is 30 s
+    assert receiver.live() == 0
+    good = receiver.expect("next", lease_s=5)
+    chunks = chunks_for("next", seed=5)
+    await send_all(sender, receiver.address, chunks)
+    await good.wait()
+    assert sink.chunks == chunks
+
+
+async def test_chunks_for_unknown_request_are_dropped(receiver, sender, sink):
+    await sender.send(receiver.address, "ghost", 0, [1], b"x" * 100)
+    await sender.finish(receiver.address, "ghost", 1)
+    await until(lambda: receiver.dropped == 2)
+    transfer = receiver.expect("real", lease_s=5)
+    chunks = chunks_for("real", seed=6)
+    await send_all(sender, receiver.address, chunks)
+    await transfer.wait()
+    assert sink.chunks == chunks
+
+
+async def test_sink_error_fails_only_its_transfer():
+    sink = Sink(raise_for="doomed")
+    rx = make_receiver("tcp", sink=sink)
+    await rx.start()
+    tx = make_sender("tcp")
+    try:
+        doomed, fine = rx.expect("doomed", lease_s=5), rx.expect("fine", lease_s=5)
+        await send_all(tx, rx.address, chunks_for("doomed", seed=7))
+        await send_all(tx, rx.address, chunks_for("fine", seed=8))
+        await fine.wait()
+        with pytest.raises(TransferError, match="sink raised RuntimeError"):
+            await doomed.wait()
+        assert rx.live() == 0
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def test_oversized_chunk_fails_its_transfer_and_is_skipped(sender):
+    sink = Sink()
+    rx = TcpReceiver(sink=sink, max_payload_bytes=1024)
+    await rx.start()
+    try:
+        big, small = rx.expect("big", lease_s=5), rx.expect("small", lease_s=5)
+        await sender.send(rx.address, "big", 0, [0], bytes(4096))
+        await sender.send(rx.address, "small", 0, [0], bytes(1024))
+        await sender.finish(rx.address, "small", 1)
+        await small.wait()
+        with pytest.raises(TransferError, match="exceeds the 1024-byte limit"):
+            await big.wait()
+    finally:
+        await rx.close()
+
+
+async def test_garbage_closes_only_that_connection(receiver, sender, sink):
+    reader, writer = await raw_connection(receiver.address)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    with contextlib.suppress(ConnectionResetError):  # hung up with our bytes unread: RST
+        assert await asyncio.wait_for(reader.read(), 1.0) == b""
+    writer.close()
+    transfer = receiver.expect("after", lease_s=5)
+    await send_all(sender, receiver.address, chunks_for("after", seed=9))
+    await transfer.wait()
+
+
+async def test_receiver_close_cancels_live_transfers(sink):
+    rx = make_receiver("tcp", sink=sink)
+    await rx.start()
+    transfer = rx.expect("r", lease_s=5)
+    await rx.close()
+    with pytest.raises(TransferError, match="receiver closed"):
+        await transfer.wait()
+    assert transfer.state is TransferState.CANCELLED and rx.live() == 0
+    with pytest.raises(RuntimeError):
+        rx.expect("again", lease_s=5)
+
+
+async def test_broken_pooled_connection_is_replaced(sender, sink):
+    first = make_receiver("tcp", sink=sink)
+    await first.start()
+    await sender.send(first.address, "nobody", 0, [0], b"warm up the pool")
+    assert sender.connections == 1
+    port = int(first.address.rsplit(":", 1)[1])
+    await first.close()
+    await until(lambda: sender.connections == 0)  # the sender saw the receiver hang up
+    second = make_receiver("tcp", port=port, sink=sink)
+    await second.start()
+    try:
+        transfer = second.expect("r", lease_s=5)
+        await send_all(sender, second.address, chunks_for("r", seed=11))
+        await transfer.wait()
+        assert sender.connections == 1
+    finally:
+        await second.close()
+
+
+async def test_sending_to_a_closed_port_raises_transfer_error(sender):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(TransferError, match="cannot connect"):
+        await sender.send(f"tcp://127.0.0.1:{port}", "r", 0, [0], b"x")
+    assert sender.connections == 0
+
+
+async def test_bad_arguments_raise_value_error(receiver, sender):
+    address = receiver.address
+    with pytest.raises(ValueError, match="layer"):
+        await sender.send(address, "r", -1, [0], b"x")
+    with pytest.raises(ValueError, match="block_ids"):
+        await sender.send(address, "r", 0, [0, "1"], b"x")
+    with pytest.raises(ValueError, match="request_id"):
+        await sender.finish(address, "", 1)
+    with pytest.raises(ValueError, match="tcp address"):
+        await sender.send("http://127.0.0.1:80", "r", 0, [0], b"x")
+    with pytest.raises(ValueError, match="lease_s"):
+        receiver.expect("r", lease_s=0)
+    receiver.expect("r", lease_s=5)
+    with pytest.raises(ValueError, match="already expected"):
+        receiver.expect("r", lease_s=5)
+    receiver.cancel("r")
+    with pytest.raises(ValueError, match="unknown transfer backend"):
+        make_sender("carrier-pigeon")
+
+
+def test_wire_round_trip_and_rejections():
+    chunk = wire.Chunk("r", 3, [7, 2], 2**64 - 1)
+    frame = wire.encode(chunk, 99)
+    kind, header_len, payload_len = wire.decode_prefix(frame[: wire.PREFIX.size])
+    assert (kind, payload_len) == (wire.Kind.CHUNK, 99)
+    assert wire.decode_header(kind, frame[wire.PREFIX.size :]) == chunk
+    assert len(frame) == wire.PREFIX.size + header_len
+    with pytest.raises(wire.WireError, match="magic"):
+        wire.decode_prefix(b"XXXX" + frame[4 : wire.PREFIX.size])
+    finish = wire.encode(wire.Finish("r", 1))
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_header(wire.Kind.CHUNK, finish[wire.PREFIX.size :])
+    assert info.value.request_id == "r"
+
+
+def test_works_under_uvloop():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario():
+        sink = Sink()
+        rx = make_receiver("tcp", sink=sink)
+        await rx.start()
+        tx = make_sender("tcp")
+        try:
+            transfer = rx.expect("u", lease_s=5)
+            chunks = chunks_for("u", seed=12, sizes=(300000, 1, 5000))
+            await send_all(tx, rx.address, chunks)
+            await transfer.wait()
+            assert sink.chunks == chunks
+            dying = rx.expect("dying", lease_s=30)
+            _, writer = await raw_connection(rx.address)
+            writer.write(wire.encode(wire.Chunk("dying", 0, [0], 0), 1000) + bytes(10))
+            await writer.drain()
+            writer.transport.abort()
+            with pytest.raises(TransferError, match="mid-message"):
+                await asyncio.wait_for(dying.wait(), 1.0)
+            await mutate_after_send_scenario(Sink())
+        finally:
+            await tx.close()
+            await rx.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
+
+
+def test_data_plane_imports_without_torch_or_numpy():
+    code = (
+        "import sys, common.transfer, common.transfer.tcp;"
+        "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30, cwd=root)
