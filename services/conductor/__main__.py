@@ -1,0 +1,5 @@
+import sys
+
+from services.conductor.server import main
+
+sys.exit(main())

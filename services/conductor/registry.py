@@ -1,0 +1,82 @@
+"""The conductor's view of the workers: who exists, how loaded, and who is alive."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MISSED_HEARTBEATS_DEAD = 3
+
+
+@dataclass(slots=True)
+class WorkerView:
+    worker_id: str
+    role: str
+    model: str
+    control_addr: str
+    kv_addr: str
+    host_id: str
+    block_size: int
+    num_blocks: int
+    fingerprint: str
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    step_time_ms: float = 0.0
+    # Decisions made since the last heartbeat, which its counters do not show yet.
+    pending_requests: int = 0
+    pending_tokens: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.running + self.waiting + self.pending_requests
+
+
+class Registry:
+    def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
+        self.interval = heartbeat_interval_s
+        self.workers: dict[str, WorkerView] = {}
+
+    def register(self, view: WorkerView) -> None:
+        known = view.worker_id in self.workers
+        view.free_blocks = view.free_blocks or view.num_blocks
+        self.workers[view.worker_id] = view
+        log.info("worker registered" if not known else "worker re-registered",
+                 worker_id=view.worker_id, role=view.role, control=view.control_addr)
+
+    def heartbeat(self, hb, now: float | None = None) -> bool:
+        """Apply a heartbeat; False if the worker is unknown (it must be rediscovered)."""
+        view = self.workers.get(hb.worker_id)
+        if view is None:
+            return False
+        if not view.alive:
+            log.info("worker back", worker_id=view.worker_id)
+        view.last_seen = time.monotonic() if now is None else now
+        view.alive = True
+        view.waiting, view.running = hb.waiting, hb.running
+        view.queued_prefill_tokens = hb.queued_prefill_tokens
+        view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
+        view.pending_requests = view.pending_tokens = 0
+        return True
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Mark workers that missed 3 heartbeats dead; returns the newly dead."""
+        now = time.monotonic() if now is None else now
+        dead = []
+        for view in self.workers.values():
+            if view.alive and now - view.last_seen > MISSED_HEARTBEATS_DEAD * self.interval:
+                view.alive = False
+                dead.append(view.worker_id)
+                log.warning("worker dead", worker_id=view.worker_id,
+                            silent_s=round(now - view.last_seen, 2))
+        return dead
+
+    def alive(self, roles: tuple[str, ...]) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.alive and w.role in roles]

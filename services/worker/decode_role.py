@@ -1,0 +1,187 @@
+"""The decode role (and unified, which is decode that always prefills itself).
+
+Lifecycle of a request on a decode worker::
+
+    Generate ──► local prefill? ── yes ──► engine queue ──► tokens 0, 1, 2, … ──► gateway
+                     │ no
+                     ▼
+        reserve blocks (reusing this worker's cached prefix), expect KV under a lease,
+        ask the prefill worker (Prefill: our data-plane address + block ids we lack)
+                     │
+        KV payloads land straight in the reserved blocks; PrefillDone brings token 0
+        (which prefill already streamed to the gateway)
+                     │
+        complete ──► engine running batch ──► tokens 1, 2, … ──► gateway
+
+If the KV is not all there within the lease, or the prefill worker fails or dies, the
+reserved blocks are released and the prompt is prefilled here; the request completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from common.protocol import Abort, Ack, Error, Generate, Prefill, Tokens
+from common.transfer import Transfer, TransferError
+from common.zmq_io import RemoteError, RpcTimeout
+from services.engine.outputs import RemoteSlots
+from services.engine.sampling_params import SamplingParams
+from services.engine.sequence import SequenceStatus
+
+if TYPE_CHECKING:
+    from services.worker.server import Worker
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Stream:
+    request_id: str
+    addr: str
+    start_position: int
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Remote:
+    slots: RemoteSlots
+    transfer: Transfer
+    prefill_addr: str
+    started: float
+
+
+class DecodeRole:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.streams: dict[str, Stream] = {}
+        self.remote: dict[str, Remote] = {}
+        self.local_fallbacks = 0
+        self.received_bytes = 0
+
+    async def handle(self, rid: str, rec: Generate):
+        w = self.worker
+        if rid in self.streams:
+            return Error("bad_request", f"request id {rid!r} is already in use")
+        try:
+            params = SamplingParams.from_dict(rec.sampling)
+        except ValueError as exc:
+            return Error("bad_request", str(exc))
+        self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position,
+                                   len(rec.prompt_token_ids))
+        try:
+            # A resumed stream (start_position > 0) prefills here: the prefill worker
+            # only ever streams position 0.
+            if rec.prefill_addr and w.settings.role == "decode" and rec.start_position == 0:
+                slots = await w.loop.call(w.engine.reserve_remote_prefill, rid,
+                                          rec.prompt_token_ids, params,
+                                          cache_salt=rec.cache_salt)
+                if slots is not None:
+                    transfer = w.receiver.expect(rid, w.settings.kv_lease_s)
+                    self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
+                                              time.monotonic())
+                    asyncio.create_task(self._remote_prefill(rid, rec))
+                    return Ack(detail="remote")
+            await w.loop.call(w.engine.add_request, rid, rec.prompt_token_ids, params,
+                              cache_salt=rec.cache_salt)
+            return Ack(detail="local")
+        except ValueError as exc:
+            self.streams.pop(rid, None)
+            return Error("bad_request", str(exc))
+
+    async def _remote_prefill(self, rid: str, rec: Generate) -> None:
+        w = self.worker
+        remote = self.remote[rid]
+        lease = w.settings.kv_lease_s
+        try:
+            reply = await w.client(rec.prefill_addr).call(Prefill(
+                prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
+                stream_addr=rec.stream_addr, kv_addr=w.receiver.address,
+                block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
+                lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt),
+                request_id=rid, timeout=lease)
+            left = lease - (time.monotonic() - remote.started)
+            await asyncio.wait_for(remote.transfer.wait(), timeout=max(left, 0.001))
+            if rid not in self.remote:  # aborted meanwhile
+                return
+            out = await w.loop.call(w.engine.complete_remote_prefill, rid,
+                                    reply.record.first_token)
+            w.metrics.kv_transfer_seconds.inc(time.monotonic() - remote.started)
+            if out.finished:
+                self._emit_finish(rid, 1, out.finish_reason, out.num_cached_tokens)
+        except (RemoteError, RpcTimeout, TransferError, TimeoutError, OSError) as exc:
+            if rid in self.remote:
+                await self._fall_back(rid, remote, str(exc) or type(exc).__name__)
+        finally:
+            self.remote.pop(rid, None)
+
+    async def _fall_back(self, rid: str, remote: Remote, reason: str) -> None:
+        w = self.worker
+        log.warning("remote prefill failed, prefilling locally", request_id=rid, reason=reason)
+        w.receiver.cancel(rid)
+        asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
+        seq = w.engine.requests.get(rid)
+        if seq is not None and seq.status is SequenceStatus.WAITING_FOR_KV:
+            self.local_fallbacks += 1
+            w.metrics.local_fallbacks.inc()
+            await w.loop.call(w.engine.cancel_remote_prefill, rid)
+
+    async def _tell_prefill_abort(self, addr: str, rid: str) -> None:
+        # The prefill worker may be gone; then there is nothing left to free there.
+        with contextlib.suppress(Exception):
+            await self.worker.client(addr).send(Abort(reason="decode gave up"), request_id=rid)
+
+    def on_kv_chunk(self, rid: str, layer: int, block_ids: list[int], payload: memoryview):
+        """Data-plane sink: write one layer's KV straight into the reserved blocks."""
+        remote = self.remote.get(rid)
+        if remote is None:
+            raise TransferError(f"no KV expected for {rid}")
+        want = remote.slots.block_ids[remote.slots.num_cached_blocks:]
+        if block_ids != want:
+            raise TransferError(f"KV for blocks {block_ids[:4]}…, reserved {want[:4]}…")
+        kv = self.worker.engine.kv_cache
+        with warnings.catch_warnings():  # a read-only buffer is fine: import copies it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+        buf = raw.view(kv.k.dtype).view(2, len(block_ids), *kv.k.shape[2:])
+        kv.import_layer(layer, block_ids, buf)
+        self.received_bytes += len(payload)
+        self.worker.metrics.kv_transfer_bytes.inc(len(payload))
+
+    def on_output(self, out) -> None:
+        stream = self.streams.get(out.request_id)
+        if stream is None:
+            return
+        position = stream.start_position + out.num_output_tokens - len(out.new_token_ids)
+        self.worker.streams.send(stream.addr, out.request_id, Tokens(
+            position=position, token_ids=list(out.new_token_ids), finished=out.finished,
+            finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
+            cached_tokens=out.num_cached_tokens, source="decode",
+            error="engine step failed" if out.finish_reason == "error" else None,
+            logprobs=self.worker.logprob_dicts(out.new_logprobs)))
+        if out.finished:
+            self.streams.pop(out.request_id, None)
+
+    def _emit_finish(self, rid: str, count: int, reason: str | None, cached: int) -> None:
+        stream = self.streams.pop(rid, None)
+        if stream is not None:
+            self.worker.streams.send(stream.addr, rid, Tokens(
+                position=stream.start_position + count, token_ids=[], finished=True,
+                finish_reason=reason, prompt_tokens=stream.prompt_tokens,
+                cached_tokens=cached, source="decode"))
+
+    async def abort(self, rid: str) -> None:
+        w = self.worker
+        self.streams.pop(rid, None)
+        remote = self.remote.pop(rid, None)
+        if remote is not None:
+            w.receiver.cancel(rid)
+            asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
+        await w.loop.call(w.engine.abort, rid)

@@ -1,0 +1,146 @@
+"""The engine on its own thread, driven from an asyncio event loop.
+
+The engine is not thread-safe, and a step can take a while; so one thread owns it.
+Calls from the event loop (add a request, abort, export KV, …) are queued and run on
+that thread between steps; each step's outputs are handed back to the event loop.
+
+    event loop ── call(fn) ──► [command queue] ──► engine thread: run commands, step, …
+    event loop ◄── on_outputs(outputs, step_seconds) ◄──────────────┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import structlog
+
+from services.engine.engine import LLMEngine
+from services.engine.outputs import RequestOutput
+
+log = structlog.get_logger(__name__)
+
+OutputHandler = Callable[[list[RequestOutput], float], None]
+
+
+class LoadSnapshot(NamedTuple):
+    """The engine's load, refreshed on the engine thread; safe to read from anywhere."""
+
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    num_requests: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_outputs: OutputHandler, *,
+                 name: str = "engine") -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.step_times: collections.deque[float] = collections.deque(maxlen=32)
+        self.last_error: str | None = None
+        self.load = self._snapshot()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join, 10)
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the engine thread; its result or exception."""
+        if self._loop is None:
+            raise RuntimeError("engine loop not started")
+        future = self._loop.create_future()
+        self._commands.put((fn, args, kwargs, future))
+        return await future
+
+    def recent_step_ms(self) -> float:
+        return 1000 * sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+
+    def _settle(self, future: asyncio.Future, result: Any = None,
+                exc: BaseException | None = None) -> None:
+        def apply() -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        self._loop.call_soon_threadsafe(apply)
+
+    def _run_command(self, item) -> None:
+        fn, args, kwargs, future = item
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller, never kills the thread
+            self._settle(future, exc=exc)
+        else:
+            self._settle(future, result)
+
+    def _snapshot(self) -> LoadSnapshot:
+        engine, sched = self.engine, self.engine.scheduler
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+        queued += sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.running
+                      if s.num_computed_tokens < s.num_prompt_tokens)
+        return LoadSnapshot(len(sched.waiting), len(sched.running), queued,
+                            engine.block_pool.num_free_blocks, engine.block_pool.num_blocks,
+                            len(engine.requests))
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self.load = self._snapshot()
+            busy = self.engine.has_unfinished_requests()
+            try:
+                item = self._commands.get(block=not busy, timeout=None if not busy else 0)
+            except queue.Empty:
+                item = False
+            if item is None:
+                break
+            if item:
+                self._run_command(item)
+                while True:  # drain everything queued before stepping again
+                    try:
+                        item = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        return
+                    self._run_command(item)
+            if not self.engine.has_unfinished_requests():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step must not take the process down
+                log.exception("engine step failed")
+                self.last_error = str(exc)
+                outputs = self._fail_all(str(exc))
+            elapsed = time.perf_counter() - start
+            self.step_times.append(elapsed)
+            if outputs:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs, elapsed)
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        """Abort every running request after a failed step, reporting each as an error."""
+        failed = []
+        for rid, seq in list(self.engine.requests.items()):
+            if self.engine.abort(rid):
+                failed.append(RequestOutput(rid, [], len(seq.output_token_ids), finished=True,
+                                            finish_reason="error",
+                                            num_prompt_tokens=seq.num_prompt_tokens))
+        return failed

@@ -1,0 +1,38 @@
+"""Prometheus metrics of a worker, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"worker": worker_id, "role": role}
+        r = self.registry
+        self.step_seconds = Histogram(
+            "pdserve:engine_step_seconds", "Duration of one engine step", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch",
+                             registry=r)
+        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                              registry=r)
+        self.kv_transfer_bytes = Counter("pdserve:kv_transfer_bytes",
+                                         "KV bytes moved over the data plane", registry=r)
+        self.kv_transfer_seconds = Counter("pdserve:kv_transfer_seconds",
+                                           "Seconds spent moving KV", registry=r)
+        self.local_fallbacks = Counter("pdserve:kv_local_fallbacks",
+                                       "Remote prefills replaced by local prefill", registry=r)
+        self.info = Gauge("pdserve:worker_info", "Worker identity", list(labels), registry=r)
+        self.info.labels(**labels).set(1)
+
+    def update_load(self, load) -> None:
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        if load.total_blocks:
+            self.kv_usage.set(1 - load.free_blocks / load.total_blocks)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)

@@ -1,0 +1,210 @@
+"""A model worker process: the engine in its role, on the control and data planes.
+
+Startup: load the model, bind the control ROUTER (and, for decode roles, the KV
+receiver), say Hello to the conductor (retrying until it answers), then heartbeat every
+second with the engine's load. Requests arrive on the control socket; tokens leave on
+PUSH sockets to the gateway named in each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+
+import structlog
+import zmq.asyncio
+
+from common.logging import configure_logging
+from common.protocol import Abort, Ack, Error, Generate, GetStats, Heartbeat, Hello, Prefill, Stats
+from common.transfer import make_receiver, make_sender
+from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_uvloop
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.worker.decode_role import DecodeRole
+from services.worker.engine_loop import EngineLoop
+from services.worker.metrics import WorkerMetrics
+from services.worker.prefill_role import PrefillRole
+from services.worker.settings import WorkerSettings
+from services.worker.streams import StreamSender
+
+log = structlog.get_logger(__name__)
+
+
+def build_engine(s: WorkerSettings) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=s.model, dtype=s.dtype, block_size=s.block_size,
+        kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
+        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        num_threads=s.num_threads or None))
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, engine: LLMEngine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.worker_id = settings.worker_id or (
+            f"{settings.role}-{settings.resolved_host_id}-{os.getpid()}")
+        self.ctx = zmq.asyncio.Context()
+        self.metrics = WorkerMetrics(self.worker_id, settings.role)
+        self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
+        self.streams = StreamSender(self.ctx)
+        self.prefill = PrefillRole(self) if settings.role == "prefill" else None
+        self.decode = DecodeRole(self) if settings.role != "prefill" else None
+        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
+        self.receiver = None
+        self.sender = make_sender(settings.transfer_backend) if self.prefill else None
+        self._clients: dict[str, RpcClient] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.registered = asyncio.Event()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop.start()
+        await self.rpc.start()
+        if self.decode is not None:
+            s = self.settings
+            self.receiver = make_receiver(s.transfer_backend, host=s.kv_host, port=s.kv_port,
+                                          sink=self.decode.on_kv_chunk)
+            await self.receiver.start()
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
+        self._tasks.append(asyncio.create_task(self._register_and_beat()))
+        log.info("worker started", worker_id=self.worker_id, role=self.settings.role,
+                 control=self.rpc.address, kv=self.kv_addr)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.rpc.close()
+        for client in self._clients.values():
+            await client.close()
+        if self.receiver is not None:
+            await self.receiver.close()
+        if self.sender is not None:
+            await self.sender.close()
+        await self.streams.close()
+        await self.loop.stop()
+        self.ctx.term()
+
+    @property
+    def kv_addr(self) -> str:
+        return self.receiver.address if self.receiver is not None else ""
+
+    def client(self, addr: str) -> RpcClient:
+        client = self._clients.get(addr)
+        if client is None:
+            client = self._clients[addr] = RpcClient(self.ctx, addr, name=self.worker_id)
+        return client
+
+    # ---- control plane ---------------------------------------------------------------
+
+    async def _handle(self, msg):
+        rec, rid = msg.record, msg.envelope.request_id
+        if isinstance(rec, GetStats):
+            return Stats(values=self.stats())
+        if not rid and isinstance(rec, Generate | Prefill | Abort):
+            return Error("bad_request", "request id missing from the envelope")
+        if isinstance(rec, Generate):
+            if self.decode is None:
+                return Error("wrong_role", f"{self.worker_id} is a prefill worker")
+            return await self.decode.handle(rid, rec)
+        if isinstance(rec, Prefill):
+            if self.prefill is None:
+                return Error("wrong_role", f"{self.worker_id} does not run remote prefills")
+            return await self.prefill.handle(rid, rec)
+        if isinstance(rec, Abort):
+            role = self.decode or self.prefill
+            await role.abort(rid)
+            return Ack(detail="aborted")
+        return Error("unsupported", f"{type(rec).__name__} is not handled by a worker")
+
+    def _on_outputs(self, outputs, step_s: float) -> None:
+        self.metrics.step_seconds.observe(step_s)
+        for out in outputs:
+            if self.prefill is not None:
+                self.prefill.on_output(out)
+            else:
+                self.decode.on_output(out)
+
+    @staticmethod
+    def logprob_dicts(logprobs) -> list[dict]:
+        return [{"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
+                 "top": [[t, v] for t, v in lp.top]} for lp in logprobs if lp is not None]
+
+    def stats(self) -> dict:
+        load = self.loop.load
+        s = self.settings
+        return {
+            "worker_id": self.worker_id, "role": s.role, "model": s.model,
+            "control_addr": self.rpc.address, "kv_addr": self.kv_addr,
+            "host_id": s.resolved_host_id, "fingerprint": self.engine.fingerprint,
+            "block_size": s.block_size, "num_blocks": load.total_blocks,
+            "free_blocks": load.free_blocks, "waiting": load.waiting, "running": load.running,
+            "num_requests": load.num_requests,
+            "live_transfers": self.receiver.live() if self.receiver is not None else 0,
+            "local_fallbacks": self.decode.local_fallbacks if self.decode else 0,
+            "kv_bytes_received": self.decode.received_bytes if self.decode else 0,
+            "kv_bytes_sent": self.prefill.sent_bytes if self.prefill else 0,
+        }
+
+    async def _register_and_beat(self) -> None:
+        s = self.settings
+        conductor = self.client(s.conductor_addr)
+        hello = Hello(worker_id=self.worker_id, role=s.role, model=s.model,
+                      control_addr=self.rpc.address, kv_addr=self.kv_addr,
+                      host_id=s.resolved_host_id, block_size=s.block_size,
+                      num_blocks=self.engine.block_pool.num_blocks,
+                      fingerprint=self.engine.fingerprint)
+        while not self.registered.is_set():
+            try:
+                await conductor.call(hello, timeout=2.0)
+                self.registered.set()
+                log.info("registered with conductor", conductor=s.conductor_addr)
+            except (RpcTimeout, Exception) as exc:  # keep trying until the conductor is up
+                log.info("conductor not answering yet", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(0.5)
+        pub = Publisher(self.ctx, s.heartbeat_addr, bind=False)
+        seq = 0
+        try:
+            while True:
+                load = self.loop.load
+                self.metrics.update_load(load)
+                await pub.publish(Heartbeat(
+                    worker_id=self.worker_id, role=s.role, seq=seq, waiting=load.waiting,
+                    running=load.running, queued_prefill_tokens=load.queued_prefill_tokens,
+                    free_blocks=load.free_blocks, total_blocks=load.total_blocks,
+                    step_time_ms=self.loop.recent_step_ms(), control_addr=self.rpc.address))
+                seq += 1
+                await asyncio.sleep(s.heartbeat_interval_s)
+        finally:
+            await pub.close()
+
+
+async def serve(settings: WorkerSettings) -> None:
+    engine = await asyncio.to_thread(build_engine, settings)
+    worker = Worker(settings, engine)
+    await worker.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await worker.close()
+
+
+def main(argv=None, role: str | None = None) -> int:
+    from common.config import load_settings
+
+    settings = load_settings(WorkerSettings, role or "worker", argv)
+    if role is not None and settings.role != role:
+        import dataclasses
+
+        settings = dataclasses.replace(settings, role=role)
+    configure_logging(settings.log_format, service=role or settings.role)
+    install_uvloop()
+    asyncio.run(serve(settings))
+    return 0

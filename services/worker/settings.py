@@ -1,0 +1,45 @@
+"""Settings of a model worker (prefill, decode or unified role)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode", "unified")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    role: str = "unified"
+    worker_id: str = ""  # empty: <role>-<host>-<pid>
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_mib: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the model's own context length
+    num_threads: int = 0  # 0: torch's default
+    control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
+    kv_host: str = "127.0.0.1"  # data plane listener (decode and unified roles)
+    kv_port: int = 0
+    transfer_backend: str = "tcp"
+    conductor_addr: str = "tcp://127.0.0.1:5551"
+    heartbeat_addr: str = "tcp://127.0.0.1:5552"
+    heartbeat_interval_s: float = 1.0
+    kv_lease_s: float = 10.0  # how long decode waits for remote KV before prefilling itself
+    metrics_port: int = 0  # 0: no /metrics endpoint
+    host_id: str = ""  # empty: this machine's hostname
+    log_format: str = "json"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_lease_s <= 0:
+            raise ValueError("kv_lease_s must be positive")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be positive")
+
+    @property
+    def resolved_host_id(self) -> str:
+        return self.host_id or socket.gethostname()
