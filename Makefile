@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint format bench clean
+.PHONY: install test lint format bench run-local clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# Gateway, conductor, one prefill and one decode worker under supervisord.
+run-local: install
+	$(PY) deploy/run_local.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,9 +1,9 @@
 """The ``pdserve`` command.
 
     pdserve generate [--model NAME] [--max-tokens N] [--temperature T] [--chat] PROMPT...
+    pdserve gateway|conductor|prefill|decode|unified [--config FILE] [--key value ...]
 
-Service subcommands (gateway, conductor, prefill, decode, cache-pool) join this entry
-point as the services land.
+Each service subcommand runs that process; ``pdserve SERVICE --help`` lists its settings.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name in SERVICES:
+        sub.add_parser(name, help=f"run the {name} process", add_help=False)
     gen = sub.add_parser("generate", help="generate text offline with the engine")
     gen.add_argument("prompt", nargs="+")
     gen.add_argument("--model", default="smollm2-135m-instruct")
@@ -49,7 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_service(name: str, argv: list[str]) -> int:
+    if name == "gateway":
+        from services.gateway.server import main as run
+        return run(argv)
+    if name == "conductor":
+        from services.conductor.server import main as run
+        return run(argv)
+    from services.worker.server import main as run
+    return run(argv, role=name)
+
+
+SERVICES = ("gateway", "conductor", "prefill", "decode", "unified")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICES:
+        return _run_service(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -44,6 +44,7 @@ class PrefillRole:
         self.worker = worker
         self.waiters: dict[str, asyncio.Future] = {}
         self.sent_bytes = 0
+        self.done = 0
 
     def on_output(self, out) -> bool:
         """Claim a finished prefill's output; False if it is not ours."""
@@ -79,6 +80,7 @@ class PrefillRole:
                 cached_tokens=out.num_cached_tokens, source="prefill",
                 logprobs=w.logprob_dicts(out.new_logprobs)))
             chunks = await self._send_kv(rid, rec)
+            self.done += 1
             return PrefillDone(first_token=first, num_chunks=chunks,
                                cached_tokens=out.num_cached_tokens)
         except (TransferError, OSError) as exc:

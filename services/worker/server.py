@@ -149,6 +149,7 @@ class Worker:
             "local_fallbacks": self.decode.local_fallbacks if self.decode else 0,
             "kv_bytes_received": self.decode.received_bytes if self.decode else 0,
             "kv_bytes_sent": self.prefill.sent_bytes if self.prefill else 0,
+            "prefills_done": self.prefill.done if self.prefill else 0,
         }
 
     async def _register_and_beat(self) -> None:

@@ -1,0 +1,92 @@
+"""Start the whole system on this machine under supervisord, and wait until it serves.
+
+    python deploy/run_local.py [--config deploy/configs/local.toml] [--timeout 300]
+
+Gateway, conductor, one prefill and one decode worker run as supervisord programs; logs
+go to a scratch directory printed at start. Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def render(template: Path, out: Path, config: Path, run_dir: Path) -> None:
+    text = template.read_text()
+    for key, value in {"@ROOT@": str(ROOT), "@PYTHON@": sys.executable,
+                       "@RUN@": str(run_dir), "@CONFIG@": str(config)}.items():
+        text = text.replace(key, value)
+    out.write_text(text)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "deploy" / "configs" / "local.toml"))
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args()
+    config = Path(args.config).resolve()
+    gateway = tomllib.loads(config.read_text())["gateway"]
+    base = f"http://{gateway.get('http_host', '127.0.0.1')}:{gateway.get('http_port', 8000)}"
+    model = gateway.get("model", "smollm2-135m-instruct")
+
+    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
+    conf = run_dir / "supervisord.conf"
+    render(ROOT / "deploy" / "supervisord.conf.in", conf, config, run_dir)
+    print(f"pdserve: starting gateway, conductor, prefill and decode (logs in {run_dir})")
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
+                            start_new_session=True)
+
+    def stop(*_):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        print("\npdserve: stopped")
+        sys.exit(0)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    deadline = time.monotonic() + args.timeout
+    while not healthy(base + "/health"):
+        if proc.poll() is not None:
+            print(f"pdserve: supervisord exited ({proc.returncode}); see {run_dir}")
+            return 1
+        if time.monotonic() > deadline:
+            print(f"pdserve: not ready after {args.timeout:.0f} s; see logs in {run_dir}")
+            stop()
+        time.sleep(1)
+    body = json.dumps({"model": model, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+    print(f"\npdserve is ready at {base}  (OpenAI API under {base}/v1)\n")
+    print(f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"       -d '{body}'\n")
+    print("Ctrl-C stops everything.")
+    proc.wait()
+    return proc.returncode or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

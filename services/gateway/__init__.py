@@ -1,0 +1,1 @@
+"""The gateway process: client APIs over a token-level generation backend."""

@@ -1,0 +1,98 @@
+"""What the gateway's front-ends need from whatever generates tokens.
+
+The HTTP and ZeroMQ front-ends speak to a ``GenerationBackend``: in production the
+routed conductor/decode-worker client, in tests a fake. A backend sees token ids only;
+text (templates, detokenization, stop strings) stays in the gateway.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids",
+                 "ignore_eos", "logprobs", "min_tokens")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One request as a backend sees it.
+
+    ``sampling`` holds exactly the keys in ``SAMPLING_KEYS`` (the fields of the engine's
+    ``SamplingParams``), already validated by the gateway. ``cache_salt`` separates
+    prefix-cache entries of different tenants.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A run of generated tokens.
+
+    ``position`` is the index of ``token_ids[0]`` in the output (0 for the first token).
+    The last event of a request has ``finished=True`` and a ``finish_reason`` in
+    ``FINISH_REASONS``; with ``"error"``, ``error`` says what went wrong.
+    ``prompt_tokens`` / ``cached_tokens`` may be 0 until known and are read from the
+    latest event that sets them. ``logprobs`` has one entry per token when requested:
+    ``{"token_id": int, "logprob": float, "top": [[id, logprob], ...]}``.
+    """
+
+    position: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class BackendOverloaded(Exception):
+    """Admission refused for now (SLO-aware rejection); retry after ``retry_after_s``."""
+
+    def __init__(self, message: str = "the server is overloaded",
+                 retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendUnavailable(Exception):
+    """No worker can take the request (none registered, all dead)."""
+
+
+class GenerationBackend(ABC):
+    """Generates tokens for requests; many requests run concurrently.
+
+    Contract:
+
+    - ``generate`` is an async generator (``async def`` with ``yield``). It yields
+      ``TokenEvent`` in position order, without gaps, and its last event has
+      ``finished=True``. Before its first event it may raise ``ValueError`` (the request
+      cannot be served as asked; HTTP 400), ``BackendOverloaded`` (429) or
+      ``BackendUnavailable`` (503). A failure after the first event is reported as a
+      finished event with ``finish_reason="error"``, not raised.
+    - Closing the generator early (``aclose``) means the consumer lost interest; the
+      gateway also calls ``abort``. ``abort`` of an unknown or finished request is a
+      no-op, and it never raises for that reason.
+    - ``ready`` is True when a request sent now could be served.
+    """
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Start ``request``; iterate the result for its tokens."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` and free what it holds."""
+
+    @abstractmethod
+    async def ready(self) -> bool:
+        """Whether the backend can take requests now."""

@@ -1,0 +1,193 @@
+"""The gateway's way to the cluster: route with the conductor, generate on a decode worker,
+and gather the token stream that prefill (position 0) and decode (1, 2, …) push back.
+
+Tokens of one request come from two processes over two sockets, so they may arrive out
+of order; they are released strictly by position. A position seen twice (a decode worker
+that fell back to local prefill re-sends token 0) is released once.
+
+If a decode worker goes quiet and the conductor no longer lists it alive, the request is
+re-routed to another decode worker with the prompt plus the tokens already streamed, and
+the client's stream continues from where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import structlog
+import zmq.asyncio
+
+from common.protocol import Abort, Generate, GetStats, Route, Tokens
+from common.zmq_io import PullSocket, RemoteError, RpcClient, RpcTimeout
+from services.gateway.backend import (
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationRequest,
+    TokenEvent,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class ClusterBackend(GenerationBackend):
+    def __init__(self, ctx: zmq.asyncio.Context, conductor_addr: str, stream_bind: str,
+                 model: str, *, stream_advertise: str = "", rpc_timeout_s: float = 10.0,
+                 stall_check_s: float = 2.0, max_reroutes: int = 2) -> None:
+        self.ctx = ctx
+        self.model = model
+        self.conductor = RpcClient(ctx, conductor_addr, name="gateway")
+        self.pull = PullSocket(ctx, stream_bind, bind=True)
+        self._advertise = stream_advertise
+        self.rpc_timeout_s = rpc_timeout_s
+        self.stall_check_s = stall_check_s
+        self.max_reroutes = max_reroutes
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.decoders: dict[str, str] = {}  # request id → decode worker control address
+        self._clients: dict[str, RpcClient] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def stream_addr(self) -> str:
+        return self._advertise or self.pull.address
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._dispatch())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for client in self._clients.values():
+            await client.close()
+        await self.conductor.close()
+        await self.pull.close()
+
+    def _client(self, addr: str) -> RpcClient:
+        client = self._clients.get(addr)
+        if client is None:
+            client = self._clients[addr] = RpcClient(self.ctx, addr, name="gateway")
+        return client
+
+    async def _dispatch(self) -> None:
+        while True:
+            msg = await self.pull.recv()
+            rid = msg.envelope.request_id
+            q = self.queues.get(rid) if rid else None
+            if q is not None and isinstance(msg.record, Tokens):
+                q.put_nowait(msg.record)
+
+    async def ready(self) -> bool:
+        try:
+            reply = await self.conductor.call(GetStats(), timeout=2.0)
+        except (RpcTimeout, RemoteError):
+            return False
+        workers = reply.record.values.get("workers", [])
+        return any(w["alive"] and w["role"] in ("decode", "unified") for w in workers)
+
+    async def _decode_alive(self, worker_id: str) -> bool:
+        try:
+            reply = await self.conductor.call(GetStats(), timeout=2.0)
+        except (RpcTimeout, RemoteError):
+            return True  # cannot tell: keep waiting rather than duplicate work
+        return any(w["worker_id"] == worker_id and w["alive"]
+                   for w in reply.record.values.get("workers", []))
+
+    async def _start(self, req: GenerationRequest, generated: list[int],
+                     exclude: list[str]) -> str:
+        """Route and submit; returns the decode worker id."""
+        prompt = req.prompt_token_ids + generated
+        sampling = dict(req.sampling)
+        if generated:
+            sampling["max_tokens"] = sampling.get("max_tokens", 16) - len(generated)
+            sampling["min_tokens"] = max(0, sampling.get("min_tokens", 0) - len(generated))
+        try:
+            route = (await self.conductor.call(
+                Route(model=self.model, prompt_len=len(prompt), exclude=exclude),
+                request_id=req.request_id, timeout=self.rpc_timeout_s)).record
+        except RemoteError as exc:
+            raise BackendUnavailable(exc.message) from exc
+        except RpcTimeout as exc:
+            raise BackendUnavailable("the conductor did not answer") from exc
+        self.decoders[req.request_id] = route.decode_addr
+        try:
+            await self._client(route.decode_addr).call(Generate(
+                prompt_token_ids=prompt, sampling=sampling, stream_addr=self.stream_addr,
+                prefill_id=route.prefill_id, prefill_addr=route.prefill_addr,
+                cache_salt=req.cache_salt, start_position=len(generated)),
+                request_id=req.request_id, timeout=self.rpc_timeout_s)
+        except RemoteError as exc:
+            if exc.code == "bad_request":
+                raise ValueError(exc.message) from exc
+            raise BackendUnavailable(exc.message) from exc
+        except RpcTimeout as exc:
+            raise BackendUnavailable(f"decode worker {route.decode_id} did not answer") from exc
+        return route.decode_id
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        rid = request.request_id
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = q
+        generated: list[int] = []
+        pending: dict[int, Tokens] = {}
+        exclude: list[str] = []
+        try:
+            decode_id = await self._start(request, generated, exclude)
+            while True:
+                try:
+                    tokens = await asyncio.wait_for(q.get(), timeout=self.stall_check_s)
+                except TimeoutError:
+                    if await self._decode_alive(decode_id) or len(exclude) >= self.max_reroutes:
+                        continue
+                    log.warning("decode worker lost, re-routing", request_id=rid,
+                                worker_id=decode_id, tokens_so_far=len(generated))
+                    exclude.append(decode_id)
+                    pending.clear()
+                    decode_id = await self._start(request, generated, exclude)
+                    continue
+                pending[tokens.position] = tokens
+                for event in _release(pending, generated):
+                    yield event
+                    if event.finished:
+                        return
+        finally:
+            self.queues.pop(rid, None)
+            self.decoders.pop(rid, None)
+
+    async def abort(self, request_id: str) -> None:
+        addr = self.decoders.get(request_id)
+        if addr is None:
+            return
+        try:
+            await self._client(addr).call(Abort(reason="client"), request_id=request_id,
+                                          timeout=self.rpc_timeout_s)
+        except (RemoteError, RpcTimeout) as exc:
+            log.warning("abort not confirmed", request_id=request_id, error=str(exc))
+
+
+def _release(pending: dict[int, Tokens], generated: list[int]):
+    """Yield the events that continue the stream at ``len(generated)``, in order."""
+    while True:
+        nxt = len(generated)
+        stale = [p for p in pending if p < nxt]
+        for p in stale:  # overlapping or repeated positions: keep only the new tail
+            t = pending.pop(p)
+            if p + len(t.token_ids) > nxt or (t.finished and p + len(t.token_ids) >= nxt):
+                pending[nxt] = _tail(t, nxt - p)
+        t = pending.pop(nxt, None)
+        if t is None:
+            return
+        generated.extend(t.token_ids)
+        yield TokenEvent(position=nxt, token_ids=list(t.token_ids), finished=t.finished,
+                         finish_reason=t.finish_reason, prompt_tokens=t.prompt_tokens,
+                         cached_tokens=t.cached_tokens, error=t.error,
+                         logprobs=list(t.logprobs))
+        if t.finished:
+            return
+
+
+def _tail(t: Tokens, skip: int) -> Tokens:
+    return Tokens(position=t.position + skip, token_ids=list(t.token_ids[skip:]),
+                  finished=t.finished, finish_reason=t.finish_reason,
+                  prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
+                  source=t.source, error=t.error, logprobs=list(t.logprobs[skip:]))

@@ -1,0 +1,294 @@
+"""The gateway's OpenAI-compatible HTTP API over a ``GenerationBackend``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
+streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. One request::
+
+    auth -> JSON body -> model -> prompt ids (chat template for chat) -> prepare()
+    -> backend.generate() -> first event (admission errors become HTTP statuses)
+    -> stream: SSE chunks ... data: [DONE]    or    non-stream: one JSON object
+
+Errors are OpenAI bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for a
+malformed request (FastAPI's 422 included), 401 bad API key, 404 unknown model, 429
+``BackendOverloaded`` (with Retry-After), 503 ``BackendUnavailable``, 504 timeout, 500
+backend failure. Once a stream has started, a failure is sent as an ``error`` event
+followed by ``[DONE]``. A request that ends early for any reason (client disconnect,
+timeout, shutdown) is aborted in the backend exactly once; a streaming request notices a
+disconnect at once, a non-streaming one within ``_DISCONNECT_POLL_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+
+from common.tokenizer import TextTokenizer
+from services.gateway import openai_format as fmt
+from services.gateway.backend import (
+    BackendOverloaded,
+    BackendUnavailable,
+    GenerationBackend,
+    GenerationRequest,
+)
+from services.gateway.metrics import GatewayMetrics, RequestTracker
+from services.gateway.openai_format import ApiError, timeout_error
+from services.gateway.pipeline import (
+    PreparedRequest,
+    RequestError,
+    RequestPipeline,
+    TextDelta,
+    get_field,
+)
+
+log = structlog.get_logger(__name__)
+_ABORT_TIMEOUT_S = 5.0
+_DISCONNECT_POLL_S = 0.5
+
+
+class _Run:
+    """One request in the backend: deltas under a deadline, abort on early close."""
+
+    def __init__(self, backend: GenerationBackend, pipeline: RequestPipeline,
+                 prepared: PreparedRequest, request_id: str, tracker: RequestTracker,
+                 timeout_s: float) -> None:
+        self.backend, self.request_id, self.tracker = backend, request_id, tracker
+        self.finished = False
+        self.completion_tokens = 0
+        self.prompt_tokens = len(prepared.prompt_token_ids)
+        self._deadline = asyncio.get_running_loop().time() + timeout_s
+        request = GenerationRequest(request_id, prepared.prompt_token_ids, prepared.sampling,
+                                    prepared.cache_salt)
+        self._deltas = pipeline.stream(prepared, backend.generate(request),
+                                       on_stop=lambda: backend.abort(request_id))
+
+    async def next(self) -> TextDelta:
+        """The next delta; ``TimeoutError`` past the request's deadline."""
+        async with asyncio.timeout_at(self._deadline):
+            delta = await anext(self._deltas)
+        self.completion_tokens += len(delta.token_ids)
+        self.tracker.tokens(len(delta.token_ids))
+        if delta.finished:
+            self.finished = True
+            usage = delta.usage or {}
+            self.tracker.finish(delta.finish_reason or "stop",
+                                usage.get("prompt_tokens", self.prompt_tokens),
+                                usage.get("completion_tokens", self.completion_tokens))
+        return delta
+
+    async def close(self) -> None:
+        """Abort the backend request unless it finished; release the stream. Idempotent."""
+        with anyio.CancelScope(shield=True):
+            if not self.finished:
+                self.finished = True
+                self.tracker.finish("abort", self.prompt_tokens, self.completion_tokens)
+                with anyio.move_on_after(_ABORT_TIMEOUT_S):
+                    await self.backend.abort(self.request_id)
+            try:
+                await self._deltas.aclose()
+            except RuntimeError:  # still running in a task that is being torn down
+                log.warning("stream_close_failed", request_id=self.request_id)
+
+    async def first(self) -> TextDelta:
+        """The first delta, with admission failures mapped to HTTP errors."""
+        try:
+            return await self.next()
+        except (BackendOverloaded, BackendUnavailable, ValueError) as exc:
+            self.finished = True  # refused by the backend: nothing to abort
+            await self.close()
+            raise fmt.admission_error(exc) from exc
+        except TimeoutError as exc:
+            await self.close()
+            raise timeout_error() from exc
+        except BaseException:
+            await self.close()
+            raise
+
+
+async def _collect(run: _Run, first: TextDelta, request: Request) -> list[TextDelta] | None:
+    """Every delta of a non-streaming request, or None if the client disconnected first
+    (checked every ``_DISCONNECT_POLL_S``). The run is closed (aborted if unfinished)."""
+    deltas = [first]
+
+    async def rest() -> None:
+        while not deltas[-1].finished:
+            deltas.append(await run.next())
+
+    task = asyncio.ensure_future(rest())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                return None
+        task.result()  # raises what the run raised, e.g. TimeoutError
+        return deltas
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        await run.close()
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that closes its run however the stream ends, including
+    when Starlette cancels it because the client went away."""
+
+    def __init__(self, content: AsyncIterator[str], run: _Run, headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._run.close()
+
+
+def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_name: str,
+               max_model_len: int, api_keys: Sequence[str] = (), request_timeout_s: float = 600,
+               metrics_registry: CollectorRegistry | None = None) -> FastAPI:
+    """The HTTP app serving ``model_name`` from ``backend``.
+
+    ``api_keys``: when non-empty, ``/v1/*`` requires ``Authorization: Bearer <key>``
+    with one of them; ``/health`` and ``/metrics`` stay open. ``request_timeout_s``
+    bounds a request from arrival to its last token.
+    """
+    pipeline = RequestPipeline(tokenizer, max_model_len)
+    metrics = GatewayMetrics(metrics_registry)
+    keys = [k.encode() for k in api_keys]
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return ApiError(400, str(exc), param=exc.param).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(400, f"invalid request: {exc.errors()}").response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request_failed")
+        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+
+    def authorize(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        token = given.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in keys):
+            raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+
+    async def read_body(request: Request) -> dict[str, Any]:
+        authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "model is required and must be a string", param="model")
+        if model != model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{model_name!r}", param="model", code="model_not_found")
+        return body
+
+    def request_id_for(request: Request, prefix: str) -> str:
+        given = request.headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not 0 < len(given) <= 128 or not given.isprintable():
+            raise ApiError(400, "X-Request-Id must be 1 to 128 printable characters")
+        return given
+
+    async def serve(request: Request, body: dict[str, Any], prepared: PreparedRequest,
+                    chat: bool) -> Response:
+        stream = get_field(body, "stream", bool, False)
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or not stream):
+            raise RequestError("stream_options must be an object, and only with stream=true",
+                               "stream_options")
+        include_usage = get_field(options or {}, "include_usage", bool, False)
+        request_id = request_id_for(request, "chatcmpl" if chat else "cmpl")
+        writer = fmt.ResponseWriter(tokenizer, chat=chat, request_id=request_id,
+                                    model=model_name)
+        run = _Run(backend, pipeline, prepared, request_id, metrics.track(), request_timeout_s)
+        first = await run.first()
+        headers = {"X-Request-Id": request_id}
+        if stream:
+            events = fmt.sse_stream(writer, first, run.next, include_usage)
+            return _SSEResponse(events, run, headers)
+        try:
+            deltas = await _collect(run, first, request)
+        except TimeoutError as exc:
+            raise timeout_error() from exc
+        if deltas is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        if deltas[-1].finish_reason == "error":
+            raise ApiError(500, deltas[-1].error or "generation failed", "server_error")
+        return JSONResponse(writer.final(deltas), headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request)
+        fmt.reject_unsupported(body, chat=False)
+        prompt = fmt.completion_prompt(body, tokenizer)
+        return await serve(request, body, pipeline.prepare(body, prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request)
+        fmt.reject_unsupported(body, chat=True)
+        messages = fmt.chat_messages(body)
+        add_generation_prompt = get_field(body, "add_generation_prompt", bool, True)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except ValueError as exc:
+            raise RequestError(str(exc), "messages") from exc
+        # The template wrote the special tokens it wants; transformers encodes it the same way.
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        return await serve(request, body, pipeline.prepare(body, prompt, chat=True), chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve",
+                                            "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            ok = await backend.ready()
+        except Exception:
+            log.exception("health_check_failed")
+            ok = False
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,161 @@
+"""Real pdserve processes on localhost for system tests: start, wait, inspect, stop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from common.protocol import GetStats, decode, encode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_served_tiny_model(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with the default model's vocabulary and tokenizer files."""
+    from services.engine.tokenizer_export import tokenizer_dir_for
+    from services.engine.weights import DEFAULT_MODEL
+    from tests.tiny_models import make_tiny_model
+
+    make_tiny_model(path, "llama", seed=seed, vocab_size=49152, max_position_embeddings=1024,
+                    eos_token_id=2)
+    for f in Path(tokenizer_dir_for(DEFAULT_MODEL)).iterdir():
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def stats(addr: str, timeout_s: float = 5.0) -> dict:
+    """Ask a worker or the conductor for its Stats (a blocking DEALER call)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    try:
+        sock.send_multipart(encode(GetStats()))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no stats from {addr}")
+        return decode(sock.recv_multipart()).record.values
+    finally:
+        sock.close(0)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    control: str = ""
+
+    def tail(self, n: int = 40) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return "\n".join(lines[-n:])
+
+
+@dataclass
+class Cluster:
+    """gateway + conductor + workers as subprocesses; ``roles`` like ["prefill", "decode"]."""
+
+    model: str
+    workdir: Path
+    roles: list[str]
+    dtype: str = "float32"
+    disagg_threshold: int = 16
+    kv_lease_s: float = 10.0
+    kv_cache_mib: int = 64
+    max_model_len: int = 0
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.http_port = free_port()
+        self.zmq_addr = f"tcp://127.0.0.1:{free_port()}"
+        self.conductor_addr = f"tcp://127.0.0.1:{free_port()}"
+        self.heartbeat_addr = f"tcp://127.0.0.1:{free_port()}"
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+
+    def _spawn(self, name: str, args: list[str], control: str = "") -> Proc:
+        log = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_FORMAT": "console"}
+        popen = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env,
+                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
+        proc = self.procs[name] = Proc(name, popen, log, control)
+        return proc
+
+    def start_worker(self, name: str, role: str) -> Proc:
+        control = f"tcp://127.0.0.1:{free_port()}"
+        return self._spawn(name, [
+            f"services.{role}", "--worker-id", name, "--model", self.model,
+            "--dtype", self.dtype, "--control-addr", control,
+            "--conductor-addr", self.conductor_addr, "--heartbeat-addr", self.heartbeat_addr,
+            "--kv-cache-mib", str(self.kv_cache_mib), "--kv-lease-s", str(self.kv_lease_s),
+            "--num-threads", "1", "--max-model-len", str(self.max_model_len)], control)
+
+    def start(self, timeout_s: float = 120.0) -> Cluster:
+        self._spawn("conductor", [
+            "services.conductor", "--control-addr", self.conductor_addr,
+            "--heartbeat-addr", self.heartbeat_addr,
+            "--disagg-threshold", str(self.disagg_threshold)], self.conductor_addr)
+        for i, role in enumerate(self.roles):
+            self.start_worker(f"{role}-{i}", role)
+        self._spawn("gateway", [
+            "services.gateway", "--model", self.model, "--http-port", str(self.http_port),
+            "--zmq-addr", self.zmq_addr, "--conductor-addr", self.conductor_addr,
+            "--stream-bind", f"tcp://127.0.0.1:{free_port()}",
+            "--request-timeout-s", "120"])
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        want = {n for n in self.procs if n not in ("conductor", "gateway")}
+        while time.monotonic() < deadline:
+            for proc in self.procs.values():
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+            try:
+                alive = {w["worker_id"] for w in stats(self.conductor_addr, 1)["workers"]
+                         if w["alive"]}
+                with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
+                    if r.status == 200 and want <= alive:
+                        return
+            except (OSError, TimeoutError, KeyError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("cluster not ready:\n" + "\n".join(
+            f"--- {p.name}\n{p.tail(15)}" for p in self.procs.values()))
+
+    def worker_stats(self, name: str) -> dict:
+        return stats(self.procs[name].control)
+
+    def conductor_workers(self) -> dict[str, dict]:
+        return {w["worker_id"]: w for w in stats(self.conductor_addr)["workers"]}
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].popen.send_signal(sig)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGCONT)
+                proc.popen.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()

@@ -1,0 +1,249 @@
+"""The whole system as real processes on localhost: gateway, conductor, prefill, decode.
+
+A tiny random model with the default model's vocabulary and tokenizer keeps it fast;
+outputs are compared token for token against the offline engine on the same weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from common.client import Client, GenerationError
+from services.engine.config import EngineConfig
+from services.engine.sampling_params import SamplingParams
+from tests.cluster import Cluster, make_served_tiny_model
+from tests.tiny_models import random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_served_tiny_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def disagg(model_dir, tmp_path_factory):
+    cluster = Cluster(str(model_dir), tmp_path_factory.mktemp("disagg"), ["prefill", "decode"])
+    yield cluster.start()
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir, tmp_path_factory):
+    cluster = Cluster(str(model_dir), tmp_path_factory.mktemp("colo"), ["unified"])
+    yield cluster.start()
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([3, 17, 40, 64, 90, 120, 9, 33, 55, 77, 18, 26, 130, 48, 70, 100],
+                          vocab=49152, seed=21)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir, prompts):
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_bytes=64 << 20))
+    done = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True))
+    return [c.token_ids for c in done]
+
+
+def sdk_tokens(cluster: Cluster, prompts: list[list[int]]) -> list[list[int]]:
+    def one(prompt):
+        with Client(cluster.zmq_addr, timeout_s=120) as client:
+            return client.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS,
+                                   temperature=0, ignore_eos=True).token_ids
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(one, prompts))
+
+
+def wait_idle(cluster: Cluster, names: list[str], timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {n: cluster.worker_stats(n) for n in names}
+        if all(s["num_requests"] == 0 and s["free_blocks"] == s["num_blocks"]
+               for s in stats.values()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers not idle: {stats}")
+        time.sleep(0.1)
+
+
+def test_disaggregated_equals_colocated_equals_offline(disagg, colocated, prompts, offline):
+    before = disagg.worker_stats("prefill-0")
+    got_disagg = sdk_tokens(disagg, prompts)
+    got_colo = sdk_tokens(colocated, prompts)
+    assert got_disagg == offline
+    assert got_colo == offline
+    stats = wait_idle(disagg, ["prefill-0", "decode-1"])
+    # Prompts of >= 16 tokens went through the prefill worker: their KV crossed over.
+    remote = sum(len(p) >= disagg.disagg_threshold for p in prompts)
+    assert stats["prefill-0"]["prefills_done"] - before["prefills_done"] == remote
+    assert stats["decode-1"]["kv_bytes_received"] > 0
+    assert stats["decode-1"]["local_fallbacks"] == 0
+
+
+def test_streaming_positions_in_order_first_token_from_prefill(disagg, prompts, offline):
+    before = disagg.worker_stats("prefill-0")["prefills_done"]
+    with Client(disagg.zmq_addr, timeout_s=60) as client:
+        chunks = list(client.stream(prompt_token_ids=prompts[5], max_tokens=MAX_TOKENS,
+                                    temperature=0, ignore_eos=True))
+    positions = [c.position for c in chunks if c.token_ids]
+    ids = [t for c in chunks for t in c.token_ids]
+    assert ids == offline[5]
+    assert positions == sorted(positions) and positions[0] == 0
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage["completion_tokens"] == MAX_TOKENS
+    assert disagg.worker_stats("prefill-0")["prefills_done"] == before + 1
+
+
+def test_openai_client_chat_and_completions(disagg):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=disagg.base_url + "/v1", api_key="none")
+    model = disagg.model
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=8, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= chat.usage.completion_tokens <= 8
+    streamed = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=8, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    comp = client.completions.create(model=model, prompt="Once upon a time", max_tokens=10,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert comp.usage.completion_tokens == 10
+    pieces = client.completions.create(model=model, prompt="Once upon a time", max_tokens=10,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in pieces) == comp.choices[0].text
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_sdk_abort_and_client_disconnect_free_blocks(disagg, prompts):
+    with Client(disagg.zmq_addr, timeout_s=60) as client:
+        stream = client.stream(prompt_token_ids=prompts[12], max_tokens=500, ignore_eos=True)
+        got = [next(stream) for _ in range(3)]
+        assert [c.position for c in got if c.token_ids][:1] == [0]
+        stream.close()  # abandons the request: the SDK sends Abort
+    wait_idle(disagg, ["prefill-0", "decode-1"])
+    body = {"model": disagg.model, "prompt": prompts[13], "max_tokens": 500,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, \
+            http.stream("POST", disagg.base_url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        seen = [line for line, _ in zip(lines, range(4), strict=False) if line]
+        assert seen and seen[0].startswith("data: ")
+    wait_idle(disagg, ["prefill-0", "decode-1"])
+
+
+@pytest.mark.parametrize("body, status", [
+    ("{not json", 400),
+    ({"model": "M", "prompt": "hi", "max_tokens": "ten"}, 400),
+    ({"model": "other-model", "prompt": "hi"}, 404),
+    ({"model": "M", "prompt": [5] * 1024}, 400),
+    ({"model": "M", "prompt": "hi", "max_tokens": 5000}, 400),
+])
+def test_bad_http_input_gets_openai_errors(disagg, body, status):
+    if isinstance(body, dict) and body["model"] == "M":
+        body = {**body, "model": disagg.model}
+    data = body if isinstance(body, str) else json.dumps(body)
+    resp = httpx.post(disagg.base_url + "/v1/completions", content=data,
+                      headers={"Content-Type": "application/json"}, timeout=30)
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert err["message"] and "type" in err
+    ok = httpx.post(disagg.base_url + "/v1/completions", timeout=30, json={
+        "model": disagg.model, "prompt": "hello", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_malformed_frames_get_error_replies_and_processes_keep_serving(disagg, prompts):
+    import zmq
+
+    from common.protocol import decode
+
+    ctx = zmq.Context.instance()
+    targets = [disagg.conductor_addr, disagg.procs["prefill-0"].control,
+               disagg.procs["decode-1"].control, disagg.zmq_addr]
+    for addr in targets:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        for garbage in ([b"\xc1\xff\x00"], [b"\x81\xa1v\x01"]):
+            sock.send_multipart(garbage)
+            assert sock.poll(5000), f"no reply from {addr}"
+            reply = decode(sock.recv_multipart()).record
+            assert type(reply).__name__ == "Error" and reply.code == "malformed"
+        sock.close(0)
+    assert sdk_tokens(disagg, prompts[:2])[0]  # still serving
+
+
+def test_sdk_errors_are_clear(disagg):
+    with Client(disagg.zmq_addr, timeout_s=30) as client, \
+            pytest.raises(GenerationError, match="max_tokens"):
+        client.generate("hello", max_tokens=0)
+
+
+def test_kv_lease_expiry_falls_back_to_local_prefill(model_dir, tmp_path, prompts, offline):
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], kv_lease_s=1.5)
+    cluster.start()
+    try:
+        cluster.signal("prefill-0", signal.SIGSTOP)  # alive to the OS, silent to everyone
+        start = time.monotonic()
+        got = sdk_tokens(cluster, [prompts[4]])
+        assert got == [offline[4]]
+        assert time.monotonic() - start < 1.5 + 5
+        assert cluster.worker_stats("decode-1")["local_fallbacks"] == 1
+        cluster.signal("prefill-0", signal.SIGCONT)
+        wait_idle(cluster, ["decode-1"])
+    finally:
+        cluster.stop()
+
+
+def test_killed_worker_is_marked_dead_and_routed_around(model_dir, tmp_path, prompts, offline):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"])
+    cluster.start()
+    try:
+        cluster.procs["unified-0"].popen.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while cluster.conductor_workers()["unified-0"]["alive"]:
+            assert time.monotonic() - killed < 4.5, "not marked dead in time"
+            time.sleep(0.05)
+        assert time.monotonic() - killed <= 3.0 + 1.0
+        assert sdk_tokens(cluster, prompts[:6]) == offline[:6]
+        assert cluster.conductor_workers()["unified-1"]["alive"]
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+def test_default_model_over_http_answers_paris(tmp_path):
+    from services.engine.weights import DEFAULT_MODEL
+
+    cluster = Cluster(DEFAULT_MODEL, tmp_path, ["prefill", "decode"], kv_cache_mib=256)
+    cluster.start(timeout_s=240)
+    try:
+        resp = httpx.post(cluster.base_url + "/v1/chat/completions", timeout=120, json={
+            "model": DEFAULT_MODEL, "temperature": 0, "max_tokens": 24,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert resp.status_code == 200, resp.text
+        assert "Paris" in resp.json()["choices"][0]["message"]["content"]
+        assert cluster.worker_stats("prefill-0")["prefills_done"] == 1  # 37 tokens >= 16
+    finally:
+        cluster.stop()
