@@ -247,3 +247,31 @@ def test_default_model_over_http_answers_paris(tmp_path):
         assert cluster.worker_stats("prefill-0")["prefills_done"] == 1  # 37 tokens >= 16
     finally:
         cluster.stop()
+
+
+def test_decode_worker_death_mid_stream_continues_on_another(model_dir, tmp_path):
+    from services.engine.engine import LLMEngine
+
+    prompt = random_prompts([40], vocab=49152, seed=33)[0]
+    n = 600
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float64",
+                                    kv_cache_bytes=64 << 20))
+    want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n,
+                                                    ignore_eos=True))[0].token_ids
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64")
+    cluster.start()
+    try:
+        with Client(cluster.zmq_addr, timeout_s=60) as client:
+            stream = client.stream(prompt_token_ids=prompt, max_tokens=n, temperature=0,
+                                   ignore_eos=True)
+            chunks = [next(stream)]
+            # Both workers idle: least-loaded breaks the tie by id, so unified-0 has it.
+            cluster.signal("unified-0", signal.SIGSTOP)
+            cluster.signal("unified-0", signal.SIGKILL)
+            chunks += list(stream)
+        ids = [t for c in chunks for t in c.token_ids]
+        assert len(ids) == n and ids == want
+        assert chunks[-1].finish_reason == "length"
+        assert "re-routing" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
