@@ -24,11 +24,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def render(template: Path, out: Path, config: Path, run_dir: Path) -> None:
-    text = template.read_text()
-    for key, value in {"@ROOT@": str(ROOT), "@PYTHON@": sys.executable,
-                       "@RUN@": str(run_dir), "@CONFIG@": str(config)}.items():
-        text = text.replace(key, value)
+# Start order: the conductor first, workers next, the gateway last.
+SERVICES = {"conductor": 10, "prefill": 20, "decode": 20, "unified": 20, "gateway": 30}
+
+
+def render(template: Path, out: Path, config: Path, run_dir: Path, sections: list[str]) -> None:
+    """supervisord config: the template's header plus one program per service section."""
+    text = template.read_text().replace("@RUN@", str(run_dir))
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("; "))
+    for name in sections:
+        text += (f"\n[program:{name}]\ncommand={sys.executable} -m services.{name}\n"
+                 f"directory={ROOT}\nenvironment=PDSERVE_CONFIG=\"{config}\"\n"
+                 f"priority={SERVICES[name]}\nautorestart=true\nstopasgroup=true\n"
+                 f"redirect_stderr=true\nstdout_logfile={run_dir}/{name}.log\n")
     out.write_text(text)
 
 
@@ -46,14 +54,19 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args()
     config = Path(args.config).resolve()
-    gateway = tomllib.loads(config.read_text())["gateway"]
+    table = tomllib.loads(config.read_text())
+    sections = [name for name in SERVICES if name in table]
+    if "gateway" not in sections or "conductor" not in sections:
+        print(f"pdserve: {config} needs [conductor] and [gateway] sections")
+        return 2
+    gateway = table["gateway"]
     base = f"http://{gateway.get('http_host', '127.0.0.1')}:{gateway.get('http_port', 8000)}"
     model = gateway.get("model", "smollm2-135m-instruct")
 
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     conf = run_dir / "supervisord.conf"
-    render(ROOT / "deploy" / "supervisord.conf.in", conf, config, run_dir)
-    print(f"pdserve: starting gateway, conductor, prefill and decode (logs in {run_dir})")
+    render(ROOT / "deploy" / "supervisord.conf.in", conf, config, run_dir, sections)
+    print(f"pdserve: starting {', '.join(sections)} (logs in {run_dir})")
     proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
                             start_new_session=True)
 

@@ -112,3 +112,16 @@ def test_bad_engine_config(tiny_dirs, kwargs, field):
 
     with pytest.raises(ValueError, match=field):
         LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), **kwargs))
+
+
+def test_queue_time_reported_on_first_token_only(tiny_dirs, make_engine):
+    engine = make_engine(tiny_dirs["llama"], max_num_seqs=1)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3))
+    engine.add_request("b", [5, 6, 8], SamplingParams(max_tokens=3))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    first = {o.request_id: o for o in reversed(outs)}  # earliest output of each
+    assert [o.queue_time_s is not None for o in outs] == [
+        o.num_output_tokens == 1 for o in outs]
+    assert first["b"].queue_time_s > first["a"].queue_time_s >= 0  # b waited for a

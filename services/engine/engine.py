@@ -171,6 +171,8 @@ class LLMEngine:
         out = RequestOutput(seq.request_id, [token], len(seq.output_token_ids),
                             num_prompt_tokens=seq.num_prompt_tokens,
                             num_cached_tokens=seq.num_cached_tokens, new_logprobs=[logprobs])
+        if len(seq.output_token_ids) == 1 and seq.scheduled_time is not None:
+            out.queue_time_s = seq.scheduled_time - seq.arrival_time
         if reason is not None:
             if seq.status is SequenceStatus.RUNNING:
                 self.scheduler.remove(seq)

@@ -20,6 +20,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    queue_time_s: float | None = None  # set on a request's first token only
 
 
 class Completion(NamedTuple):

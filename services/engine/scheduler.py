@@ -12,6 +12,7 @@ at the front of the queue to be recomputed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -103,6 +104,8 @@ class Scheduler:
                 seq.num_cached_tokens = start
             seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -24,6 +24,7 @@ class Sequence:
     sampling: SamplingState
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted to the running batch
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full, computed blocks

@@ -14,6 +14,10 @@ class WorkerMetrics:
             "pdserve:engine_step_seconds", "Duration of one engine step", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
+        self.queue_time = Histogram(
+            "pdserve:request_queue_time_seconds", "Time from arrival to first scheduling",
+            registry=r, buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch",
                              registry=r)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests queued", registry=r)

@@ -125,6 +125,8 @@ class Worker:
     def _on_outputs(self, outputs, step_s: float) -> None:
         self.metrics.step_seconds.observe(step_s)
         for out in outputs:
+            if out.queue_time_s is not None:
+                self.metrics.queue_time.observe(out.queue_time_s)
             if self.prefill is not None:
                 self.prefill.on_output(out)
             else:
