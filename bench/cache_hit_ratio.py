@@ -1,0 +1,154 @@
+"""Prefix hit ratio of the cache pool's eviction policies on the Mooncake conversation trace.
+
+    python bench/cache_hit_ratio.py [--trace PATH] [--fractions 0.01 0.05 0.2]
+
+Each trace line is a request whose ``hash_ids`` is its chain of 512-token prefix blocks
+(same id = same content). The replay drives the policy objects of
+``services.cache_pool.eviction`` directly with unit-size blocks, through a cache of C
+blocks, C a fraction of the trace's unique blocks. Per request, in arrival order:
+
+1. count hits: block i is a hit iff it is cached on arrival and blocks 0..i-1 of this
+   request were hits (prefix semantics: a cached block after a miss is useless);
+2. then use every block in chain order, depth = its index in the chain: a cached block
+   is accessed; a missing one is inserted, after evicting the policy's victim when the
+   cache is full (evict then insert, as ``DramTier.put`` does).
+
+Hit ratio = hit blocks / all blocks. The infinite cache bounds every policy. Prints a
+table, writes ``bench/results/cache_hit_ratio.json`` and ``cache_hit_ratio.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.cache_pool.eviction import (  # noqa: E402
+    EvictionPolicy,
+    LRUPolicy,
+    ReuseAwarePolicy,
+    ReuseParams,
+)
+
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def load_chains(path: Path) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["hash_ids"] for line in f if line.strip()]
+
+
+def prefix_hits(chain: list[int], cached) -> int:
+    hits = 0
+    for key in chain:
+        if key not in cached:
+            break
+        hits += 1
+    return hits
+
+
+def replay_infinite(chains: list[list[int]]) -> int:
+    seen: set[int] = set()
+    hits = 0
+    for chain in chains:
+        hits += prefix_hits(chain, seen)
+        seen.update(chain)
+    return hits
+
+
+def replay(chains: list[list[int]], policy: EvictionPolicy, capacity: int) -> int:
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    hits = 0
+    for chain in chains:
+        hits += prefix_hits(chain, policy)
+        for depth, key in enumerate(chain):
+            if key in policy:
+                policy.on_access(key)
+                continue
+            if len(policy) >= capacity:
+                policy.on_remove(policy.victim())
+            policy.on_insert(key, depth)
+    return hits
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [row["fraction"] * 100 for row in result["rows"]]
+    for name in result["policies"]:
+        ax.plot(xs, [100 * row[name] for row in result["rows"]], marker="o", label=name)
+    ax.axhline(100 * result["infinite"], color="gray", linestyle="--", label="infinite")
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{x:g}%" for x in xs])
+    ax.set_xlabel("capacity (% of the trace's unique blocks)")
+    ax.set_ylabel("prefix hit ratio (% of blocks)")
+    ax.set_title("Mooncake conversation trace")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.05, 0.2])
+    ap.add_argument("--half-life", type=float, default=ReuseParams().half_life)
+    ap.add_argument("--depth-cost", type=float, default=ReuseParams().depth_cost)
+    ap.add_argument("--history-ratio", type=float, default=ReuseParams().history_ratio)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+
+    start = time.perf_counter()
+    chains = load_chains(args.trace)
+    total = sum(len(c) for c in chains)
+    unique = len({k for c in chains for k in c})
+    params = ReuseParams(half_life=args.half_life, depth_cost=args.depth_cost,
+                         history_ratio=args.history_ratio)
+    factories = {"lru": LRUPolicy, "reuse_aware": lambda: ReuseAwarePolicy(params)}
+    result = {
+        "trace": os.path.relpath(args.trace, ROOT), "requests": len(chains), "blocks": total,
+        "unique_blocks": unique, "infinite": replay_infinite(chains) / total,
+        "policies": list(factories), "reuse_params": {
+            "half_life": params.half_life, "depth_cost": params.depth_cost,
+            "history_ratio": params.history_ratio},
+        "rows": [],
+    }
+    print(f"{len(chains)} requests, {total} blocks, {unique} unique; "
+          f"infinite cache: {100 * result['infinite']:.2f}%")
+    print(f"{'capacity':>16} | {'lru':>7} | {'reuse_aware':>11} | ratio")
+    for fraction in args.fractions:
+        capacity = max(1, int(fraction * unique))
+        row = {"fraction": fraction, "capacity_blocks": capacity}
+        for name, make in factories.items():
+            row[name] = replay(chains, make(), capacity) / total
+        row["ratio"] = row["reuse_aware"] / row["lru"] if row["lru"] else float("inf")
+        result["rows"].append(row)
+        print(f"{fraction:>6.0%} ({capacity:>6}) | {100 * row['lru']:6.2f}% | "
+              f"{100 * row['reuse_aware']:10.2f}% | {row['ratio']:.3f}x")
+    result["seconds"] = time.perf_counter() - start
+    print(f"{result['seconds']:.1f} s")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cache_hit_ratio.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        plot(result, args.out / "cache_hit_ratio.png")
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
