@@ -275,3 +275,42 @@ def test_decode_worker_death_mid_stream_continues_on_another(model_dir, tmp_path
         assert "re-routing" in cluster.procs["gateway"].log.read_text()
     finally:
         cluster.stop()
+
+
+def test_async_sdk_chat_and_completion_streams(disagg, prompts, offline, model_dir):
+    import asyncio
+
+    from common.client import AsyncClient
+
+    async def run():
+        async with AsyncClient(disagg.zmq_addr, timeout_s=60) as client:
+            chat = await client.generate(
+                messages=[{"role": "user", "content": "Say something."}], max_tokens=6,
+                temperature=0, ignore_eos=True)
+            pieces = [c async for c in client.stream(prompt_token_ids=prompts[7],
+                                                     max_tokens=MAX_TOKENS, temperature=0,
+                                                     ignore_eos=True)]
+            both = await asyncio.gather(*[client.generate(
+                prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                for p in prompts[8:10]])
+            return chat, pieces, both
+
+    chat, pieces, both = asyncio.run(run())
+    assert len(chat.token_ids) == 6 and chat.usage["completion_tokens"] == 6
+    from common.tokenizer import TextTokenizer
+
+    assert chat.text == TextTokenizer.from_dir(model_dir).decode(chat.token_ids)
+    assert [t for c in pieces for t in c.token_ids] == offline[7]
+    assert [c.token_ids for c in both] == offline[8:10]
+
+
+def test_sdk_and_gateway_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, common.client, services.gateway.server, services.gateway.openai_api; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
