@@ -15,7 +15,7 @@ The prefill and decode services wrap this class; ``generate`` is the offline ent
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from functools import cached_property
 
@@ -73,6 +73,9 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._counter = 0
+        # Called on the stepping thread as layer_callback(layer, sequences) once each
+        # layer's KV is written, for the sequences whose prompt completes this step.
+        self.layer_callback: Callable[[int, list[Sequence]], None] | None = None
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -150,7 +153,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        logits, sampling = self.runner.run(plan.scheduled)
+        hook = None
+        if self.layer_callback is not None:
+            completing = [seq for seq, n in plan.scheduled
+                          if not seq.output_token_ids
+                          and seq.num_computed_tokens + n == seq.num_prompt_tokens]
+            if completing:
+                callback = self.layer_callback
+                hook = lambda layer: callback(layer, completing)  # noqa: E731
+        logits, sampling = self.runner.run(plan.scheduled, hook)
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             self.kv_manager.cache_full_blocks(seq)

@@ -9,6 +9,7 @@ names; q/k/v and gate/up are fused into one matmul each at load.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -140,15 +141,20 @@ class LlamaModel(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run T tokens; return float32 logits ``[len(logits_indices), vocab]``.
 
         ``kv_cache`` is (K, V), each ``[layers, blocks, block_size, kv_heads, head_dim]``.
+        ``layer_hook(i)``, if given, runs once layer i's K/V for this step are in the
+        cache (the prefill worker ships each layer while the next one computes).
         """
         k_all, v_all = kv_cache
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary, self.backend, k_all[i], v_all[i], meta)
+            if layer_hook is not None:
+                layer_hook(i)
         x = self.norm(x.index_select(0, logits_indices))
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()

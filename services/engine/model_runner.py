@@ -22,7 +22,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
 
-    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, batch: list[ScheduledSeq],
+            layer_hook=None) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the scheduled tokens; return logits for each sequence that samples.
 
         A sequence samples when this step computes its last known token. Row i of the
@@ -84,5 +85,5 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             (self.kv_cache.k, self.kv_cache.v), meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device), layer_hook)
         return logits, sampling

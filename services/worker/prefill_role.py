@@ -2,9 +2,11 @@
 the decode worker that asked.
 
     decode ──Prefill(block ids)──► prefill worker
-                                   │ run the prompt (chunked), sample token 0
-                                   ├──Tokens(position 0)──► gateway
+                                   │ run the prompt (chunked); in the step that completes
+                                   │ it, each layer's KV is copied out as soon as that
+                                   │ layer is computed and sent while the next computes
                                    ├──KV, one payload per layer──► decode's data plane
+                                   ├──Tokens(position 0)──► gateway
                                    └──PrefillDone(first token)──► decode (the reply)
 
 The request's blocks are held until every layer is sent, then released; they stay in
@@ -28,6 +30,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from services.engine.sequence import Sequence
     from services.worker.server import Worker
 
 log = structlog.get_logger(__name__)
@@ -39,21 +42,50 @@ def prefill_params(sampling: dict) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One prefill in flight: where its KV goes, and the layers waiting to be sent."""
+
+    rec: Prefill
+    done: asyncio.Future  # the finished RequestOutput
+    layers: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    error: str | None = None
+
+
 class PrefillRole:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.waiters: dict[str, asyncio.Future] = {}
+        self.jobs: dict[str, Job] = {}
         self.sent_bytes = 0
         self.done = 0
+        self._aio = asyncio.get_running_loop()
+        worker.engine.layer_callback = self._on_layer
 
     def on_output(self, out) -> bool:
         """Claim a finished prefill's output; False if it is not ours."""
-        fut = self.waiters.get(out.request_id)
-        if fut is None:
+        job = self.jobs.get(out.request_id)
+        if job is None:
             return False
-        if out.finished and not fut.done():
-            fut.set_result(out)
+        if out.finished and not job.done.done():
+            job.done.set_result(out)
         return True
+
+    def _on_layer(self, layer: int, seqs: list[Sequence]) -> None:
+        """Engine thread: copy out layer ``layer`` of every prompt completing this step."""
+        kv = self.worker.engine.kv_cache
+        for seq in seqs:
+            job = self.jobs.get(seq.request_id)
+            if job is None:
+                continue
+            rec = job.rec
+            blocks = seq.block_table[:-(-seq.num_prompt_tokens // kv.block_size)]
+            if len(blocks) != len(rec.block_ids):
+                job.error = (f"decode reserved {len(rec.block_ids)} blocks, "
+                             f"prompt fills {len(blocks)}")
+                self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, None))
+                continue
+            payload = kv.export_layer(layer, blocks[rec.skip_blocks:])
+            self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, payload))
 
     async def handle(self, rid: str, rec: Prefill):
         w = self.worker
@@ -61,69 +93,64 @@ class PrefillRole:
             params = prefill_params(rec.sampling)
         except ValueError as exc:
             return Error("bad_request", str(exc))
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters[rid] = fut
-        engine = w.engine
+        job = self.jobs[rid] = Job(rec, self._aio.create_future())
+        sending = asyncio.create_task(self._send_layers(rid, job))
         try:
             try:
-                await w.loop.call(engine.add_request, rid, rec.prompt_token_ids, params,
+                await w.loop.call(w.engine.add_request, rid, rec.prompt_token_ids, params,
                                   cache_salt=rec.cache_salt, hold_blocks=True)
             except ValueError as exc:
                 return Error("bad_request", str(exc))
-            out = await fut
+            out = await job.done
             if out.finish_reason in ("abort", "error") or not out.new_token_ids:
-                await self._abort_transfer(rec, rid, f"prefill {out.finish_reason}")
-                return Error("aborted", f"prefill ended with {out.finish_reason}")
+                raise TransferError(f"prefill ended with {out.finish_reason}")
             first = out.new_token_ids[0]
             w.streams.send(rec.stream_addr, rid, Tokens(
                 position=0, token_ids=[first], prompt_tokens=out.num_prompt_tokens,
                 cached_tokens=out.num_cached_tokens, source="prefill",
                 logprobs=w.logprob_dicts(out.new_logprobs)))
-            chunks = await self._send_kv(rid, rec)
+            chunks = await sending
             self.done += 1
             return PrefillDone(first_token=first, num_chunks=chunks,
                                cached_tokens=out.num_cached_tokens)
         except (TransferError, OSError) as exc:
-            log.warning("KV send failed", request_id=rid, error=str(exc))
-            await self._abort_transfer(rec, rid, str(exc))
-            return Error("transfer_failed", str(exc))
+            log.warning("prefill failed", request_id=rid, error=str(exc))
+            with contextlib.suppress(TransferError, OSError):
+                await w.sender.abort(rec.kv_addr, rid, str(exc))
+            return Error("prefill_failed", str(exc))
         finally:
-            self.waiters.pop(rid, None)
+            sending.cancel()
+            self.jobs.pop(rid, None)
             await w.loop.call(self._drop, rid)
+
+    async def _send_layers(self, rid: str, job: Job) -> int:
+        """Send each layer as the engine hands it over; then close the transfer."""
+        w = self.worker
+        num_layers = w.engine.kv_cache.num_layers
+        dest = list(job.rec.block_ids[job.rec.skip_blocks:])
+        start = None
+        for _ in range(num_layers):
+            layer, payload = await job.layers.get()
+            if payload is None or job.error:
+                raise TransferError(job.error or "KV export failed")
+            start = start or time.perf_counter()
+            data = payload.view(torch.uint8).numpy()
+            await w.sender.send(job.rec.kv_addr, rid, layer, dest, memoryview(data).cast("B"))
+            self.sent_bytes += data.nbytes
+            w.metrics.kv_transfer_bytes.inc(data.nbytes)
+        await w.sender.finish(job.rec.kv_addr, rid, num_layers)
+        w.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
+        return num_layers
 
     def _drop(self, rid: str) -> None:
         engine = self.worker.engine
         engine.abort(rid)
         engine.release(rid)
 
-    async def _send_kv(self, rid: str, rec: Prefill) -> int:
-        w = self.worker
-        blocks = await w.loop.call(w.engine.kv_block_ids, rid)
-        if len(blocks) != len(rec.block_ids):
-            raise TransferError(f"decode reserved {len(rec.block_ids)} blocks, "
-                                f"prompt fills {len(blocks)}")
-        src, dest = blocks[rec.skip_blocks:], list(rec.block_ids[rec.skip_blocks:])
-        start = time.perf_counter()
-        # The held blocks cannot change while we read them, so export off the engine
-        # thread and let the engine keep stepping.
-        kv = w.engine.kv_cache
-        for layer in range(kv.num_layers):
-            payload = kv.export_layer(layer, src)
-            data = payload.view(torch.uint8).numpy()
-            await w.sender.send(rec.kv_addr, rid, layer, dest, memoryview(data).cast("B"))
-            self.sent_bytes += data.nbytes
-            w.metrics.kv_transfer_bytes.inc(data.nbytes)
-        await w.sender.finish(rec.kv_addr, rid, kv.num_layers)
-        w.metrics.kv_transfer_seconds.inc(time.perf_counter() - start)
-        return kv.num_layers
-
-    async def _abort_transfer(self, rec: Prefill, rid: str, reason: str) -> None:
-        with contextlib.suppress(TransferError, OSError):
-            await self.worker.sender.abort(rec.kv_addr, rid, reason)
-
     async def abort(self, rid: str) -> None:
-        fut = self.waiters.get(rid)
-        if fut is not None and not fut.done():
+        job = self.jobs.get(rid)
+        if job is not None and not job.done.done():
             await self.worker.loop.call(self.worker.engine.abort, rid)
-            if not fut.done():
-                fut.set_result(RequestOutput(rid, [], 0, finished=True, finish_reason="abort"))
+            if not job.done.done():
+                job.done.set_result(RequestOutput(rid, [], 0, finished=True,
+                                                  finish_reason="abort"))
