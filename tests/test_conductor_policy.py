@@ -83,3 +83,12 @@ def test_registry_marks_dead_after_three_missed_heartbeats():
     unknown = Heartbeat(worker_id="zz", role="decode", seq=1, waiting=0, running=0,
                         queued_prefill_tokens=0, free_blocks=1, total_blocks=1, step_time_ms=0)
     assert reg.heartbeat(unknown) is False
+
+
+def test_round_robin_keeps_separate_turns_for_decode_and_prefill():
+    ws = [view(f"d{i}", "decode") for i in range(2)] + [view(f"p{i}", "prefill")
+                                                       for i in range(4)]
+    rr = RoundRobin()
+    picks = [decide(ws, rr, model="m", prompt_tokens=1000) for _ in range(4)]
+    assert [d.prefill.worker_id for d in picks] == ["p0", "p1", "p2", "p3"]
+    assert [d.decode.worker_id for d in picks] == ["d0", "d1", "d0", "d1"]

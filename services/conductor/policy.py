@@ -11,6 +11,7 @@ policy object only ranks candidates; the disaggregation rule is shared:
 
 from __future__ import annotations
 
+import collections
 import itertools
 from abc import ABC, abstractmethod
 from typing import NamedTuple
@@ -37,14 +38,16 @@ class Policy(ABC):
 
 
 class RoundRobin(Policy):
+    """Each role's workers in turn (decode and prefill picks keep separate turns)."""
+
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._counters: dict[str, itertools.count] = collections.defaultdict(itertools.count)
 
     def pick(self, candidates, prompt_tokens):
         ordered = sorted(candidates, key=lambda w: w.worker_id)
-        return ordered[next(self._counter) % len(ordered)]
+        return ordered[next(self._counters[ordered[0].role]) % len(ordered)]
 
 
 class LeastLoaded(Policy):

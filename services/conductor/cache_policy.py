@@ -1,0 +1,216 @@
+"""The cache- and load-aware policy: predicted TTFT and TBT, conditional disaggregation,
+and SLO admission. A pure object: worker views, the prefix index and the cost model in,
+a decision out; it touches nothing but the views' in-flight counters and its own ledger.
+
+For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens)::
+
+    decode  = argmin over decode workers with free KV blocks >= ceil((P + O) / block)
+              of  TBT = decode_step(batch + 1, context + P + O/2)
+                      + (its queued local prefills, which stall the batch) / (O - 1)
+    for each prefill worker p of the decode worker's fingerprint:
+        cached(p) = its own prefix + pool blocks beyond it      (from the index)
+        TTFT(p)   = queue(p)                                     queued + in-flight tokens
+                  + prefill(P - cached(p), cached(p))
+                  + pool fetch(pool blocks beyond its own)
+                  + KV transfer(P * kv_bytes_per_token over the link)
+    local  = TTFT on the decode worker itself: its own prefix, its local prefill queue,
+             the decode step in progress; no transfer. Allowed when nothing runs there, or
+             when its local prefill queue and this prefill stall the running batch for at
+             most min(max_decode_stall_s, slo_tbt_s - its step time): the stall then keeps
+             even a running request with two output tokens within its TBT SLO.
+    choose the lower of best remote and local: the crossover moves with measured costs.
+
+Admission (prediction-based early rejection, on unless ``admission=False``):
+``Rejection`` when no decode worker has room for the request's KV, when the predicted
+TBT exceeds ``slo_tbt_s`` or the best predicted TTFT exceeds ``slo_ttft_s``. Nothing is
+accounted for a rejection. With ``admission=False`` the SLOs still shape routing.
+
+In-flight accounting: an accepted decision adds, until the worker's next heartbeat, one
+request and its *uncached* tokens to the prefill location's ``pending_*`` counters and
+its KV blocks to the decode worker's ledger. The queue term grows with every request
+routed to a worker, so a burst sharing one cached prefix piles onto the worker holding it
+only while that stays cheaper than a full prefill elsewhere. The ledger is keyed on the
+view's ``last_seen``: a heartbeat (which resets the view's counters) also voids it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from services.conductor.cost_model import CostModel, pool_fetch_time, transfer_time
+from services.conductor.policy import Decision, NoWorkers
+from services.conductor.prefix_index import PrefixIndex
+from services.conductor.registry import WorkerView
+
+POOL_PREFIX = "pool:"
+
+
+class Rejection(NamedTuple):
+    reason: str
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    kv_bytes_per_token: int
+    link_bandwidth: float  # bytes/s, prefill worker -> decode worker
+    pool_bandwidth: float = 0.0  # bytes/s, pool tier -> worker; 0 ignores the pool
+    max_decode_stall_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token}")
+        if self.link_bandwidth <= 0:
+            raise ValueError(f"link_bandwidth must be > 0, got {self.link_bandwidth}")
+        if self.pool_bandwidth < 0 or self.max_decode_stall_s < 0:
+            raise ValueError("pool_bandwidth and max_decode_stall_s must be >= 0")
+
+
+class Estimate(NamedTuple):
+    ttft_s: float
+    worker: WorkerView
+    hit_blocks: int  # own prefix plus pool blocks fetched
+    uncached: int
+    queue_s: float
+    step_s: float  # the decode step in progress there (local only)
+
+
+class _Ledger:
+    __slots__ = ("stamp", "kv_blocks", "kv_tokens", "local")
+
+    def __init__(self, stamp: float) -> None:
+        self.stamp, self.kv_blocks, self.kv_tokens, self.local = stamp, 0, 0, 0
+
+
+class CacheAwarePolicy:
+    name = "cache_aware"
+
+    def __init__(self, index: PrefixIndex, cost: CostModel, config: PolicyConfig) -> None:
+        self.index = index
+        self.cost = cost
+        self.config = config
+        self._ledgers: dict[str, _Ledger] = {}
+
+    def _ledger(self, w: WorkerView) -> _Ledger:
+        led = self._ledgers.get(w.worker_id)
+        if led is None or led.stamp != w.last_seen:
+            led = self._ledgers[w.worker_id] = _Ledger(w.last_seen)
+        return led
+
+    def decide(self, workers: list[WorkerView], *, prompt_tokens: int, block_hashes: list[int],
+               block_size: int, slo_ttft_s: float = math.inf, slo_tbt_s: float = math.inf,
+               exclude: frozenset[str] = frozenset(), output_tokens: int = 0,
+               model: str = "", admission: bool = True) -> Decision | Rejection:
+        """Route one request and account it; see the module docstring.
+
+        ``block_hashes`` is the prompt's chain in blocks of ``block_size`` tokens (the
+        index's block size, not the workers' paging block). Raises ``NoWorkers`` when no
+        live decode or unified worker is left, ``ValueError`` on bad sizes."""
+        if prompt_tokens <= 0 or block_size <= 0 or output_tokens < 0:
+            raise ValueError(f"bad request sizes: prompt {prompt_tokens}, block {block_size}, "
+                             f"output {output_tokens}")
+        usable = [w for w in workers if w.alive and w.worker_id not in exclude
+                  and (not model or w.model == model)]
+        decoders = [w for w in usable if w.role in ("decode", "unified")]
+        if not decoders:
+            raise NoWorkers("no live decode or unified worker")
+        decode, tbt, fits = self._pick_decode(decoders, prompt_tokens, output_tokens)
+        admit = admission and (math.isfinite(slo_ttft_s) or math.isfinite(slo_tbt_s))
+        if admit and not fits:
+            return Rejection(f"no decode worker has room for {prompt_tokens + output_tokens} "
+                             "tokens of KV", 1.0)
+        if admission and tbt > slo_tbt_s:
+            return Rejection(f"predicted TBT {tbt * 1e3:.1f}ms > SLO {slo_tbt_s * 1e3:.1f}ms "
+                             f"on {decode.worker_id}", 1.0)
+        hits = self.index.match(block_hashes)
+        pool = max((v for k, v in hits.items() if k.startswith(POOL_PREFIX)), default=0)
+        if self.config.pool_bandwidth <= 0:
+            pool = 0
+        chain = (prompt_tokens, block_size, hits, pool)
+        local = self._estimate(decode, chain, remote=False)
+        prefillers = [w for w in usable if w.role == "prefill"
+                      and w.fingerprint == decode.fingerprint] if decode.role == "decode" else []
+        remote = min((self._estimate(p, chain, remote=True) for p in prefillers),
+                      key=lambda e: (e.ttft_s, -e.hit_blocks, e.worker.worker_id), default=None)
+        stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
+        busy = decode.running + decode.waiting + decode.pending_requests
+        budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
+        if remote is None:
+            best, why = local, ("colocated" if decode.role == "unified" else "no prefill worker")
+        elif busy and stall > budget:
+            best, why = remote, f"local prefill would stall {busy} decodes {stall:.3f}s"
+        elif local.ttft_s <= remote.ttft_s:
+            best, why = local, f"local {local.ttft_s:.3f}s <= remote {remote.ttft_s:.3f}s"
+        else:
+            best, why = remote, f"remote {remote.ttft_s:.3f}s < local {local.ttft_s:.3f}s"
+        if admission and best.ttft_s > slo_ttft_s:
+            return Rejection(f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo_ttft_s:.3f}s",
+                             max(1.0, best.ttft_s - slo_ttft_s))
+        self._account(best, decode, prompt_tokens + output_tokens)
+        nblocks = len(block_hashes)
+        reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
+                  f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s; "
+                  f"decode tbt {tbt * 1e3:.1f}ms")
+        return Decision(decode, None if best.worker is decode else best.worker, reason)
+
+    def _pick_decode(self, decoders: list[WorkerView], prompt: int,
+                     output: int) -> tuple[WorkerView, float, bool]:
+        """Lowest predicted TBT among decode workers with room; with none, the roomiest."""
+        best_key, roomiest_key, best, roomiest = None, None, None, None
+        for d in decoders:
+            led = self._ledger(d)
+            free = d.free_blocks - led.kv_blocks
+            need = -(-(prompt + output) // d.block_size)
+            batch = d.running + d.waiting + d.pending_requests + 1
+            context = (d.num_blocks - d.free_blocks) * d.block_size + led.kv_tokens
+            tbt = self.cost.predict_decode(batch, context + prompt + output // 2)
+            local_s = self.cost.prefill_queue_time(led.local,
+                                                   d.queued_prefill_tokens + d.pending_tokens)
+            tbt += local_s / max(1, output - 1)  # its local prefills will stall this request
+            if free >= need and (best_key is None or (tbt, -free, d.worker_id) < best_key):
+                best_key, best = (tbt, -free, d.worker_id), (d, tbt)
+            if roomiest_key is None or (-free, tbt, d.worker_id) < roomiest_key:
+                roomiest_key, roomiest = (-free, tbt, d.worker_id), (d, tbt)
+        if best is not None:
+            return best[0], best[1], True
+        return roomiest[0], roomiest[1], False
+
+    def _estimate(self, w: WorkerView, chain: tuple, *, remote: bool) -> Estimate:
+        prompt, block_size, hits, pool = chain
+        cfg = self.config
+        own = hits.get(w.worker_id, 0)
+        fetch = max(0, pool - own)
+        cached = min((own + fetch) * block_size, prompt - 1)
+        uncached = prompt - cached
+        t = self.cost.predict_prefill(uncached, cached)
+        step = 0.0
+        if fetch:
+            t += pool_fetch_time(fetch, block_size * cfg.kv_bytes_per_token, cfg.pool_bandwidth)
+        if remote:
+            queue = self.cost.prefill_queue_time(w.waiting + w.pending_requests,
+                                                 w.queued_prefill_tokens + w.pending_tokens)
+            t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
+        else:
+            led = self._ledger(w)
+            queue = self.cost.prefill_queue_time(led.local,
+                                                 w.queued_prefill_tokens + w.pending_tokens)
+            batch = w.running + w.waiting + w.pending_requests
+            if batch:  # the step in progress finishes first
+                step = self.cost.predict_decode(batch, (w.num_blocks - w.free_blocks)
+                                                * w.block_size + led.kv_tokens)
+                queue += step
+        return Estimate(queue + t, w, own + fetch, uncached, queue, step)
+
+    def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int) -> None:
+        pre = best.worker
+        pre.pending_requests += 1
+        pre.pending_tokens += best.uncached
+        led = self._ledger(decode)
+        if pre is decode:
+            led.local += 1
+        else:
+            decode.pending_requests += 1
+        led.kv_blocks += -(-kv_tokens // decode.block_size)
+        led.kv_tokens += kv_tokens
