@@ -616,3 +616,83 @@ class ClientChunk:
     finish_reason: str | None = None
     usage: dict = field(default_factory=dict)
     error: str | None = None
+
+
+# --- cache pool (docs/cache_pool.md) -------------------------------------------------------
+# Keys are 64-bit chained block hashes (``common.block_hash``), in prefix order.
+
+
+@message("pool_put")
+@dataclass(frozen=True, slots=True)
+class PoolPut:
+    """Pool client -> cache pool (DEALER -> ROUTER), with one bulk frame per block, in the
+    order of ``keys``, each exactly ``block_bytes`` long. Reply: Ack (``detail`` = how
+    many blocks were new to the pool) or Error("bad_request")."""
+
+    keys: list[int]
+    depths: list[int]
+    block_bytes: int
+
+
+@message("pool_get")
+@dataclass(frozen=True, slots=True)
+class PoolGet:
+    """Pool client -> cache pool (DEALER -> ROUTER). Reply: PoolBlocks or Error."""
+
+    keys: list[int]
+
+
+@message("pool_blocks")
+@dataclass(frozen=True, slots=True)
+class PoolBlocks:
+    """Cache pool -> client, the reply to PoolGet: the longest prefix of the asked keys
+    that is present and readable, as ``found`` bulk frames in key order. No reply."""
+
+    found: int
+
+
+@message("pool_exists")
+@dataclass(frozen=True, slots=True)
+class PoolExists:
+    """Pool client -> cache pool (DEALER -> ROUTER). Reply: PoolFound or Error."""
+
+    keys: list[int]
+
+
+@message("pool_found")
+@dataclass(frozen=True, slots=True)
+class PoolFound:
+    """Cache pool -> client, the reply to PoolExists: the longest held prefix and the
+    tier ("dram" or "ssd") of each of its blocks. No reply."""
+
+    found: int
+    tiers: list[str]
+
+
+@message("pool_remove")
+@dataclass(frozen=True, slots=True)
+class PoolRemove:
+    """Pool client -> cache pool (DEALER -> ROUTER). Reply: Ack (``detail`` = how many
+    were held) or Error."""
+
+    keys: list[int]
+
+
+@message("kv_event")
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """Worker or cache pool -> conductor (PUB -> SUB, topic b"kv"): blocks ``source``
+    now holds ("stored"), no longer holds ("removed"), or "cleared" (it holds nothing;
+    ``hashes`` is empty). No reply."""
+
+    source: str
+    kind: str
+    hashes: list[int]
+    tier: str = ""
+
+
+@message("resync")
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """Conductor -> any holder of KV blocks (DEALER -> ROUTER). Reply: Stats with
+    ``source``, ``hashes`` (every block held) and ``tiers`` (the tier of each)."""

@@ -1,7 +1,7 @@
 """The ``pdserve`` command.
 
     pdserve generate [--model NAME] [--max-tokens N] [--temperature T] [--chat] PROMPT...
-    pdserve gateway|conductor|prefill|decode|unified [--config FILE] [--key value ...]
+    pdserve gateway|conductor|prefill|decode|unified|cache-pool [--config FILE] [--key value ...]
 
 Each service subcommand runs that process; ``pdserve SERVICE --help`` lists its settings.
 """
@@ -58,11 +58,14 @@ def _run_service(name: str, argv: list[str]) -> int:
     if name == "conductor":
         from services.conductor.server import main as run
         return run(argv)
+    if name == "cache-pool":
+        from services.cache_pool.server import main as run
+        return run(argv)
     from services.worker.server import main as run
     return run(argv, role=name)
 
 
-SERVICES = ("gateway", "conductor", "prefill", "decode", "unified")
+SERVICES = ("gateway", "conductor", "prefill", "decode", "unified", "cache-pool")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,14 @@ SAMPLES = {
         text="Hello", token_ids=[9906], position=0, finished=True, finish_reason="length",
         usage={"prompt_tokens": 3, "completion_tokens": 1}, error=None,
     ),
+    "pool_put": p.PoolPut(keys=[0, 2**64 - 1], depths=[0, 1], block_bytes=4096),
+    "pool_get": p.PoolGet(keys=[5, 6, 7]),
+    "pool_blocks": p.PoolBlocks(found=2),
+    "pool_exists": p.PoolExists(keys=[2**63, 1]),
+    "pool_found": p.PoolFound(found=2, tiers=["dram", "ssd"]),
+    "pool_remove": p.PoolRemove(keys=[]),
+    "kv_event": p.KVEvent(source="pool:a", kind="stored", hashes=[1, 2**64 - 1], tier="dram"),
+    "resync": p.Resync(),
 }
 
 

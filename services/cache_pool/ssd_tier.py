@@ -122,6 +122,10 @@ class SsdTier:
     def depth(self, key: int) -> int:
         return self._entries[key].depth
 
+    def length(self, key: int) -> int:
+        """The block's payload length in bytes (header not counted); KeyError if absent."""
+        return self._entries[key].length
+
     def remove(self, key: int) -> bool:
         """Drop ``key`` and its file; False if it was not held."""
         if key not in self._entries:

@@ -1,0 +1,5 @@
+import sys
+
+from services.cache_pool.server import main
+
+sys.exit(main())

@@ -1,0 +1,263 @@
+"""The cache-pool process: one ``BlockStore`` served over ZeroMQ, publishing KV events.
+
+Lifecycle of an instance::
+
+    start   open the SSD tier (index replay) -> block size: the setting, else the size of
+            the blocks on SSD, else the first PoolPut's -> bind the control ROUTER
+            (control_addr) and the events PUB (events_addr) -> after ANNOUNCE_DELAY_S,
+            publish "cleared" then "stored" of everything held
+    serve   PoolPut / PoolGet / PoolExists / PoolRemove / Resync / GetStats. Store calls
+            are synchronous, so requests never interleave inside the store. The store's
+            stored/removed callbacks are collected per request and queued as one KVEvent
+            per kind (topic b"kv"); one task publishes the queue in order.
+    SIGTERM stop serving -> copy DRAM blocks to SSD (``flush_on_close``) -> sync the
+            index -> exit. A restart on the same ``ssd_dir`` then serves them all.
+
+Bad input is answered with ``Error("bad_request")`` (contents) or the codec's error
+(frames), and the process keeps serving. A frame over ``max(max_request_bytes, 64 MiB)``
+makes ZeroMQ drop the sender's connection instead (its call times out). SSD reads and
+writes run on the event loop: one request's disk I/O delays the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+import structlog
+import zmq
+import zmq.asyncio
+from prometheus_client import start_http_server
+
+from common.logging import configure_logging
+from common.protocol import (
+    MAX_FRAME_BYTES,
+    Ack,
+    Error,
+    GetStats,
+    Message,
+    PoolBlocks,
+    PoolExists,
+    PoolFound,
+    PoolGet,
+    PoolPut,
+    PoolRemove,
+    Resync,
+    Stats,
+)
+from common.zmq_io import Publisher, RpcServer, install_uvloop
+from services.cache_pool import validate
+from services.cache_pool.events import EventOutbox
+from services.cache_pool.metrics import PoolMetrics
+from services.cache_pool.settings import POLICIES, PoolSettings
+from services.cache_pool.store import BlockStore, StoreStats
+from services.cache_pool.tiers import DramTier, SsdTier
+from services.cache_pool.validate import BadRequest
+
+log = structlog.get_logger(__name__)
+
+ANNOUNCE_DELAY_S = 0.5  # lets subscribers that reconnect after a restart see the announce
+
+
+class CachePool:
+    """One cache-pool instance; ``start``, then serve until ``close``."""
+
+    def __init__(self, settings: PoolSettings) -> None:
+        self.settings = settings
+        self.source = f"pool:{settings.instance_id}"
+        self.ctx = zmq.asyncio.Context()
+        # Applies to sockets made after this: a peer sending a larger frame is dropped.
+        self.ctx.setsockopt(zmq.MAXMSGSIZE, max(settings.max_request_bytes, MAX_FRAME_BYTES))
+        self.ssd = (SsdTier(settings.ssd_dir, settings.ssd_bytes, POLICIES[settings.policy]())
+                    if settings.ssd_dir else None)
+        self.store: BlockStore | None = None
+        self.outbox = EventOutbox(self.source)
+        self.block_bytes = settings.block_bytes or self._block_bytes_on_ssd()
+        if self.block_bytes:
+            self._open_store(self.block_bytes)
+        self.metrics = PoolMetrics(self._read_stats)
+        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.source)
+        self.events: Publisher | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._handlers = {PoolPut: self._put, PoolGet: self._get, PoolExists: self._exists,
+                          PoolRemove: self._remove, Resync: self._resync,
+                          GetStats: self._stats}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.events = Publisher(self.ctx, self.settings.events_addr, bind=True)
+        await self.rpc.start()
+        self._tasks += [asyncio.create_task(self.outbox.run(self.events)),
+                        asyncio.create_task(self._announce())]
+        if self.settings.metrics_port:
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        log.info("cache pool started", instance=self.settings.instance_id,
+                 control=self.rpc.address, events=self.events.address,
+                 block_bytes=self.block_bytes, dram_bytes=self.settings.dram_bytes,
+                 ssd_bytes=self.settings.ssd_bytes,
+                 ssd_recovery=self.ssd.recovery._asdict() if self.ssd is not None else None)
+
+    async def close(self) -> None:
+        """Stop serving; flush DRAM to SSD if configured; sync and close the SSD tier."""
+        await self.rpc.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.events is not None:
+            await self.events.close()
+        if self.ssd is not None:
+            if self.settings.flush_on_close and self.store is not None:
+                self._flush_dram()
+            self.ssd.close()
+        self.ctx.term()
+
+    def _block_bytes_on_ssd(self) -> int:
+        keys = self.ssd.keys() if self.ssd is not None else []
+        sizes = {self.ssd.length(k) for k in keys}
+        if len(sizes) > 1:
+            log.warning("ssd_block_sizes_differ", sizes=sorted(sizes)[:8])
+        return max(sizes, default=0)
+
+    def _open_store(self, block_bytes: int) -> None:
+        dram = DramTier(self.settings.dram_bytes, POLICIES[self.settings.policy](), block_bytes)
+        self.store = BlockStore(dram, self.ssd, on_stored=self.outbox.on_stored,
+                                on_removed=self.outbox.on_removed)
+
+    def _flush_dram(self) -> None:
+        """Copy DRAM blocks to SSD, oldest insert first, so the restart keeps them."""
+        dram, written = self.store.dram, 0
+        keys = dram.keys()  # a copy: the loop reads the tier
+        for key in keys:
+            try:
+                self.ssd.put(key, dram.get(key), dram.depth(key))
+                written += 1
+            except (OSError, ValueError) as exc:
+                log.warning("flush_failed", key=f"{key:016x}", error=str(exc))
+                break
+        log.info("dram flushed to ssd", blocks=written)
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def _handle(self, msg: Message):
+        kind = msg.envelope.type
+        handler = self._handlers.get(type(msg.record))
+        if handler is None:
+            return Error("unsupported", f"{kind} is not handled by the cache pool")
+        try:
+            reply = handler(msg.record, msg.bulk)
+        except BadRequest as exc:
+            log.warning("pool_bad_request", type=kind, error=str(exc),
+                        request_id=msg.envelope.request_id)
+            self.metrics.requests.labels(type=kind, outcome="bad_request").inc()
+            return Error("bad_request", str(exc))
+        finally:
+            self.outbox.flush()
+        self.metrics.requests.labels(type=kind, outcome="ok").inc()
+        return reply
+
+    def _put(self, rec: PoolPut, bulk):
+        items = validate.put_items(rec.keys, rec.depths, rec.block_bytes, bulk,
+                                   pool_block_bytes=self.block_bytes,
+                                   max_request_bytes=self.settings.max_request_bytes)
+        if self.store is None and items:
+            if rec.block_bytes > self.settings.dram_bytes:
+                raise BadRequest(f"block_bytes {rec.block_bytes} exceeds the DRAM tier's "
+                                 f"{self.settings.dram_bytes} bytes")
+            self.block_bytes = rec.block_bytes
+            self._open_store(rec.block_bytes)
+            log.info("block size learned", block_bytes=rec.block_bytes)
+        before = self.outbox.pending_stored
+        if items:
+            self.store.put_many(items)
+        return Ack(detail=str(self.outbox.pending_stored - before))
+
+    def _get(self, rec: PoolGet, bulk):
+        validate.check_get(rec.keys, bulk, pool_block_bytes=self.block_bytes,
+                           max_request_bytes=self.settings.max_request_bytes)
+        if self.store is None:
+            return PoolBlocks(found=0)
+        blocks: list[bytes] = []
+        held = self.store.exists_prefix(rec.keys)
+        # One key at a time, up to and including the first absent one (counted as the
+        # miss): a corrupt block ends the prefix before later blocks are read.
+        for key in rec.keys[:held + 1]:
+            data = self.store.get_many([key])[0]
+            if data is None:
+                break
+            blocks.append(data)
+        return PoolBlocks(found=len(blocks)), blocks
+
+    def _exists(self, rec: PoolExists, bulk):
+        validate.check_no_bulk("pool_exists", bulk)
+        validate.check_keys(rec.keys)
+        if self.store is None:
+            return PoolFound(found=0, tiers=[])
+        found = self.store.exists_prefix(rec.keys)
+        return PoolFound(found=found, tiers=[self.store.where(k)[0] for k in rec.keys[:found]])
+
+    def _remove(self, rec: PoolRemove, bulk):
+        validate.check_no_bulk("pool_remove", bulk)
+        validate.check_keys(rec.keys)
+        removed = self.store.remove_many(rec.keys) if self.store is not None else 0
+        return Ack(detail=str(removed))
+
+    def _resync(self, rec: Resync, bulk):
+        validate.check_no_bulk("resync", bulk)
+        hashes, tiers = self._held()
+        return Stats(values={"source": self.source, "hashes": hashes, "tiers": tiers})
+
+    def _stats(self, rec: GetStats, bulk):
+        stats, capacity = self._read_stats()
+        values = stats._asdict() if stats is not None else dict.fromkeys(StoreStats._fields, 0)
+        return Stats(values={**values, "instance_id": self.settings.instance_id,
+                             "block_bytes": self.block_bytes, "policy": self.settings.policy,
+                             "dram_capacity_bytes": capacity["dram"],
+                             "ssd_capacity_bytes": capacity["ssd"]})
+
+    def _read_stats(self) -> tuple[StoreStats | None, dict[str, int]]:
+        return (self.store.stats() if self.store is not None else None,
+                {"dram": self.settings.dram_bytes, "ssd": self.settings.ssd_bytes})
+
+    def _held(self) -> tuple[list[int], list[str]]:
+        """Every held key (DRAM first, then SSD-only) and its tier."""
+        dram = self.store.dram.keys() if self.store is not None else []
+        in_dram = set(dram)
+        ssd_keys = self.ssd.keys() if self.ssd is not None else []
+        ssd = [k for k in ssd_keys if k not in in_dram]
+        return dram + ssd, ["dram"] * len(dram) + ["ssd"] * len(ssd)
+
+    async def _announce(self) -> None:
+        await asyncio.sleep(ANNOUNCE_DELAY_S)
+        self.outbox.announce(*self._held())
+
+
+async def serve(settings: PoolSettings) -> None:
+    pool = CachePool(settings)
+    await pool.start()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await pool.close()
+
+
+def main(argv=None) -> int:
+    from common.config import load_settings
+
+    try:
+        settings = load_settings(PoolSettings, "cache_pool", argv, prog="pdserve cache-pool")
+    except ValueError as exc:
+        print(f"pdserve cache-pool: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, service=f"cache-pool:{settings.instance_id}")
+    install_uvloop()
+    try:
+        asyncio.run(serve(settings))
+    except (ValueError, OSError, zmq.ZMQError) as exc:  # startup: tiers, directory, bind
+        log.error("cache pool failed", error=str(exc))
+        return 1
+    return 0

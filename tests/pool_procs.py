@@ -1,0 +1,92 @@
+"""Cache-pool instances as real subprocesses (``python -m services.cache_pool``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.cluster import ROOT, free_port, stats
+
+BLOCK = 4096
+HDR = 32  # SSD block file header (services.cache_pool.disk_format.BLOCK_HEADER)
+
+
+def blocks(n: int, seed: int = 0, size: int = BLOCK) -> list[tuple[int, bytes, int]]:
+    """``n`` random ``(key, data, depth)`` blocks of one chain."""
+    rng = random.Random(seed)
+    return [(rng.getrandbits(64), rng.randbytes(size), depth) for depth in range(n)]
+
+
+@dataclass
+class PoolProc:
+    """One pool instance; ``start`` (again) reuses its addresses and SSD directory."""
+
+    instance: str
+    workdir: Path
+    dram_blocks: int = 64
+    ssd_blocks: int = 0
+    block_bytes: int = BLOCK
+    extra: list[str] = field(default_factory=list)
+    popen: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.control = f"tcp://127.0.0.1:{free_port()}"
+        self.events = f"tcp://127.0.0.1:{free_port()}"
+        self.ssd_dir = self.workdir / f"ssd-{self.instance}"
+        self.log = self.workdir / f"pool-{self.instance}.log"
+        self.starts = 0
+
+    def args(self, learn_block_bytes: bool = False) -> list[str]:
+        args = ["--instance-id", self.instance, "--control-addr", self.control,
+                "--events-addr", self.events, "--log-format", "console",
+                "--dram-mib", repr(self.dram_blocks * BLOCK / (1 << 20))]
+        if not learn_block_bytes:
+            args += ["--block-bytes", str(self.block_bytes)]
+        if self.ssd_blocks:
+            args += ["--ssd-dir", str(self.ssd_dir),
+                     "--ssd-mib", repr(self.ssd_blocks * (BLOCK + HDR) / (1 << 20))]
+        return args + self.extra
+
+    def start(self, learn_block_bytes: bool = False, timeout_s: float = 20.0) -> PoolProc:
+        self.starts += 1
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with self.log.open("a") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "services.cache_pool", *self.args(learn_block_bytes)],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"pool {self.instance} exited:\n{self.tail()}")
+            try:
+                stats(self.control, 0.3)
+                return self
+            except TimeoutError:
+                pass
+        raise TimeoutError(f"pool {self.instance} not ready:\n{self.tail()}")
+
+    def stats(self) -> dict:
+        return stats(self.control)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.popen is None or self.popen.poll() is not None:
+            return self.popen.returncode if self.popen else 0
+        self.popen.send_signal(sig)
+        try:
+            return self.popen.wait(15)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            raise
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def block_file(self, key: int) -> Path:
+        return self.ssd_dir / "blocks" / f"{key >> 56:02x}" / f"{key:016x}.blk"
