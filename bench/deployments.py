@@ -33,10 +33,11 @@ KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "p50_e2e_ms"
         "output_throughput", "goodput", "completed", "failed")
 
 
-def start(config: str) -> subprocess.Popen:
+def start(config: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a deployment with run_local.py; return once its gateway is healthy."""
     proc = subprocess.Popen([sys.executable, "deploy/run_local.py", "--config", config],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
