@@ -221,21 +221,56 @@ class KVSender(ABC):
         """Close every pooled connection. Idempotent; later calls raise TransferError."""
 
 
+BACKENDS = ("tcp", "shm", "ucx", "auto")
+"""Kinds ``make_receiver`` and ``make_sender`` build: one backend each (``tcp.py``,
+``shm.py``, ``ucx.py``), or ``auto``: every backend available here at once, with the
+sender picking per peer (``multi.py``, ``negotiate.py``)."""
+
+
 def make_receiver(
     kind: str = "tcp", *, host: str = "127.0.0.1", port: int = 0, sink: ChunkSink
 ) -> KVReceiver:
-    """Build an unstarted receiver of backend ``kind``; port 0 picks a free port."""
+    """Build an unstarted receiver of backend ``kind``; port 0 picks a free port.
+
+    For ``auto``, ``port`` is the tcp backend's and the others pick free ports. Raises
+    ValueError for an unknown kind, BackendUnavailable (a TransferError and an
+    ImportError) for ``ucx`` when ucxx cannot be imported.
+    """
     if kind == "tcp":
         from common.transfer.tcp import TcpReceiver
 
         return TcpReceiver(host, port, sink=sink)
-    raise ValueError(f"unknown transfer backend {kind!r}; known: 'tcp'")
+    if kind == "shm":
+        from common.transfer.shm import ShmReceiver
+
+        return ShmReceiver(host, port, sink=sink)
+    if kind == "ucx":
+        from common.transfer.ucx import UcxReceiver
+
+        return UcxReceiver(host, port, sink=sink)
+    if kind == "auto":
+        from common.transfer.multi import MultiReceiver
+
+        return MultiReceiver(host=host, port=port, sink=sink)
+    raise ValueError(f"unknown transfer backend {kind!r}; known: {BACKENDS}")
 
 
 def make_sender(kind: str = "tcp") -> KVSender:
-    """Build a sender of backend ``kind``."""
+    """Build a sender of backend ``kind`` (errors as for ``make_receiver``)."""
     if kind == "tcp":
         from common.transfer.tcp import TcpSender
 
         return TcpSender()
-    raise ValueError(f"unknown transfer backend {kind!r}; known: 'tcp'")
+    if kind == "shm":
+        from common.transfer.shm_sender import ShmSender
+
+        return ShmSender()
+    if kind == "ucx":
+        from common.transfer.ucx_sender import UcxSender
+
+        return UcxSender()
+    if kind == "auto":
+        from common.transfer.multi import MultiSender
+
+        return MultiSender()
+    raise ValueError(f"unknown transfer backend {kind!r}; known: {BACKENDS}")

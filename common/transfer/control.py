@@ -1,0 +1,124 @@
+"""Small control frames on a byte stream, for backends whose bulk bytes travel elsewhere.
+
+Every frame is::
+
+    length   4 bytes, little-endian u32, 1 .. MAX_FRAME_BYTES
+    body     msgpack map with string keys; key "t" names the message type
+
+The payload-carrying messages reuse ``wire.py``'s records for their fields
+(``message`` below builds and validates them), so every backend accepts and rejects the
+same request ids, layers, block ids and checksums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgpack
+
+from common.transfer import wire
+
+LENGTH = struct.Struct("<I")
+MAX_FRAME_BYTES = 1 << 20
+
+
+class ControlError(ValueError):
+    """A frame that does not follow this spec; ``request_id`` when it could be read."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def pack(kind: str, **fields: object) -> bytes:
+    """One frame of type ``kind``; ControlError if it would exceed MAX_FRAME_BYTES."""
+    body = msgpack.packb({"t": kind, **fields})
+    if len(body) > MAX_FRAME_BYTES:
+        raise ControlError(f"{kind} frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return LENGTH.pack(len(body)) + body
+
+
+async def read(reader: asyncio.StreamReader) -> dict:
+    """The next frame's map.
+
+    Raises asyncio.IncompleteReadError at end of stream (also mid-frame), ControlError
+    for a bad length or an undecodable body.
+    """
+    (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    _check_length(length)
+    return unpack(await reader.readexactly(length))
+
+
+class FrameParser:
+    """Splits a byte stream into frames, for protocols fed by ``data_received``.
+
+    ``feed`` returns the maps of the frames completed so far; ``pending`` is True while
+    part of a frame is buffered. ControlError for a bad frame: the stream is then unusable.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._buffer)
+
+    def feed(self, data: bytes) -> list[dict]:
+        buffer = self._buffer
+        buffer += data
+        frames, offset = [], 0
+        while len(buffer) - offset >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(buffer, offset)
+            _check_length(length)
+            end = offset + LENGTH.size + length
+            if end > len(buffer):
+                break
+            frames.append(unpack(buffer[offset + LENGTH.size : end]))
+            offset = end
+        del buffer[:offset]
+        return frames
+
+
+def unpack(body: bytes | bytearray) -> dict:
+    """The map of one frame's body; ControlError if it is not one."""
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ControlError(f"undecodable frame: {exc}") from exc
+    if not isinstance(fields, dict) or not isinstance(fields.get("t"), str):
+        raise ControlError("frame must be a map with a string 't'")
+    return fields
+
+
+def _check_length(length: int) -> None:
+    if not 0 < length <= MAX_FRAME_BYTES:
+        raise ControlError(f"frame length {length} outside (0, {MAX_FRAME_BYTES}]")
+
+
+def message(fields: dict, cls: type[wire.Message], extra: tuple[str, ...] = ()) -> wire.Message:
+    """Build and validate the ``wire`` record ``cls`` from a frame's fields.
+
+    The frame must hold exactly ``t``, ``cls``'s fields and ``extra`` (which the caller
+    reads itself). Raises ControlError, with the request id when it could be read.
+    """
+    rid = fields.get("request_id")
+    rid = rid if isinstance(rid, str) and rid else None
+    wanted = {"t", *cls._fields, *extra}
+    if set(fields) != wanted:
+        raise ControlError(f"{fields['t']} frame must hold exactly {sorted(wanted)}", rid)
+    record = cls(**{name: fields[name] for name in cls._fields})
+    try:
+        wire.validate(record)
+    except wire.WireError as exc:
+        raise ControlError(str(exc), rid) from None
+    return record
+
+
+def uint(fields: dict, name: str, limit: int = (1 << 64) - 1) -> int:
+    """``fields[name]`` as an integer in [0, limit]; ControlError otherwise."""
+    value = fields.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+        rid = fields.get("request_id") if isinstance(fields.get("request_id"), str) else None
+        raise ControlError(f"{name} must be an integer in [0, {limit}], got {value!r}", rid)
+    return value

@@ -1,0 +1,202 @@
+"""Several backends behind one receiver and one sender, so that each sender can use the
+best backend it shares with each receiver (``negotiate.py``).
+
+``MultiReceiver`` serves every backend it was given at once, all feeding one
+``TransferTable``: a transfer is expected once and its messages may arrive over any of
+them. Messages are ordered only within one backend's connection, so a sender keeps each
+transfer on one address (its ``finish`` could otherwise overtake its chunks).
+``advert()`` is what the receiving peer publishes; ``address`` is the tcp one (or,
+without tcp, the first it serves), for callers that know only one address.
+
+``MultiSender`` sends to any address, dispatching on the scheme (``shm://``, ``ucx://``,
+``tcp://``) to one sender per backend; ``address_for(advert)`` negotiates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import structlog
+
+from common.transfer.base import ChunkSink, KVReceiver, KVSender, Transfer, TransferError
+from common.transfer.negotiate import (
+    PREFERENCE,
+    BackendUnavailable,
+    available_backends,
+    choose,
+    default_host_id,
+    make_advert,
+    scheme_of,
+)
+from common.transfer.table import TransferTable
+from common.transfer.tcp import TcpReceiver
+
+log = structlog.get_logger("pdserve.transfer")
+
+
+def _receiver(kind: str, host: str, port: int, sink: ChunkSink, table: TransferTable) -> KVReceiver:
+    if kind == "tcp":
+        receiver = TcpReceiver(host, port, sink=sink)
+        # tcp.py predates shared tables and builds its own; this one replaces it before
+        # start, while nothing refers to the old one.
+        receiver._table = table
+        return receiver
+    if kind == "shm":
+        from common.transfer.shm import ShmReceiver
+
+        # Its peers are on this host by definition: the control channel stays on loopback.
+        return ShmReceiver("127.0.0.1", port, table=table)
+    if kind == "ucx":
+        from common.transfer.ucx import UcxReceiver
+
+        return UcxReceiver(host, port, table=table)
+    raise ValueError(f"unknown transfer backend {kind!r}; known: {PREFERENCE}")
+
+
+class MultiReceiver(KVReceiver):
+    """Serves ``kinds`` (default: ``available_backends()``) at once.
+
+    ``port`` is the tcp backend's (the others pick free ports unless ``ports`` names
+    one). With the default kinds a backend that turns out to be unavailable is logged
+    once and left out; one named in ``kinds`` raises BackendUnavailable instead.
+    """
+
+    def __init__(
+        self,
+        kinds: Iterable[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sink: ChunkSink,
+        host_id: str | None = None,
+        ports: Mapping[str, int] | None = None,
+    ) -> None:
+        strict = kinds is not None
+        kinds = tuple(kinds) if strict else available_backends()
+        unknown = set(kinds) - set(PREFERENCE)
+        if unknown or not kinds:
+            raise ValueError(f"kinds must be a non-empty subset of {PREFERENCE}, got {kinds}")
+        ports = {"tcp": port, **(ports or {})}
+        self.host_id = host_id or default_host_id()
+        self._table = TransferTable(sink)
+        self._receivers: dict[str, KVReceiver] = {}
+        for kind in kinds:
+            try:
+                self._receivers[kind] = _receiver(kind, host, ports.get(kind, 0), sink, self._table)
+            except BackendUnavailable as exc:
+                if strict:
+                    raise
+                log.warning("kv_transfer.backend_unavailable", kind=kind, error=str(exc))
+        self._started = self._closed = False
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self._receivers)
+
+    @property
+    def address(self) -> str:
+        receiver = self._receivers.get("tcp") or next(iter(self._receivers.values()))
+        return receiver.address
+
+    @property
+    def dropped(self) -> int:
+        return self._table.dropped
+
+    def advert(self) -> dict:
+        """``{"host_id": ..., "endpoints": {kind: address}}``; RuntimeError before start."""
+        if not self._started:
+            raise RuntimeError("receiver has no advert before start()")
+        return make_advert(self.host_id, {k: r.address for k, r in self._receivers.items()})
+
+    async def start(self) -> None:
+        if self._started or self._closed:
+            raise RuntimeError("receiver already started" if self._started else "receiver closed")
+        self._started = True
+        try:
+            for receiver in self._receivers.values():
+                await receiver.start()
+        except BaseException:
+            await self.close()
+            raise
+        log.info(
+            "kv_transfer.receiver_started",
+            host_id=self.host_id,
+            endpoints={k: r.address for k, r in self._receivers.items()},
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._table.cancel_all("receiver closed")
+        for receiver in self._receivers.values():
+            await receiver.close()
+
+    def expect(self, request_id: str, lease_s: float) -> Transfer:
+        if not self._started or self._closed:
+            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
+        return self._table.expect(request_id, lease_s)
+
+    def cancel(self, request_id: str) -> None:
+        self._table.cancel(request_id)
+
+    def live(self) -> int:
+        return self._table.live()
+
+
+class MultiSender(KVSender):
+    """Sends over whichever backend an address names.
+
+    ``backends`` (default: ``available_backends()``) are the kinds this side offers in
+    negotiation; their senders are built at first use. ``forced`` makes
+    ``address_for`` use that backend or raise.
+    """
+
+    def __init__(
+        self,
+        *,
+        host_id: str | None = None,
+        backends: Iterable[str] | None = None,
+        forced: str | None = None,
+    ) -> None:
+        self.host_id = host_id or default_host_id()
+        self.backends = tuple(backends) if backends is not None else available_backends()
+        if forced is not None and forced not in PREFERENCE:
+            raise ValueError(f"unknown transfer backend {forced!r}; known: {PREFERENCE}")
+        self.forced = forced
+        self._senders: dict[str, KVSender] = {}
+        self._closed = False
+
+    def address_for(self, peer_advert: Mapping) -> str:
+        """Where to send to the advertising peer (see ``negotiate.choose``)."""
+        return choose(self.host_id, self.backends, peer_advert, self.forced).address
+
+    def sender(self, kind: str) -> KVSender:
+        """This side's sender for ``kind``, built on first use.
+
+        Raises BackendUnavailable if it cannot run here, TransferError once closed.
+        """
+        if self._closed:
+            raise TransferError("sender is closed")
+        sender = self._senders.get(kind)
+        if sender is None:
+            from common.transfer.base import make_sender
+
+            if kind not in self.backends:
+                raise BackendUnavailable(kind, f"not among this sender's {self.backends}")
+            sender = self._senders[kind] = make_sender(kind)
+        return sender
+
+    async def send(self, address, request_id, layer, block_ids, payload) -> None:
+        await self.sender(scheme_of(address)).send(address, request_id, layer, block_ids, payload)
+
+    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
+        await self.sender(scheme_of(address)).finish(address, request_id, num_chunks)
+
+    async def abort(self, address: str, request_id: str, reason: str) -> None:
+        await self.sender(scheme_of(address)).abort(address, request_id, reason)
+
+    async def close(self) -> None:
+        self._closed = True
+        for sender in self._senders.values():
+            await sender.close()

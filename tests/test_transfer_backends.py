@@ -1,0 +1,399 @@
+"""Every data-plane backend behind the one interface (tcp, shm, and ucx where ucxx
+imports): KV round trips into a paged cache, big and concurrent transfers, integrity,
+dead peers, no leaked shared memory; and how peers negotiate a backend."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import random
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+import xxhash
+
+from common.transfer import (
+    BackendUnavailable,
+    MultiReceiver,
+    MultiSender,
+    TransferError,
+    TransferState,
+    available_backends,
+    choose,
+    make_advert,
+    make_receiver,
+    make_sender,
+    shm_sender,
+    wire,
+)
+from common.transfer.shm_sender import ShmSender
+from common.transfer.ucx import load_ucxx
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_VALUES = 16 * 3 * 64  # tokens x KV heads x head dim: one block's K (or V), one layer
+
+
+try:
+    load_ucxx()
+    UCX_MISSING = None
+except BackendUnavailable as exc:
+    UCX_MISSING = str(exc)  # the reason ucx tests are skipped
+
+
+def shm_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("pdkv-")}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    before = shm_entries()
+    yield
+    assert shm_entries() - before == set(), "shared-memory segments leaked"
+
+
+@pytest.fixture(params=["tcp", "shm", "ucx"])
+def kind(request) -> str:
+    if request.param == "ucx" and UCX_MISSING:
+        pytest.skip(UCX_MISSING)
+    return request.param
+
+
+@pytest.fixture
+async def serve():
+    """``await serve(kind, sink)``: a started receiver, closed after the test."""
+    receivers = []
+
+    async def start(kind: str, sink):
+        rx = make_receiver(kind, sink=sink)
+        await rx.start()
+        receivers.append(rx)
+        return rx
+
+    yield start
+    for rx in receivers:
+        await rx.close()
+
+
+@pytest.fixture
+async def sender(kind):
+    tx = make_sender(kind)
+    yield tx
+    await tx.close()
+
+
+class PagedCache:
+    """The decode worker's sink: a chunk is ``[K|V][block in block_ids][block bytes]``
+    and each block lands in its place in that layer's K and V caches."""
+
+    def __init__(self, layers: int, blocks: int, block_bytes: int) -> None:
+        self.size = block_bytes
+        self.k = [bytearray(blocks * block_bytes) for _ in range(layers)]
+        self.v = [bytearray(blocks * block_bytes) for _ in range(layers)]
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def __call__(self, request_id, layer, block_ids, payload) -> None:
+        self.calls.append((layer, block_ids))
+        size, n = self.size, len(block_ids)
+        if payload.nbytes != 2 * n * size:
+            raise ValueError(f"{payload.nbytes} bytes for {n} blocks")
+        for j, b in enumerate(block_ids):
+            self.k[layer][b * size : (b + 1) * size] = payload[j * size : (j + 1) * size]
+            self.v[layer][b * size : (b + 1) * size] = payload[(n + j) * size : (n + j + 1) * size]
+
+    def block(self, layer: int, b: int) -> bytes:
+        where = slice(b * self.size, (b + 1) * self.size)
+        return bytes(self.k[layer][where]) + bytes(self.v[layer][where])
+
+
+def encode(values: list[float], dtype: str) -> bytes:
+    if dtype == "fp32":
+        return array.array("f", values).tobytes()
+    if dtype == "fp16":
+        return struct.pack(f"<{len(values)}e", *values)
+    words = array.array("I", array.array("f", values).tobytes())  # bf16: fp32's top half
+    return array.array("H", (w >> 16 for w in words)).tobytes()
+
+
+def decode(raw: bytes, dtype: str) -> list[float]:
+    if dtype == "fp32":
+        return array.array("f", raw).tolist()
+    if dtype == "fp16":
+        return list(struct.unpack(f"<{len(raw) // 2}e", raw))
+    return array.array("f", array.array("I", (h << 16 for h in array.array("H", raw)))).tolist()
+
+
+@pytest.mark.parametrize("dtype,itemsize,seed", [("fp32", 4, 1), ("bf16", 2, 2), ("fp16", 2, 3)])
+async def test_kv_round_trip_into_non_contiguous_blocks(kind, serve, sender, dtype, itemsize, seed):
+    cache = PagedCache(layers=3, blocks=40, block_bytes=BLOCK_VALUES * itemsize)
+    rx, rng = await serve(kind, cache), random.Random(seed)
+    runs = [[17, 3, 29], [8], [39, 0]]  # out of order, with gaps
+    sent: dict[tuple[int, int], list[float]] = {}
+    transfer = rx.expect("kv", lease_s=10)
+    for layer in range(3):
+        for run in runs:
+            k, v = ([[rng.uniform(-8, 8) for _ in range(BLOCK_VALUES)] for _ in run] for _ in "kv")
+            sent.update({(layer, b): k[j] + v[j] for j, b in enumerate(run)})
+            flat = [x for values in k + v for x in values]
+            await sender.send(rx.address, "kv", layer, run, encode(flat, dtype))
+    await sender.finish(rx.address, "kv", 9)
+    await transfer.wait()
+    assert transfer.bytes_received == 18 * 2 * BLOCK_VALUES * itemsize
+    assert cache.calls == [(layer, run) for layer in range(3) for run in runs]
+    for (layer, b), values in sent.items():
+        assert cache.block(layer, b) == encode(values, dtype)  # byte-exact, in its place
+        assert decode(cache.block(layer, b), dtype) == decode(encode(values, dtype), dtype)
+    untouched = set(range(40)) - {b for run in runs for b in run}
+    assert all(cache.block(1, b) == bytes(2 * cache.size) for b in untouched)
+
+
+async def test_256_mib_in_32_layers_of_8_mib(kind, serve, sender):
+    got = []
+    rx = await serve(kind, lambda r, layer, b, p: got.append((layer, b, xxhash.xxh3_64_digest(p))))
+    data, expected = bytearray(random.Random(7).randbytes(8 << 20)), []
+    transfer = rx.expect("big", lease_s=60)
+    for layer in range(32):
+        data[:8] = layer.to_bytes(8, "little")  # each layer's bytes differ
+        blocks = list(range(layer * 3, 400, 37))
+        expected.append((layer, blocks, xxhash.xxh3_64_digest(data)))
+        await sender.send(rx.address, "big", layer, blocks, data)
+    await sender.finish(rx.address, "big", 32)
+    await transfer.wait()
+    assert transfer.bytes_received == 256 << 20 and got == expected
+
+
+async def test_four_senders_into_one_receiver_at_once(kind, serve):
+    chunks = []
+    rx = await serve(kind, lambda r, layer, b, p: chunks.append((r, layer, b, bytes(p))))
+    senders, rng = [make_sender(kind) for _ in range(4)], random.Random(3)
+    plans = {f"s{i}-{r}": [(layer, [9, 2 + i], rng.randbytes(rng.choice((3, 70000, 1 << 20))))
+                           for layer in range(4)] for i in range(4) for r in range(2)}
+    transfers = [rx.expect(rid, lease_s=20) for rid in plans]
+
+    async def run(i: int) -> None:
+        for rid in (f"s{i}-0", f"s{i}-1"):
+            for layer, blocks, data in plans[rid]:
+                await senders[i].send(rx.address, rid, layer, blocks, data)
+            await senders[i].finish(rx.address, rid, len(plans[rid]))
+
+    try:
+        await asyncio.gather(*(run(i) for i in range(4)))
+        await asyncio.gather(*(t.wait() for t in transfers))
+    finally:
+        for s in senders:
+            await s.close()
+    for rid, plan in plans.items():
+        assert [c[1:] for c in chunks if c[0] == rid] == plan
+
+
+async def test_bit_flipped_in_flight_fails_only_that_transfer(kind, serve, sender, monkeypatch):
+    chunks = []
+    rx = await serve(kind, lambda r, layer, b, p: chunks.append((r, bytes(p))))
+    data = random.Random(4).randbytes(50000)
+    corrupted = bytearray(data)
+    corrupted[31337] ^= 0x04
+    bad, good = rx.expect("bad", lease_s=10), rx.expect("good", lease_s=10)
+    real_checksum, real_stage = wire.checksum, shm_sender.stage
+
+    def stage(destination, source) -> int:  # shm hashes as it copies
+        real_stage(destination, source)
+        return real_checksum(data)
+
+    # Each sender checks `data`, but `corrupted` is what travels.
+    monkeypatch.setattr(wire, "checksum", lambda payload: real_checksum(data))
+    monkeypatch.setattr(shm_sender, "stage", stage)
+    await sender.send(rx.address, "bad", 0, [5], corrupted)
+    monkeypatch.undo()
+    await sender.send(rx.address, "good", 0, [6], data)
+    await sender.finish(rx.address, "good", 1)
+    await good.wait()
+    with pytest.raises(TransferError, match=r"checksum mismatch on layer 0 blocks \[5\]"):
+        await bad.wait()
+    assert bad.state is TransferState.FAILED and bad.chunks_received == 0
+    assert chunks == [("good", data)] and rx.live() == 0
+
+
+SENDER_PROCESS = """
+import asyncio, os, sys
+from common.transfer import make_sender
+
+async def main(kind, address):
+    sender = make_sender(kind)
+    small, big = os.urandom(1 << 16), os.urandom(64 << 20)
+    for layer in range(3):
+        await sender.send(address, "victim", layer, [2 * layer + 1], small)
+    await sender.send(address, "victim", 3, [9], big)  # more than a stalled receiver takes
+    await asyncio.sleep(60)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+async def test_sender_killed_mid_transfer_fails_it_at_once_and_leaks_nothing(kind, serve, sender):
+    child, killed_at, before = [], [], shm_entries()
+
+    def sink(rid, layer, blocks, payload) -> None:
+        if rid == "victim" and layer == 2:
+            time.sleep(0.5)  # the receiver stalls; the sender blocks in its next send or after
+            child[0].kill()
+            child[0].wait()
+            killed_at.append(time.monotonic())
+
+    rx = await serve(kind, sink)
+    transfer = rx.expect("victim", lease_s=30)
+    child.append(subprocess.Popen([sys.executable, "-c", SENDER_PROCESS, kind, rx.address],
+                                  cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
+    try:
+        with pytest.raises(TransferError, match="connection lost"):
+            await asyncio.wait_for(transfer.wait(), 20)  # the lease is 30 s
+    finally:
+        child[0].kill()
+        child[0].wait()
+    assert time.monotonic() - killed_at[0] < 2.0
+    assert transfer.state is TransferState.FAILED and rx.live() == 0
+    assert shm_entries() <= before  # already, not only once the receiver closes
+    after = rx.expect("after", lease_s=10)  # and the receiver keeps serving
+    await sender.send(rx.address, "after", 0, [1], b"still here")
+    await sender.finish(rx.address, "after", 1)
+    await after.wait()
+
+
+async def test_receiver_gone_makes_send_raise_and_frees_the_sender(kind, serve, sender):
+    rx = await serve(kind, lambda *a: None)
+    await sender.send(rx.address, "nobody", 0, [0], bytes(1 << 20))
+    await rx.close()
+    deadline = time.monotonic() + 8  # ucxx takes its 5 s connect timeout on a closed port
+    with pytest.raises(TransferError):
+        while time.monotonic() < deadline:  # until the sender has seen the hang-up
+            await sender.send(rx.address, "nobody", 0, [0], bytes(1 << 20))
+            await asyncio.sleep(0.01)
+    assert sender.connections == 0
+
+
+async def test_shm_ring_reuses_its_slots_within_the_in_flight_budget(serve):
+    rx = await serve("shm", lambda *a: None)
+    tx = ShmSender(slots=16, max_in_flight_bytes=2 << 20, min_segment_bytes=1 << 20)
+    try:
+        transfer = rx.expect("r", lease_s=10)
+        sends = (tx.send(rx.address, "r", i, [i], bytes(1 << 20)) for i in range(12))
+        await asyncio.gather(*sends)  # all at once: the budget lets two through at a time
+        await tx.send(rx.address, "r", 12, [12], bytes(3 << 20))  # over budget: goes alone
+        await tx.finish(rx.address, "r", 13)
+        await transfer.wait()
+        assert tx.segments_created == 3  # two slots in use, one of them grown once
+    finally:
+        await tx.close()
+
+
+def test_works_under_uvloop(kind):
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> list[bytes]:
+        got = []
+        rx, tx = make_receiver(kind, sink=lambda r, layer, b, p: got.append(bytes(p))), None
+        try:
+            await rx.start()
+            tx = make_sender(kind)
+            transfer = rx.expect("u", lease_s=10)
+            await tx.send(rx.address, "u", 0, [3, 1], b"uv" * 70000)
+            await tx.finish(rx.address, "u", 1)
+            await transfer.wait()
+        finally:
+            await rx.close()
+            if tx is not None:
+                await tx.close()
+        return got
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(scenario()) == [b"uv" * 70000]
+
+
+# -- negotiation -------------------------------------------------------------------------
+
+PEER = make_advert("host-a", {"shm": "shm://127.0.0.1:7001", "ucx": "ucx://10.1.0.5:7002",
+                              "tcp": "tcp://10.1.0.5:7003"})
+TCP_ONLY, SHM_ONLY = (make_advert("host-a", {k: f"{k}://h:1"}) for k in ("tcp", "shm"))
+ALL = ("shm", "ucx", "tcp")
+
+
+@pytest.mark.parametrize("local_host,local,advert,forced,expected", [
+    ("host-a", ALL, PEER, None, ("shm", "shm://127.0.0.1:7001")),
+    ("host-b", ALL, PEER, None, ("ucx", "ucx://10.1.0.5:7002")),
+    ("host-a", ("ucx", "tcp"), PEER, None, ("ucx", "ucx://10.1.0.5:7002")),
+    ("host-b", ("shm", "tcp"), PEER, None, ("tcp", "tcp://10.1.0.5:7003")),
+    ("host-a", ALL, TCP_ONLY, None, ("tcp", "tcp://h:1")),
+    ("host-a", ALL, PEER, "tcp", ("tcp", "tcp://10.1.0.5:7003")),
+    ("host-b", ALL, PEER, "ucx", ("ucx", "ucx://10.1.0.5:7002")),
+])
+def test_choose_picks_shm_then_ucx_then_tcp(local_host, local, advert, forced, expected):
+    with structlog.testing.capture_logs() as logs:
+        assert tuple(choose(local_host, local, advert, forced)) == expected
+    [event] = [e for e in logs if e["event"] == "kv_transfer.backend_chosen"]
+    assert (event["kind"], event["address"], event["forced"]) == (*expected, forced)
+
+
+@pytest.mark.parametrize("local_host,local,advert,forced,error", [
+    ("host-a", ALL, TCP_ONLY, "ucx", r"'ucx' is forced but the peer on 'host-a' offers only"),
+    ("host-b", ALL, PEER, "shm", "'shm' is forced but the peer is on host 'host-a', not 'host-b'"),
+    ("host-a", ("tcp",), PEER, "ucx", "'ucx' is forced but is not available here"),
+    ("host-b", ("shm",), SHM_ONLY, None, "no transfer backend in common with 'host-a'"),
+])
+def test_choose_refuses_what_cannot_work(local_host, local, advert, forced, error):
+    with pytest.raises(TransferError, match=error):
+        choose(local_host, local, advert, forced)
+
+
+def test_adverts_are_checked():
+    with pytest.raises(ValueError, match="not a ucx address"):
+        make_advert("h", {"ucx": "tcp://h:1"})
+    with pytest.raises(ValueError, match="host_id"):
+        choose("h", ALL, {"host_id": "", "endpoints": {"tcp": "tcp://h:1"}})
+    with pytest.raises(ValueError, match="unknown transfer backend"):
+        choose("h", ALL, PEER, forced="rdma")
+
+
+async def test_multi_receiver_serves_every_backend_into_one_table():
+    got = []
+    rx = MultiReceiver(host_id="here", sink=lambda r, layer, b, p: got.append((layer, bytes(p))))
+    await rx.start()
+    near, far = MultiSender(host_id="here"), MultiSender(host_id="away", backends=("ucx", "tcp"))
+    try:
+        advert = rx.advert()
+        assert set(advert["endpoints"]) == {"shm", "tcp"} | (set() if UCX_MISSING else {"ucx"})
+        here, there = near.address_for(advert), far.address_for(advert)
+        assert here.startswith("shm://") and there.startswith("tcp://" if UCX_MISSING else "ucx://")
+        transfer = rx.expect("mixed", lease_s=10)  # one transfer, chunks over two backends
+        await near.send(here, "mixed", 0, [4], b"over shared memory")
+        for _ in range(500):  # no order across backends: let the first land before the rest
+            if transfer.chunks_received:
+                break
+            await asyncio.sleep(0.002)
+        await far.send(there, "mixed", 1, [5], b"over the network")
+        await far.finish(there, "mixed", 2)
+        await transfer.wait()
+        assert got == [(0, b"over shared memory"), (1, b"over the network")]
+    finally:
+        for peer in (near, far, rx):
+            await peer.close()
+
+
+def test_ucx_without_ucxx_names_the_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ucxx", None)  # as if not installed
+    for build in (lambda: make_receiver("ucx", sink=print), lambda: make_sender("ucx")):
+        with pytest.raises(BackendUnavailable, match="ucxx-cu12") as info:
+            build()
+        assert isinstance(info.value, ImportError) and isinstance(info.value, TransferError)
+        assert info.value.name == "ucxx-cu12"
+    assert "ucx" not in available_backends() and "tcp" in available_backends()
+
+
+def test_new_backends_import_without_torch_or_numpy():
+    modules = ["shm", "shm_sender", "ucx", "ucx_sender", "multi", "negotiate"]
+    code = "import sys;" + "".join(f"import common.transfer.{m};" for m in modules)
+    code += "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30, cwd=ROOT)
