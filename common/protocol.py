@@ -418,11 +418,13 @@ class Error:
     """Any server -> the requester, as the reply to a request that failed.
 
     ``code`` is a ProtocolError code, "internal" for a handler failure, or a
-    service-specific code (see docs/protocol.md). No reply.
+    service-specific code (see docs/protocol.md). ``retry_after_s`` comes with
+    "overloaded": when the request may be tried again. No reply.
     """
 
     code: str
     message: str
+    retry_after_s: float | None = None
 
 
 @message("ack")
@@ -473,17 +475,23 @@ class Heartbeat:
     total_blocks: int
     step_time_ms: float
     control_addr: str = ""
+    prefill_steps: list[dict] = field(default_factory=list)
+    decode_steps: list[dict] = field(default_factory=list)
 
 
 @message("route")
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Gateway -> conductor (DEALER -> ROUTER). Reply: RouteReply, or Error to reject."""
+    """Gateway -> conductor (DEALER -> ROUTER). Reply: RouteReply, or Error to reject
+    ("overloaded" with ``retry_after_s`` when admission refuses it)."""
 
     model: str
     prompt_len: int
     block_hashes: list[int] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
+    slo_ttft_ms: float | None = None
+    slo_tbt_ms: float | None = None
+    max_tokens: int = 0
 
 
 @message("route_reply")

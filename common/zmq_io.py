@@ -42,12 +42,14 @@ Handler = Callable[[Message], Awaitable[Any | None]]
 
 
 class RemoteError(RuntimeError):
-    """The peer answered a call with ``Error``; ``code`` and ``message`` are its fields."""
+    """The peer answered a call with ``Error``; ``code``, ``message`` and
+    ``retry_after_s`` are its fields."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None):
         super().__init__(f"[{code}] {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
 
 class RpcTimeout(TimeoutError):
@@ -401,6 +403,7 @@ class RpcClient:
             log.debug("rpc_unmatched_reply", client=self._name, type=reply.envelope.type,
                       parent=reply.envelope.parent)
         elif isinstance(reply.record, Error):
-            future.set_exception(RemoteError(reply.record.code, reply.record.message))
+            future.set_exception(RemoteError(reply.record.code, reply.record.message,
+                                             reply.record.retry_after_s))
         else:
             future.set_result(reply)

@@ -69,7 +69,13 @@ class Proc:
 
 @dataclass
 class Cluster:
-    """gateway + conductor + workers as subprocesses; ``roles`` like ["prefill", "decode"]."""
+    """gateway + conductor + workers as subprocesses; ``roles`` like ["prefill", "decode"].
+
+    ``policy`` defaults to the static least-loaded rule, under which exactly the prompts
+    of ``disagg_threshold`` tokens or more cross to a prefill worker, so data-path tests
+    know in advance which requests move KV; routing tests choose "cache_aware".
+    ``executor="sim"`` starts simulated workers (``sim_profile``); ``conductor_args``
+    and ``worker_args`` are extra flags for those processes."""
 
     model: str
     workdir: Path
@@ -79,6 +85,12 @@ class Cluster:
     kv_lease_s: float = 10.0
     kv_cache_mib: int = 64
     max_model_len: int = 0
+    policy: str = "least_loaded"
+    executor: str = "model"
+    sim_profile: str = "zero"
+    conductor_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,20 +115,23 @@ class Cluster:
             "--dtype", self.dtype, "--control-addr", control,
             "--conductor-addr", self.conductor_addr, "--heartbeat-addr", self.heartbeat_addr,
             "--kv-cache-mib", str(self.kv_cache_mib), "--kv-lease-s", str(self.kv_lease_s),
-            "--num-threads", "1", "--max-model-len", str(self.max_model_len)], control)
+            "--num-threads", "1", "--max-model-len", str(self.max_model_len),
+            "--executor", self.executor, "--sim-profile", self.sim_profile,
+            *self.worker_args], control)
 
     def start(self, timeout_s: float = 120.0) -> Cluster:
         self._spawn("conductor", [
             "services.conductor", "--control-addr", self.conductor_addr,
-            "--heartbeat-addr", self.heartbeat_addr,
-            "--disagg-threshold", str(self.disagg_threshold)], self.conductor_addr)
+            "--heartbeat-addr", self.heartbeat_addr, "--policy", self.policy,
+            "--disagg-threshold", str(self.disagg_threshold), *self.conductor_args],
+            self.conductor_addr)
         for i, role in enumerate(self.roles):
             self.start_worker(f"{role}-{i}", role)
         self._spawn("gateway", [
             "services.gateway", "--model", self.model, "--http-port", str(self.http_port),
             "--zmq-addr", self.zmq_addr, "--conductor-addr", self.conductor_addr,
             "--stream-bind", f"tcp://127.0.0.1:{free_port()}",
-            "--request-timeout-s", "120"])
+            "--request-timeout-s", "120", *self.gateway_args])
         self.wait_ready(timeout_s)
         return self
 
@@ -141,6 +156,9 @@ class Cluster:
 
     def worker_stats(self, name: str) -> dict:
         return stats(self.procs[name].control)
+
+    def conductor_stats(self) -> dict:
+        return stats(self.conductor_addr)
 
     def conductor_workers(self) -> dict[str, dict]:
         return {w["worker_id"]: w for w in stats(self.conductor_addr)["workers"]}

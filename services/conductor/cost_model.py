@@ -157,6 +157,17 @@ class CostModel:
         if n > 0:
             self._prefill.observe(self._prefill_x(n, c), seconds)
 
+    def observe_prefill_step(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """One engine step that prefilled several prompt chunks at once, each ``(n, c)``:
+        its fixed cost counts once, the token and pair terms of the chunks add up."""
+        tokens = pairs = 0.0
+        for n, c in chunks:
+            _check(uncached=n, cached=c)
+            tokens += n
+            pairs += n * (n / 2 + c)
+        if tokens > 0:
+            self._prefill.observe((1.0, tokens, pairs), seconds)
+
     def observe_decode(self, batch: int, context_tokens: int, seconds: float) -> None:
         _check(batch=batch, context_tokens=context_tokens)
         if batch > 0:

@@ -4,24 +4,37 @@ Workers say Hello on the control socket and heartbeat on a SUB socket the conduc
 binds. A heartbeat from a worker the conductor does not know (it restarted) makes it ask
 that worker for its details, so the registry rebuilds itself within a heartbeat or two.
 A worker silent for three heartbeat intervals is dead and receives no more requests.
+
+Routing is ``services/conductor/router.py`` (default policy "cache_aware"): its cost
+model starts from the ``cost_profile`` calibration and is refitted from the step
+timings in every heartbeat. Each Route is answered with RouteReply, or with
+``Error("overloaded", reason, retry_after_s)`` when admission predicts an SLO miss, or
+``Error("unavailable")`` when no live worker serves the model. Every decision is
+logged with its reason and counted in ``pdserve:routing_decisions{outcome}``
+(``remote``, ``local``, ``colocated``, ``rejected``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
+import time
 from dataclasses import dataclass
 
 import structlog
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from common.cost_profile import load_profile
 from common.logging import configure_logging
 from common.protocol import Error, GetStats, Heartbeat, Hello, Route, RouteReply, Stats, Welcome
 from common.zmq_io import RpcClient, RpcServer, Subscriber, install_uvloop
-from services.conductor.policy import NoWorkers, account, decide, make_policy
+from services.conductor.cache_policy import Rejection
+from services.conductor.policy import NoWorkers
 from services.conductor.registry import Registry, WorkerView
+from services.conductor.router import Router, RouterConfig, RouteRequest
 
 log = structlog.get_logger(__name__)
 
@@ -31,25 +44,43 @@ class ConductorSettings:
     control_addr: str = "tcp://127.0.0.1:5551"
     heartbeat_addr: str = "tcp://127.0.0.1:5552"
     heartbeat_interval_s: float = 1.0
-    policy: str = "least_loaded"
-    disagg_threshold: int = 256  # prompts with fewer uncached tokens prefill on decode
+    policy: str = "cache_aware"  # or "least_loaded", "round_robin"
+    cost_profile: str = "smollm2-cpu"  # calibration: a name in deploy/profiles or a path
+    # Baseline policies: prompts with fewer uncached tokens prefill on decode.
+    disagg_threshold: int = 256
+    slo_ttft_ms: float = 0.0  # default SLOs for requests that set none; 0: none
+    slo_tbt_ms: float = 0.0
+    admission: bool = True  # reject at arrival when the predicted TTFT/TBT misses the SLO
+    max_decode_stall_s: float = 0.5  # cap on a local prefill's stall of running decodes
+    planned_output_tokens: int = 512  # output planned for when max_tokens is larger
     metrics_port: int = 0
     log_format: str = "json"
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            policy=self.policy, disagg_threshold=self.disagg_threshold,
+            slo_ttft_s=self.slo_ttft_ms / 1e3 if self.slo_ttft_ms > 0 else math.inf,
+            slo_tbt_s=self.slo_tbt_ms / 1e3 if self.slo_tbt_ms > 0 else math.inf,
+            admission=self.admission, max_decode_stall_s=self.max_decode_stall_s,
+            planned_output_tokens=self.planned_output_tokens)
 
 
 class Conductor:
     def __init__(self, settings: ConductorSettings) -> None:
         self.settings = settings
+        self.router = Router(settings.router_config(), load_profile(settings.cost_profile))
         self.ctx = zmq.asyncio.Context()
         self.registry = Registry(settings.heartbeat_interval_s)
-        self.policy = make_policy(settings.policy)
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name="conductor")
         self.sub = Subscriber(self.ctx, settings.heartbeat_addr, bind=True)
         self._tasks: list[asyncio.Task] = []
         self._discovering: set[str] = set()
         self.metrics = CollectorRegistry()
         self.decisions = Counter("pdserve:routing_decisions", "Routing decisions",
-                                 ["reason"], registry=self.metrics)
+                                 ["outcome"], registry=self.metrics)
+        self.decision_seconds = Histogram(
+            "pdserve:routing_decision_seconds", "Time to make one routing decision",
+            registry=self.metrics, buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3))
         self.alive_workers = Gauge("pdserve:workers_alive", "Live workers", ["role"],
                                    registry=self.metrics)
 
@@ -60,7 +91,8 @@ class Conductor:
         if self.settings.metrics_port:
             start_http_server(self.settings.metrics_port, registry=self.metrics)
         log.info("conductor started", control=self.rpc.address,
-                 heartbeats=self.settings.heartbeat_addr, policy=self.policy.name)
+                 heartbeats=self.settings.heartbeat_addr, policy=self.router.name,
+                 cost_profile=self.router.profile.name)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -79,40 +111,71 @@ class Conductor:
         if isinstance(rec, Route):
             return self._route(rec, msg.envelope.request_id)
         if isinstance(rec, GetStats):
-            return Stats(values={"workers": [
-                {k: getattr(w, k) for k in w.__slots__} for w in self.registry.workers.values()],
-                "policy": self.policy.name})
+            return Stats(values=self.stats())
         return Error("unsupported", f"{type(rec).__name__} is not handled by the conductor")
 
+    def stats(self) -> dict:
+        cost = self.router.cost
+        return {"workers": [{k: getattr(w, k) for k in w.__slots__}
+                            for w in self.registry.workers.values()],
+                "policy": self.router.name, "cost_profile": self.router.profile.name,
+                "cost_model": {k: getattr(cost.coefficients(), k)
+                               for k in cost.coefficients().__slots__},
+                "cost_observations": list(cost.observations),
+                "bad_samples": self.router.bad_samples, "index_blocks": len(self.router.index)}
+
     def _route(self, rec: Route, rid: str | None):
+        for name in ("slo_ttft_ms", "slo_tbt_ms"):
+            value = getattr(rec, name)
+            if value is not None and not value > 0:  # inf: no target
+                return Error("invalid", f"{name} must be > 0, got {value}")
+        req = RouteRequest(
+            model=rec.model, prompt_len=rec.prompt_len, block_hashes=rec.block_hashes,
+            exclude=frozenset(rec.exclude),
+            slo_ttft_s=None if rec.slo_ttft_ms is None else rec.slo_ttft_ms / 1e3,
+            slo_tbt_s=None if rec.slo_tbt_ms is None else rec.slo_tbt_ms / 1e3,
+            max_tokens=rec.max_tokens)
+        start = time.perf_counter()
         try:
-            decision = decide(list(self.registry.workers.values()), self.policy,
-                              model=rec.model, prompt_tokens=rec.prompt_len,
-                              disagg_threshold=self.settings.disagg_threshold,
-                              exclude=frozenset(rec.exclude))
+            decision = self.router.route(list(self.registry.workers.values()), req)
         except NoWorkers as exc:
             return Error("unavailable", str(exc))
-        account(decision, rec.prompt_len)
-        self.decisions.labels(reason=decision.reason.split(" ")[0]).inc()
-        log.info("routed", request_id=rid, decode=decision.decode.worker_id,
-                 prefill=decision.prefill.worker_id if decision.prefill else None,
-                 reason=decision.reason)
+        except ValueError as exc:
+            return Error("invalid", str(exc))
+        finally:
+            self.decision_seconds.observe(time.perf_counter() - start)
+        if isinstance(decision, Rejection):
+            self.decisions.labels(outcome="rejected").inc()
+            log.info("rejected", request_id=rid, reason=decision.reason,
+                     retry_after_s=decision.retry_after_s)
+            return Error("overloaded", decision.reason, retry_after_s=decision.retry_after_s)
         p = decision.prefill
+        outcome = "remote" if p else (
+            "colocated" if decision.decode.role == "unified" else "local")
+        self.decisions.labels(outcome=outcome).inc()
+        log.info("routed", request_id=rid, decode=decision.decode.worker_id,
+                 prefill=p.worker_id if p else None, reason=decision.reason)
         return RouteReply(decode_id=decision.decode.worker_id,
                           decode_addr=decision.decode.control_addr,
                           prefill_id=p.worker_id if p else None,
                           prefill_addr=p.control_addr if p else None, reason=decision.reason)
 
+    def apply_heartbeat(self, hb: Heartbeat) -> bool:
+        """Update the registry and fit the cost model; False for an unknown worker (whom
+        the conductor then asks for its details)."""
+        if self.registry.heartbeat(hb):
+            self.router.observe(hb.prefill_steps, hb.decode_steps)
+            return True
+        if hb.control_addr and hb.worker_id not in self._discovering:
+            self._discovering.add(hb.worker_id)
+            asyncio.create_task(self._discover(hb))
+        return False
+
     async def _heartbeats(self) -> None:
         while True:
             msg = await self.sub.recv()
-            hb = msg.record
-            if not isinstance(hb, Heartbeat):
-                continue
-            if not self.registry.heartbeat(hb) and hb.control_addr \
-                    and hb.worker_id not in self._discovering:
-                self._discovering.add(hb.worker_id)
-                asyncio.create_task(self._discover(hb))
+            if isinstance(msg.record, Heartbeat):
+                self.apply_heartbeat(msg.record)
 
     async def _discover(self, hb: Heartbeat) -> None:
         """Learn about a worker from its heartbeat (after a conductor restart)."""

@@ -14,6 +14,7 @@ another engine with the same model, dtype and block size.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +55,24 @@ class KVCache:
                              f"got {tuple(buffer.shape)} {buffer.dtype}")
         self.k[layer].index_copy_(0, ids, buffer[0].to(self.k.device))
         self.v[layer].index_copy_(0, ids, buffer[1].to(self.v.device))
+
+    def export_layer_bytes(self, layer: int, block_ids: Sequence[int]) -> memoryview:
+        """:meth:`export_layer` as raw bytes, in a new buffer the view keeps alive."""
+        return memoryview(self.export_layer(layer, block_ids).view(torch.uint8).numpy()).cast("B")
+
+    def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
+                           payload: memoryview) -> None:
+        """Write bytes from :meth:`export_layer_bytes` into ``block_ids``; ``ValueError``
+        if their length does not fit that many blocks of this layout."""
+        per_block = 2 * self.k[0, 0].numel() * self.k.element_size()
+        if payload.nbytes != per_block * len(block_ids):
+            raise ValueError(f"KV payload of {payload.nbytes} bytes for {len(block_ids)} "
+                             f"blocks of {per_block} bytes")
+        with warnings.catch_warnings():  # a read-only buffer is fine: import copies it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+        buf = raw.view(self.k.dtype).view(2, len(block_ids), *self.k.shape[2:])
+        self.import_layer(layer, block_ids, buf)
 
     def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """All layers: ``[layers, 2, n, block_size, kv_heads, head_dim]``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.engine.sampler import TokenLogprobs
+from services.engine.sampling_state import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -44,3 +44,28 @@ class RemoteSlots(NamedTuple):
 
     block_ids: list[int]
     num_cached_blocks: int
+
+
+class StepRecord(NamedTuple):
+    """What one engine step computed, for the cost model's online fit.
+
+    ``prefill`` holds, per prompt chunk in the step, (tokens computed now, tokens of the
+    sequence already in the KV cache); ``decode_batch`` counts sequences that computed
+    one token after their last output, over ``decode_context`` tokens of KV in all.
+    """
+
+    prefill: tuple[tuple[int, int], ...]
+    decode_batch: int
+    decode_context: int
+
+    @classmethod
+    def of(cls, scheduled) -> StepRecord:
+        """From ``(sequence, new tokens)`` pairs, before the step updates the sequences."""
+        prefill, batch, context = [], 0, 0
+        for seq, n in scheduled:
+            if n == 1 and seq.output_token_ids and seq.num_computed_tokens + 1 == seq.num_tokens:
+                batch += 1
+                context += seq.num_computed_tokens
+            else:
+                prefill.append((n, seq.num_computed_tokens))
+        return cls(tuple(prefill), batch, context)

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.engine.sampler import SamplingState, TokenLogprobs
 from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_state import SamplingState, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):

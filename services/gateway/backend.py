@@ -24,13 +24,16 @@ class GenerationRequest:
 
     ``sampling`` holds exactly the keys in ``SAMPLING_KEYS`` (the fields of the engine's
     ``SamplingParams``), already validated by the gateway. ``cache_salt`` separates
-    prefix-cache entries of different tenants.
+    prefix-cache entries of different tenants. ``slo_ttft_ms`` / ``slo_tbt_ms`` are the
+    request's latency targets (None: the cluster's defaults).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     cache_salt: str | None = None
+    slo_ttft_ms: float | None = None
+    slo_tbt_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

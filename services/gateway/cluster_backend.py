@@ -8,19 +8,30 @@ that fell back to local prefill re-sends token 0) is released once.
 If a decode worker goes quiet and the conductor no longer lists it alive, the request is
 re-routed to another decode worker with the prompt plus the tokens already streamed, and
 the client's stream continues from where it stopped.
+
+Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
+which the gateway needs the workers' KV layout (model fingerprint and block size). It
+reads it from the conductor's worker list (GetStats) and keeps it ``layout_ttl_s``
+seconds; with no live worker of the model known yet, a Route goes without hashes.
+The request's SLOs and ``max_tokens`` go along. A conductor's ``overloaded`` error
+becomes ``BackendOverloaded`` (HTTP 429, Retry-After from its ``retry_after_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 
 import structlog
 import zmq.asyncio
 
+from common.block_hash import hash_blocks
 from common.protocol import Abort, Generate, GetStats, Route, Tokens
 from common.zmq_io import PullSocket, RemoteError, RpcClient, RpcTimeout
 from services.gateway.backend import (
+    BackendOverloaded,
     BackendUnavailable,
     GenerationBackend,
     GenerationRequest,
@@ -33,7 +44,8 @@ log = structlog.get_logger(__name__)
 class ClusterBackend(GenerationBackend):
     def __init__(self, ctx: zmq.asyncio.Context, conductor_addr: str, stream_bind: str,
                  model: str, *, stream_advertise: str = "", rpc_timeout_s: float = 10.0,
-                 stall_check_s: float = 2.0, max_reroutes: int = 2) -> None:
+                 stall_check_s: float = 2.0, max_reroutes: int = 2,
+                 layout_ttl_s: float = 10.0) -> None:
         self.ctx = ctx
         self.model = model
         self.conductor = RpcClient(ctx, conductor_addr, name="gateway")
@@ -46,6 +58,9 @@ class ClusterBackend(GenerationBackend):
         self.decoders: dict[str, str] = {}  # request id → decode worker control address
         self._clients: dict[str, RpcClient] = {}
         self._task: asyncio.Task | None = None
+        self.layout_ttl_s = layout_ttl_s
+        self._layout: tuple[str, int] | None = None  # (fingerprint, block size)
+        self._layout_at = -float("inf")
 
     @property
     def stream_addr(self) -> str:
@@ -85,6 +100,27 @@ class ClusterBackend(GenerationBackend):
         workers = reply.record.values.get("workers", [])
         return any(w["alive"] and w["role"] in ("decode", "unified") for w in workers)
 
+    async def _kv_layout(self) -> tuple[str, int] | None:
+        """(fingerprint, block size) of this model's workers, as the conductor lists them."""
+        now = time.monotonic()
+        if now - self._layout_at < self.layout_ttl_s:
+            return self._layout
+        try:
+            reply = await self.conductor.call(GetStats(), timeout=2.0)
+        except (RpcTimeout, RemoteError):
+            return self._layout
+        layout = next(((w["fingerprint"], int(w["block_size"]))
+                       for w in reply.record.values.get("workers", [])
+                       if w.get("alive") and w.get("model") == self.model
+                       and w.get("role") in ("decode", "unified")), None)
+        if layout is not None:  # none yet: ask again next time
+            self._layout, self._layout_at = layout, now
+        return self._layout
+
+    async def _block_hashes(self, prompt: list[int], salt: str | None) -> list[int]:
+        layout = await self._kv_layout()
+        return [] if layout is None else hash_blocks(prompt, layout[1], layout[0], salt)
+
     async def _decode_alive(self, worker_id: str) -> bool:
         try:
             reply = await self.conductor.call(GetStats(), timeout=2.0)
@@ -98,14 +134,24 @@ class ClusterBackend(GenerationBackend):
         """Route and submit; returns the decode worker id."""
         prompt = req.prompt_token_ids + generated
         sampling = dict(req.sampling)
+        # A resumed stream was admitted once already: no SLO may turn it away now.
+        slo_ttft, slo_tbt = (math.inf, math.inf) if generated else (req.slo_ttft_ms,
+                                                                     req.slo_tbt_ms)
         if generated:
             sampling["max_tokens"] = sampling.get("max_tokens", 16) - len(generated)
             sampling["min_tokens"] = max(0, sampling.get("min_tokens", 0) - len(generated))
         try:
             route = (await self.conductor.call(
-                Route(model=self.model, prompt_len=len(prompt), exclude=exclude),
+                Route(model=self.model, prompt_len=len(prompt), exclude=exclude,
+                      block_hashes=await self._block_hashes(prompt, req.cache_salt),
+                      slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt,
+                      max_tokens=int(sampling.get("max_tokens", 0))),
                 request_id=req.request_id, timeout=self.rpc_timeout_s)).record
         except RemoteError as exc:
+            if exc.code == "overloaded":
+                raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
+            if exc.code == "invalid":
+                raise ValueError(exc.message) from exc
             raise BackendUnavailable(exc.message) from exc
         except RpcTimeout as exc:
             raise BackendUnavailable("the conductor did not answer") from exc

@@ -68,7 +68,8 @@ class _Run:
         self.prompt_tokens = len(prepared.prompt_token_ids)
         self._deadline = asyncio.get_running_loop().time() + timeout_s
         request = GenerationRequest(request_id, prepared.prompt_token_ids, prepared.sampling,
-                                    prepared.cache_salt)
+                                    prepared.cache_salt, prepared.slo_ttft_ms,
+                                    prepared.slo_tbt_ms)
         self._deltas = pipeline.stream(prepared, backend.generate(request),
                                        on_stop=lambda: backend.abort(request_id))
 

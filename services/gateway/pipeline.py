@@ -46,6 +46,8 @@ class PreparedRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    slo_ttft_ms: float | None = None  # extensions: the request's latency targets
+    slo_tbt_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +222,17 @@ class RequestPipeline:
             stop=self.stop_strings(body),
             include_stop_str_in_output=get_field(body, "include_stop_str_in_output", bool, False),
             skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
-            cache_salt=get_field(body, "cache_salt", str, None) or None)
+            cache_salt=get_field(body, "cache_salt", str, None) or None,
+            slo_ttft_ms=self._slo(body, "slo_ttft_ms"),
+            slo_tbt_ms=self._slo(body, "slo_tbt_ms"))
+
+    @staticmethod
+    def _slo(body: Mapping[str, Any], name: str) -> float | None:
+        """An SLO extension field in milliseconds: absent/null, or a number > 0."""
+        value = get_field(body, name, float, None)
+        if value is not None and value <= 0:
+            raise RequestError(f"{name} must be > 0 milliseconds, got {value}", name)
+        return value
 
     # ---- streaming --------------------------------------------------------------------
 

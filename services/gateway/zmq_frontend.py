@@ -111,7 +111,8 @@ class ZmqFrontend:
             body = {**rec.sampling, "stop": rec.stop or None, "cache_salt": rec.cache_salt}
             prepared = self.pipeline.prepare(body, ids, chat=chat)
             events = self.backend.generate(GenerationRequest(
-                rid, prepared.prompt_token_ids, prepared.sampling, prepared.cache_salt))
+                rid, prepared.prompt_token_ids, prepared.sampling, prepared.cache_salt,
+                prepared.slo_ttft_ms, prepared.slo_tbt_ms))
             started = True
             async with asyncio.timeout(rec.timeout_s or self.request_timeout_s):
                 async for d in self.pipeline.stream(prepared, events,

@@ -22,12 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
-import torch
 
 from common.protocol import Abort, Ack, Error, Generate, Prefill, Tokens
 from common.transfer import Transfer, TransferError
@@ -146,12 +144,10 @@ class DecodeRole:
         want = remote.slots.block_ids[remote.slots.num_cached_blocks:]
         if block_ids != want:
             raise TransferError(f"KV for blocks {block_ids[:4]}…, reserved {want[:4]}…")
-        kv = self.worker.engine.kv_cache
-        with warnings.catch_warnings():  # a read-only buffer is fine: import copies it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(payload, dtype=torch.uint8)
-        buf = raw.view(kv.k.dtype).view(2, len(block_ids), *kv.k.shape[2:])
-        kv.import_layer(layer, block_ids, buf)
+        try:
+            self.worker.engine.kv_cache.import_layer_bytes(layer, block_ids, payload)
+        except ValueError as exc:
+            raise TransferError(str(exc)) from exc
         self.received_bytes += len(payload)
         self.worker.metrics.kv_transfer_bytes.inc(len(payload))
 

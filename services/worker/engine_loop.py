@@ -6,6 +6,11 @@ that thread between steps; each step's outputs are handed back to the event loop
 
     event loop ── call(fn) ──► [command queue] ──► engine thread: run commands, step, …
     event loop ◄── on_outputs(outputs, step_seconds) ◄──────────────┘
+
+Each step is also kept as a timing sample for the conductor's cost model: a step that
+only prefilled as a prefill sample, one that only decoded as a decode sample (a step
+that did both fits neither model and is dropped). ``take_samples`` hands over those
+gathered since the last call; at most ``MAX_SAMPLES`` of each kind, the newest.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
-from services.engine.engine import LLMEngine
 from services.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from services.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
 
 OutputHandler = Callable[[list[RequestOutput], float], None]
+MAX_SAMPLES = 32
 
 
 class LoadSnapshot(NamedTuple):
@@ -40,7 +48,7 @@ class LoadSnapshot(NamedTuple):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_outputs: OutputHandler, *,
+    def __init__(self, engine: EngineCore, on_outputs: OutputHandler, *,
                  name: str = "engine") -> None:
         self.engine = engine
         self._on_outputs = on_outputs
@@ -49,6 +57,8 @@ class EngineLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
+        self._prefill_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
+        self._decode_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
         self.last_error: str | None = None
         self.load = self._snapshot()
 
@@ -71,6 +81,29 @@ class EngineLoop:
 
     def recent_step_ms(self) -> float:
         return 1000 * sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+
+    def take_samples(self) -> tuple[list[dict], list[dict]]:
+        """(prefill, decode) step samples since the last call, oldest first; thread-safe
+        (deque appends and pops are atomic)."""
+        out = []
+        for samples in (self._prefill_samples, self._decode_samples):
+            taken = []
+            while samples:
+                taken.append(samples.popleft())
+            out.append(taken)
+        return out[0], out[1]
+
+    def _record(self, elapsed: float) -> None:
+        step = self.engine.last_step
+        if step is None:
+            return
+        if step.prefill and not step.decode_batch:
+            self._prefill_samples.append({"tokens": [n for n, _ in step.prefill],
+                                          "cached": [c for _, c in step.prefill],
+                                          "seconds": elapsed})
+        elif step.decode_batch and not step.prefill:
+            self._decode_samples.append({"batch": step.decode_batch,
+                                         "context": step.decode_context, "seconds": elapsed})
 
     def _settle(self, future: asyncio.Future, result: Any = None,
                 exc: BaseException | None = None) -> None:
@@ -130,7 +163,10 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self.last_error = str(exc)
                 outputs = self._fail_all(str(exc))
-            elapsed = time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+            else:
+                elapsed = time.perf_counter() - start
+                self._record(elapsed)
             self.step_times.append(elapsed)
             if outputs:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs, elapsed)

@@ -22,7 +22,6 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
-import torch
 
 from common.protocol import Error, Prefill, PrefillDone, Tokens
 from common.transfer import TransferError
@@ -84,7 +83,7 @@ class PrefillRole:
                              f"prompt fills {len(blocks)}")
                 self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, None))
                 continue
-            payload = kv.export_layer(layer, blocks[rec.skip_blocks:])
+            payload = kv.export_layer_bytes(layer, blocks[rec.skip_blocks:])
             self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, payload))
 
     async def handle(self, rid: str, rec: Prefill):
@@ -134,10 +133,9 @@ class PrefillRole:
             if payload is None or job.error:
                 raise TransferError(job.error or "KV export failed")
             start = start or time.perf_counter()
-            data = payload.view(torch.uint8).numpy()
-            await w.sender.send(job.rec.kv_addr, rid, layer, dest, memoryview(data).cast("B"))
-            self.sent_bytes += data.nbytes
-            w.metrics.kv_transfer_bytes.inc(data.nbytes)
+            await w.sender.send(job.rec.kv_addr, rid, layer, dest, payload)
+            self.sent_bytes += payload.nbytes
+            w.metrics.kv_transfer_bytes.inc(payload.nbytes)
         await w.sender.finish(job.rec.kv_addr, rid, num_layers)
         w.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
         return num_layers

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import structlog
 import zmq.asyncio
@@ -20,19 +21,32 @@ from common.logging import configure_logging
 from common.protocol import Abort, Ack, Error, Generate, GetStats, Heartbeat, Hello, Prefill, Stats
 from common.transfer import make_receiver, make_sender
 from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_uvloop
-from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
 from services.worker.prefill_role import PrefillRole
-from services.worker.settings import WorkerSettings
+from services.worker.settings import WorkerSettings, parse_cpus
 from services.worker.streams import StreamSender
+
+if TYPE_CHECKING:
+    from services.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
 
 
-def build_engine(s: WorkerSettings) -> LLMEngine:
+def build_engine(s: WorkerSettings) -> EngineCore:
+    """The executor ``s.executor`` names: the model (imports torch) or the simulation."""
+    if s.executor == "sim":
+        from common.cost_profile import load_profile
+        from services.worker.sim_engine import SimEngine
+
+        return SimEngine(load_profile(s.sim_profile), block_size=s.block_size,
+                         kv_cache_bytes=s.kv_cache_mib << 20, max_num_seqs=s.max_num_seqs,
+                         max_num_batched_tokens=s.max_num_batched_tokens,
+                         max_model_len=s.max_model_len or 8192, time_scale=s.sim_time_scale)
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
     return LLMEngine(EngineConfig(
         model=s.model, dtype=s.dtype, block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
@@ -40,8 +54,16 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
         num_threads=s.num_threads or None))
 
 
+def pin_cpus(spec: str) -> None:
+    """Pin this process (and the threads it starts later) to the CPUs in ``spec``."""
+    cpus = parse_cpus(spec)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        log.info("pinned to CPUs", cpus=sorted(cpus))
+
+
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: LLMEngine) -> None:
+    def __init__(self, settings: WorkerSettings, engine: EngineCore) -> None:
         self.settings = settings
         self.engine = engine
         self.worker_id = settings.worker_id or (
@@ -142,6 +164,7 @@ class Worker:
         s = self.settings
         return {
             "worker_id": self.worker_id, "role": s.role, "model": s.model,
+            "executor": s.executor,
             "control_addr": self.rpc.address, "kv_addr": self.kv_addr,
             "host_id": s.resolved_host_id, "fingerprint": self.engine.fingerprint,
             "block_size": s.block_size, "num_blocks": load.total_blocks,
@@ -176,11 +199,13 @@ class Worker:
             while True:
                 load = self.loop.load
                 self.metrics.update_load(load)
+                prefill_steps, decode_steps = self.loop.take_samples()
                 await pub.publish(Heartbeat(
                     worker_id=self.worker_id, role=s.role, seq=seq, waiting=load.waiting,
                     running=load.running, queued_prefill_tokens=load.queued_prefill_tokens,
                     free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-                    step_time_ms=self.loop.recent_step_ms(), control_addr=self.rpc.address))
+                    step_time_ms=self.loop.recent_step_ms(), control_addr=self.rpc.address,
+                    prefill_steps=prefill_steps, decode_steps=decode_steps))
                 seq += 1
                 await asyncio.sleep(s.heartbeat_interval_s)
         finally:
@@ -208,6 +233,7 @@ def main(argv=None, role: str | None = None) -> int:
 
         settings = dataclasses.replace(settings, role=role)
     configure_logging(settings.log_format, service=role or settings.role)
+    pin_cpus(settings.cpu_affinity)
     install_uvloop()
     asyncio.run(serve(settings))
     return 0

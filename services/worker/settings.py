@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 ROLES = ("prefill", "decode", "unified")
+EXECUTORS = ("model", "sim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,10 @@ class WorkerSettings:
     metrics_port: int = 0  # 0: no /metrics endpoint
     host_id: str = ""  # empty: this machine's hostname
     log_format: str = "json"
+    executor: str = "model"  # "model": the real engine; "sim": sleep what sim_profile says
+    sim_profile: str = "smollm2-cpu"  # cost profile name (deploy/profiles) or JSON path
+    sim_time_scale: float = 1.0  # multiplies the simulated step times
+    cpu_affinity: str = ""  # CPUs to pin the process to, e.g. "0" or "0-3,6"; empty: any
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -39,7 +44,27 @@ class WorkerSettings:
             raise ValueError("kv_lease_s must be positive")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be positive")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.sim_time_scale < 0:
+            raise ValueError("sim_time_scale must be >= 0")
+        parse_cpus(self.cpu_affinity)
 
     @property
     def resolved_host_id(self) -> str:
         return self.host_id or socket.gethostname()
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """CPU ids from a list like "0", "0,2" or "0-3,6"; empty for ""; ValueError if bad."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"cpu_affinity: {part!r} is not a CPU id or range") from None
+        if first < 0 or last < first:
+            raise ValueError(f"cpu_affinity: bad range {part!r}")
+        cpus.update(range(first, last + 1))
+    return cpus

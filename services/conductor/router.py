@@ -1,0 +1,140 @@
+"""The conductor's routing, without I/O: which policy, with which cost model and prefix
+index, under which SLOs. The conductor process feeds it heartbeats and asks it for
+decisions; tests and the simulator drive the same object with the same inputs.
+
+    Route(model, prompt_len, block hashes, SLOs, max_tokens)
+        │ policy "cache_aware": CacheAwarePolicy (predicted TTFT/TBT, conditional
+        │                       disaggregation, SLO admission) -> Decision | Rejection
+        │ "round_robin" / "least_loaded": ``decide`` with the static disaggregation
+        │                       threshold; never rejects
+        ▼
+    Decision (decode worker, prefill worker or local, reason) | Rejection (reason, retry)
+
+SLOs: a request's own (``RouteRequest.slo_*``) else the configured defaults; infinite
+means none. Admission only rejects against a finite SLO. ``max_tokens`` is an upper
+bound; the policy plans KV and TBT for ``min(max_tokens, planned_output_tokens)``.
+
+Online fit: ``observe`` feeds the step samples a heartbeat carries into the cost model
+(prefill steps and decode steps; a malformed sample is skipped and counted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from common.cost_profile import CostProfile
+from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
+from services.conductor.cost_model import Calibration, CostModel
+from services.conductor.policy import POLICIES, Decision, account, decide, make_policy
+from services.conductor.prefix_index import PrefixIndex
+from services.conductor.registry import WorkerView
+
+ROUTING_POLICIES = ("cache_aware", *sorted(POLICIES))
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = "cache_aware"
+    disagg_threshold: int = 256  # static rule of the baseline policies
+    slo_ttft_s: float = math.inf  # defaults for requests that name none
+    slo_tbt_s: float = math.inf
+    admission: bool = True
+    max_decode_stall_s: float = 0.5
+    planned_output_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose from "
+                             f"{list(ROUTING_POLICIES)}")
+        if not (self.slo_ttft_s > 0 and self.slo_tbt_s > 0):
+            raise ValueError("SLOs must be > 0 seconds (math.inf: none)")
+        if self.planned_output_tokens < 1 or self.disagg_threshold < 0:
+            raise ValueError("planned_output_tokens must be >= 1, disagg_threshold >= 0")
+
+
+class RouteRequest(NamedTuple):
+    model: str
+    prompt_len: int
+    block_hashes: Sequence[int] = ()
+    exclude: frozenset[str] = frozenset()
+    slo_ttft_s: float | None = None  # None: the configured default
+    slo_tbt_s: float | None = None
+    max_tokens: int = 0  # 0: unknown
+
+
+class Router:
+    def __init__(self, config: RouterConfig, profile: CostProfile,
+                 index: PrefixIndex | None = None) -> None:
+        self.config = config
+        self.profile = profile
+        self.index = PrefixIndex() if index is None else index
+        self.cost = CostModel(Calibration(*profile.coefficients()))
+        self.bad_samples = 0
+        if config.policy == "cache_aware":
+            self.policy = CacheAwarePolicy(self.index, self.cost, PolicyConfig(
+                profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
+                config.max_decode_stall_s))
+        else:
+            self.policy = make_policy(config.policy)
+
+    @property
+    def name(self) -> str:
+        return self.config.policy
+
+    def route(self, workers: list[WorkerView], req: RouteRequest) -> Decision | Rejection:
+        """Decide for one request and account it against the chosen workers. Raises
+        ``NoWorkers`` when no live decode or unified worker serves the model,
+        ``ValueError`` for a request with no prompt or negative ``max_tokens``."""
+        if req.prompt_len <= 0 or req.max_tokens < 0:
+            raise ValueError(f"bad request: prompt_len {req.prompt_len}, "
+                             f"max_tokens {req.max_tokens}")
+        cfg = self.config
+        if not isinstance(self.policy, CacheAwarePolicy):
+            d = decide(workers, self.policy, model=req.model, prompt_tokens=req.prompt_len,
+                       disagg_threshold=cfg.disagg_threshold, exclude=req.exclude)
+            account(d, req.prompt_len)
+            return d
+        block_size = next((w.block_size for w in workers if w.alive), self.profile.block_size)
+        output = min(req.max_tokens, cfg.planned_output_tokens) if req.max_tokens else 0
+        return self.policy.decide(
+            workers, prompt_tokens=req.prompt_len, block_hashes=req.block_hashes,
+            block_size=block_size,
+            slo_ttft_s=cfg.slo_ttft_s if req.slo_ttft_s is None else req.slo_ttft_s,
+            slo_tbt_s=cfg.slo_tbt_s if req.slo_tbt_s is None else req.slo_tbt_s,
+            exclude=req.exclude, output_tokens=output, model=req.model,
+            admission=cfg.admission)
+
+    def observe(self, prefill_steps: list[dict], decode_steps: list[dict]) -> int:
+        """Fit the cost model on a heartbeat's step samples; returns how many were used."""
+        used = 0
+        for s in prefill_steps:
+            try:
+                chunks = list(zip(s["tokens"], s["cached"], strict=True))
+                if not all(_count(n) and _count(c) for n, c in chunks):
+                    raise ValueError("token counts must be ints >= 0")
+                self.cost.observe_prefill_step(chunks, _seconds(s["seconds"]))
+                used += 1
+            except (KeyError, TypeError, ValueError):
+                self.bad_samples += 1
+        for s in decode_steps:
+            try:
+                if not (_count(s["batch"]) and _count(s["context"])):
+                    raise ValueError("batch and context must be ints >= 0")
+                self.cost.observe_decode(s["batch"], s["context"], _seconds(s["seconds"]))
+                used += 1
+            except (KeyError, TypeError, ValueError):
+                self.bad_samples += 1
+        return used
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _seconds(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+        raise ValueError(f"seconds must be a finite number >= 0, got {v!r}")
+    return float(v)
