@@ -541,6 +541,7 @@ class Prefill:
     lease_s: float
     decode_id: str
     cache_salt: str | None = None
+    kv_advert: dict = field(default_factory=dict)
 
 
 @message("prefill_done")

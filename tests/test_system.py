@@ -314,3 +314,39 @@ def test_sdk_and_gateway_import_without_torch():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _ucx_importable() -> bool:
+    from common.transfer import available_backends
+
+    return "ucx" in available_backends()
+
+
+@pytest.mark.parametrize("backend", [
+    "tcp", "shm",
+    pytest.param("ucx", marks=pytest.mark.skipif(not _ucx_importable(),
+                                                 reason="ucxx-cu12 is not installed")),
+])
+def test_each_backend_forced_gives_colocated_output(backend, model_dir, tmp_path, prompts,
+                                                    offline):
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"],
+                      worker_args=["--transfer-backend", backend])
+    cluster.start()
+    try:
+        chosen = prompts[2:6]
+        assert sdk_tokens(cluster, chosen) == offline[2:6]
+        stats = wait_idle(cluster, ["prefill-0", "decode-1"])
+        remote = sum(len(p) >= cluster.disagg_threshold for p in chosen)
+        assert stats["prefill-0"]["transfer_backends"] == {backend: remote}
+        assert stats["decode-1"]["kv_bytes_received"] > 0
+        assert stats["decode-1"]["local_fallbacks"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_auto_negotiation_picks_shared_memory_on_one_host(disagg, prompts):
+    stats = disagg.worker_stats("decode-1")
+    assert set(stats["kv_advert"]["endpoints"]) >= {"shm", "tcp"}
+    sdk_tokens(disagg, [prompts[4]])  # 90 tokens: prefilled remotely
+    used = disagg.worker_stats("prefill-0")["transfer_backends"]
+    assert set(used) == {"shm"} and used["shm"] >= 1

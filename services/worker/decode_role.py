@@ -103,7 +103,8 @@ class DecodeRole:
                 prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
                 stream_addr=rec.stream_addr, kv_addr=w.receiver.address,
                 block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
-                lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt),
+                lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt,
+                kv_advert=w.receiver.advert()),
                 request_id=rid, timeout=lease)
             left = lease - (time.monotonic() - remote.started)
             await asyncio.wait_for(remote.transfer.wait(), timeout=max(left, 0.001))

@@ -27,6 +27,9 @@ class WorkerMetrics:
                                          "KV bytes moved over the data plane", registry=r)
         self.kv_transfer_seconds = Counter("pdserve:kv_transfer_seconds",
                                            "Seconds spent moving KV", registry=r)
+        self.transfer_backend = Counter("pdserve:kv_transfer_backend",
+                                        "KV transfers by the backend negotiated",
+                                        ["backend"], registry=r)
         self.local_fallbacks = Counter("pdserve:kv_local_fallbacks",
                                        "Remote prefills replaced by local prefill", registry=r)
         self.info = Gauge("pdserve:worker_info", "Worker identity", list(labels), registry=r)

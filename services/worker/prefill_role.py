@@ -16,6 +16,7 @@ the local prefix cache for the next prompt that shares them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import time
@@ -46,6 +47,7 @@ class Job:
     """One prefill in flight: where its KV goes, and the layers waiting to be sent."""
 
     rec: Prefill
+    addr: str  # the decode worker's data-plane address for the chosen backend
     done: asyncio.Future  # the finished RequestOutput
     layers: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     error: str | None = None
@@ -56,6 +58,7 @@ class PrefillRole:
         self.worker = worker
         self.jobs: dict[str, Job] = {}
         self.sent_bytes = 0
+        self.backends: collections.Counter[str] = collections.Counter()
         self.done = 0
         self._aio = asyncio.get_running_loop()
         worker.engine.layer_callback = self._on_layer
@@ -92,7 +95,14 @@ class PrefillRole:
             params = prefill_params(rec.sampling)
         except ValueError as exc:
             return Error("bad_request", str(exc))
-        job = self.jobs[rid] = Job(rec, self._aio.create_future())
+        try:
+            addr = w.sender.address_for(rec.kv_advert) if rec.kv_advert else rec.kv_addr
+        except (TransferError, ValueError) as exc:
+            return Error("bad_request", f"no usable data plane to the decode worker: {exc}")
+        backend = addr.partition("://")[0]
+        self.backends[backend] += 1
+        w.metrics.transfer_backend.labels(backend=backend).inc()
+        job = self.jobs[rid] = Job(rec, addr, self._aio.create_future())
         sending = asyncio.create_task(self._send_layers(rid, job))
         try:
             try:
@@ -115,7 +125,7 @@ class PrefillRole:
         except (TransferError, OSError) as exc:
             log.warning("prefill failed", request_id=rid, error=str(exc))
             with contextlib.suppress(TransferError, OSError):
-                await w.sender.abort(rec.kv_addr, rid, str(exc))
+                await w.sender.abort(job.addr, rid, str(exc))
             return Error("prefill_failed", str(exc))
         finally:
             sending.cancel()
@@ -133,10 +143,10 @@ class PrefillRole:
             if payload is None or job.error:
                 raise TransferError(job.error or "KV export failed")
             start = start or time.perf_counter()
-            await w.sender.send(job.rec.kv_addr, rid, layer, dest, payload)
+            await w.sender.send(job.addr, rid, layer, dest, payload)
             self.sent_bytes += payload.nbytes
             w.metrics.kv_transfer_bytes.inc(payload.nbytes)
-        await w.sender.finish(job.rec.kv_addr, rid, num_layers)
+        await w.sender.finish(job.addr, rid, num_layers)
         w.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
         return num_layers
 

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from common.logging import configure_logging
 from common.protocol import Abort, Ack, Error, Generate, GetStats, Heartbeat, Hello, Prefill, Stats
-from common.transfer import make_receiver, make_sender
+from common.transfer import MultiReceiver, MultiSender
 from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_uvloop
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
@@ -76,7 +76,9 @@ class Worker:
         self.decode = DecodeRole(self) if settings.role != "prefill" else None
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
         self.receiver = None
-        self.sender = make_sender(settings.transfer_backend) if self.prefill else None
+        forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
+        self.sender = MultiSender(host_id=settings.resolved_host_id, forced=forced) \
+            if self.prefill else None
         self._clients: dict[str, RpcClient] = {}
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
@@ -88,8 +90,10 @@ class Worker:
         await self.rpc.start()
         if self.decode is not None:
             s = self.settings
-            self.receiver = make_receiver(s.transfer_backend, host=s.kv_host, port=s.kv_port,
-                                          sink=self.decode.on_kv_chunk)
+            kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
+            self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
+                                          sink=self.decode.on_kv_chunk,
+                                          host_id=s.resolved_host_id)
             await self.receiver.start()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
@@ -175,6 +179,8 @@ class Worker:
             "kv_bytes_received": self.decode.received_bytes if self.decode else 0,
             "kv_bytes_sent": self.prefill.sent_bytes if self.prefill else 0,
             "prefills_done": self.prefill.done if self.prefill else 0,
+            "transfer_backends": dict(self.prefill.backends) if self.prefill else {},
+            "kv_advert": self.receiver.advert() if self.receiver is not None else {},
         }
 
     async def _register_and_beat(self) -> None:

@@ -24,7 +24,7 @@ class WorkerSettings:
     control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
     kv_host: str = "127.0.0.1"  # data plane listener (decode and unified roles)
     kv_port: int = 0
-    transfer_backend: str = "tcp"
+    transfer_backend: str = "auto"  # auto: negotiate per peer; or force tcp, shm or ucx
     conductor_addr: str = "tcp://127.0.0.1:5551"
     heartbeat_addr: str = "tcp://127.0.0.1:5552"
     heartbeat_interval_s: float = 1.0
@@ -40,6 +40,9 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transfer_backend not in ("auto", "tcp", "shm", "ucx"):
+            raise ValueError("transfer_backend must be auto, tcp, shm or ucx, "
+                             f"got {self.transfer_backend!r}")
         if self.kv_lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
         if self.heartbeat_interval_s <= 0:
