@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,10 +21,24 @@ from common.protocol import GetStats, decode, encode
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range, so that no socket bound
+    to port 0 meanwhile (ZeroMQ, UCX listeners) can take it before its process binds."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port found in 20000-32000")
 
 
 def make_served_tiny_model(path: Path, seed: int = 0) -> Path:
