@@ -1,0 +1,408 @@
+"""The control plane's codec: message envelope, field checking, encode and decode.
+
+Records are declared in :mod:`common.protocol` with :func:`message`; this module knows
+how any of them travels, not which exist.
+
+Wire format (one ZeroMQ multipart message)::
+
+    frame 0    msgpack map {"v": PROTOCOL_VERSION, "type": str, "id": str,
+                            "parent": str | nil, "rid": str | nil, "body": {field: value}}
+    frame 1..  raw bulk bytes, never interpreted by the codec
+
+Contract of the codec:
+
+- ``encode`` checks every field against its annotation and raises ``ProtocolError``
+  ("wrong_type") for a value msgpack cannot carry as declared: no object is ever pickled.
+- ``decode`` raises ``ProtocolError`` whose ``code`` says what was wrong; it never
+  returns a record whose fields do not match their annotations.
+- Body fields a record does not know are ignored, so a newer sender may add optional
+  fields without breaking older receivers. Removing a field or changing its type is a
+  version change (``PROTOCOL_VERSION``).
+
+This module is transport-free (no zmq import) and must never import torch or numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION: int = 1
+MAX_FRAME_BYTES: int = 64 << 20  # default limit for frame 0, the envelope
+MAX_BULK_FRAME_BYTES: int = 1 << 30  # default limit for each bulk frame
+
+ERROR_CODES: frozenset[str] = frozenset(
+    {"malformed", "unknown_type", "version", "missing_field", "wrong_type", "oversized"}
+)
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be encoded or decoded.
+
+    ``code`` is one of ``ERROR_CODES``. ``envelope`` is set when the header was readable
+    (so a server can address its ``Error`` reply to the offending request), else None.
+    """
+
+    def __init__(self, code: str, message: str, *, envelope: Envelope | None = None):
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown protocol error code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.envelope = envelope
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """Header of every message; ``parent`` is the id of the message this one answers."""
+
+    type: str
+    id: str
+    parent: str | None
+    request_id: str | None
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A decoded message. ``bulk`` views are valid as long as the Message is held."""
+
+    envelope: Envelope
+    record: Any
+    bulk: list[memoryview]
+
+
+# --- field types -------------------------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    """Internal: a value does not match a field type; carries a description."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _scalar(name: str, ok: Callable[[Any], bool], coerce: Callable[[Any], Any] | None = None):
+    def check(v: Any) -> Any:
+        if not ok(v):
+            raise _Mismatch(f"expected {name}, got {type(v).__name__}")
+        return coerce(v) if coerce is not None else v
+
+    return check
+
+
+_LEAVES = (type(None), bool, int, float, str, bytes)
+
+
+def _check_plain(v: Any, path: str) -> None:
+    """Accept only what msgpack carries without extensions: nil, bool, int, float, str,
+    bytes, and lists (tuples on encode) or str-keyed maps of these."""
+    if isinstance(v, _LEAVES):
+        return
+    if isinstance(v, list | tuple):
+        for i, x in enumerate(v):
+            _check_plain(x, f"{path}[{i}]")
+    elif isinstance(v, dict):
+        for key, x in v.items():
+            if not isinstance(key, str):
+                raise _Mismatch(f"{path}: map key {key!r} is not a str")
+            _check_plain(x, f"{path}[{key!r}]")
+    else:
+        raise _Mismatch(f"{path}: {type(v).__name__} is not a plain msgpack value")
+
+
+def _dict_check(v: Any) -> Any:
+    if not isinstance(v, dict):
+        raise _Mismatch(f"expected dict, got {type(v).__name__}")
+    _check_plain(v, "value")
+    return v
+
+
+_SCALARS: dict[Any, tuple[str, Callable[[Any], Any]]] = {
+    int: ("int", _scalar("int", _is_int)),
+    float: ("float", _scalar("float", lambda v: _is_int(v) or isinstance(v, float), float)),
+    str: ("str", _scalar("str", lambda v: isinstance(v, str))),
+    bool: ("bool", _scalar("bool", lambda v: isinstance(v, bool))),
+    bytes: ("bytes", _scalar("bytes", lambda v: isinstance(v, bytes))),
+    dict: ("dict", _dict_check),
+}
+_LIST_ITEMS = (int, str, dict)
+
+
+def _list_check(item: Any) -> Callable[[Any], Any]:
+    name, check_item = _SCALARS[item]
+
+    def check(v: Any) -> Any:
+        if not isinstance(v, list):
+            raise _Mismatch(f"expected list[{name}], got {type(v).__name__}")
+        # The hot case, token ids and block hashes, skips the per-item loop.
+        if item is int and all(type(x) is int for x in v):
+            return v
+        for i, x in enumerate(v):
+            try:
+                check_item(x)
+            except _Mismatch as exc:
+                raise _Mismatch(f"item {i}: {exc}") from None
+        return v
+
+    return check
+
+
+def _optional_check(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        return None if v is None else inner(v)
+
+    return check
+
+
+def _field_type(annotation: Any) -> tuple[str, Callable[[Any], Any]]:
+    """(display name, checker) for an allowed annotation; TypeError for any other."""
+    if annotation in _SCALARS:
+        return _SCALARS[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list and len(args) == 1 and args[0] in _LIST_ITEMS:
+        return f"list[{_SCALARS[args[0]][0]}]", _list_check(args[0])
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        inner = args[0] if args[1] is type(None) else args[1]
+        name, check = _field_type(inner)
+        return f"{name} | None", _optional_check(check)
+    raise TypeError(f"unsupported field type {annotation!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _FieldSpec:
+    name: str
+    type_name: str
+    required: bool
+    check: Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _RecordSpec:
+    type_name: str
+    cls: type
+    fields: tuple[_FieldSpec, ...]
+
+
+_BY_NAME: dict[str, _RecordSpec] = {}
+_BY_CLASS: dict[type, _RecordSpec] = {}
+
+
+def message(type_name: str) -> Callable[[type], type]:
+    """Register a frozen, slotted dataclass as the record for message type ``type_name``.
+
+    Raises TypeError if the class is not such a dataclass, a field's annotation is not an
+    allowed type, or ``type_name`` (or the class) is already registered.
+    """
+
+    def register(cls: type) -> type:
+        params = getattr(cls, "__dataclass_params__", None)
+        if params is None or not params.frozen or "__slots__" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} must be a frozen, slotted dataclass")
+        if type_name in _BY_NAME or cls in _BY_CLASS:
+            raise TypeError(f"message type {type_name!r} ({cls.__name__}) registered twice")
+        hints = typing.get_type_hints(cls)
+        specs = []
+        for f in dataclasses.fields(cls):
+            shown, check = _field_type(hints[f.name])
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            specs.append(_FieldSpec(f.name, shown, required, check))
+        spec = _RecordSpec(type_name, cls, tuple(specs))
+        _BY_NAME[type_name] = spec
+        _BY_CLASS[cls] = spec
+        return cls
+
+    return register
+
+
+def registry() -> dict[str, type]:
+    """A copy of the registry: message type name -> record class."""
+    return {name: spec.cls for name, spec in _BY_NAME.items()}
+
+
+# --- codec -------------------------------------------------------------------------------
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def _as_view(frame: Any, index: int) -> memoryview:
+    if isinstance(frame, memoryview):
+        return frame
+    if isinstance(frame, bytes | bytearray):
+        return memoryview(frame)
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame, without importing zmq here
+    if isinstance(buffer, memoryview):
+        return buffer
+    raise ProtocolError("malformed", f"frame {index} is not bytes-like: {type(frame).__name__}")
+
+
+def encode(
+    record: Any,
+    *,
+    request_id: str | None = None,
+    parent: str | None = None,
+    msg_id: str | None = None,
+    bulk: Sequence[bytes | memoryview] = (),
+) -> list[bytes | memoryview]:
+    """Frames for ``record``: the msgpack envelope, then ``bulk`` unchanged (not copied).
+
+    Raises TypeError if ``record`` is not a registered record or a bulk item is not
+    bytes-like; ProtocolError "wrong_type" if a field does not match its annotation or
+    holds something msgpack cannot encode; "oversized" if the envelope exceeds
+    ``MAX_FRAME_BYTES``.
+    """
+    spec = _BY_CLASS.get(type(record))
+    if spec is None:
+        raise TypeError(f"{type(record).__name__} is not a registered message record")
+    for name, value in (("request_id", request_id), ("parent", parent), ("msg_id", msg_id)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be str or None, got {type(value).__name__}")
+    body = {}
+    for f in spec.fields:
+        value = getattr(record, f.name)
+        try:
+            f.check(value)
+        except _Mismatch as exc:
+            raise ProtocolError("wrong_type", f"{spec.type_name}.{f.name}: {exc}") from None
+        body[f.name] = value
+    head = {
+        "v": PROTOCOL_VERSION,
+        "type": spec.type_name,
+        "id": msg_id if msg_id is not None else uuid.uuid4().hex,
+        "parent": parent,
+        "rid": request_id,
+        "body": body,
+    }
+    try:
+        frame0 = msgpack.packb(head, use_bin_type=True, datetime=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(
+            "wrong_type",
+            f"{spec.type_name}: a field holds a value msgpack cannot encode ({exc});"
+            " objects are never pickled",
+        ) from None
+    if len(frame0) > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            "oversized", f"{spec.type_name}: envelope is {len(frame0)} bytes > {MAX_FRAME_BYTES}"
+        )
+    frames: list[bytes | memoryview] = [frame0]
+    for i, item in enumerate(bulk):
+        if not isinstance(item, bytes | bytearray | memoryview):
+            raise TypeError(f"bulk item {i} is not bytes-like: {type(item).__name__}")
+        frames.append(item)
+    return frames
+
+
+def _read_envelope(head: dict) -> Envelope | None:
+    """The envelope if its header fields have the right types, else None."""
+    version, kind, msg_id = head.get("v"), head.get("type"), head.get("id")
+    parent, rid = head.get("parent"), head.get("rid")
+    if not (_is_int(version) and isinstance(kind, str) and isinstance(msg_id, str)):
+        return None
+    if not all(x is None or isinstance(x, str) for x in (parent, rid)):
+        return None
+    return Envelope(type=kind, id=msg_id, parent=parent, request_id=rid, version=version)
+
+
+def _peek_envelope(frame: memoryview) -> Envelope | None:
+    """The header of an oversized envelope, read while skipping over the body, so the
+    sender can still be told which message was refused; None if it cannot be read."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=_reject_ext,
+                                    max_buffer_size=frame.nbytes)
+        unpacker.feed(frame)
+        head = {}
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "body":
+                unpacker.skip()
+            else:
+                head[key] = unpacker.unpack()
+    except Exception:  # best effort only: the frame is refused either way
+        return None
+    return _read_envelope(head)
+
+
+def decode(
+    frames: Sequence[Any],
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    max_bulk_bytes: int = MAX_BULK_FRAME_BYTES,
+) -> Message:
+    """The Message carried by ``frames`` (bytes, memoryview or zmq.Frame).
+
+    Checks, in this order, raising ProtocolError with code:
+
+    1. "malformed": no frames, or a frame that is not bytes-like;
+    2. "oversized": frame 0 longer than ``max_frame_bytes`` (checked before unpacking);
+    3. "malformed": frame 0 not one msgpack map, or ``v``/``type``/``id`` absent or of the
+       wrong type, or ``parent``/``rid`` neither str nor nil (absent means nil);
+    4. "version": ``v`` is not PROTOCOL_VERSION;
+    5. "unknown_type": ``type`` is not registered;
+    6. "malformed": ``body`` is not a map;
+    7. "oversized": a bulk frame longer than ``max_bulk_bytes``;
+    8. "missing_field" / "wrong_type": per field, in declaration order.
+
+    From step 4 on the error carries the envelope; at step 2 it does when the header can
+    be read without unpacking the body. Floats accept ints (made float).
+    """
+    if len(frames) == 0:
+        raise ProtocolError("malformed", "no frames")
+    views = [_as_view(f, i) for i, f in enumerate(frames)]
+    if views[0].nbytes > max_frame_bytes:
+        raise ProtocolError(
+            "oversized", f"envelope frame is {views[0].nbytes} bytes > {max_frame_bytes}",
+            envelope=_peek_envelope(views[0]),
+        )
+    try:
+        head = msgpack.unpackb(
+            views[0], raw=False, strict_map_key=False, ext_hook=_reject_ext, timestamp=0
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError("malformed", f"envelope is not valid msgpack: {exc}") from None
+    if not isinstance(head, dict):
+        raise ProtocolError("malformed", f"envelope is a {type(head).__name__}, not a map")
+    env = _read_envelope(head)
+    if env is None:
+        raise ProtocolError("malformed", "envelope header fields missing or of the wrong type")
+    if env.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "version", f"version {env.version}, expected {PROTOCOL_VERSION}", envelope=env
+        )
+    spec = _BY_NAME.get(env.type)
+    if spec is None:
+        raise ProtocolError("unknown_type", f"unknown message type {env.type!r}", envelope=env)
+    body = head.get("body")
+    if not isinstance(body, dict):
+        raise ProtocolError("malformed", f"{env.type}: body is not a map", envelope=env)
+    for i, view in enumerate(views[1:], start=1):
+        if view.nbytes > max_bulk_bytes:
+            raise ProtocolError(
+                "oversized", f"bulk frame {i} is {view.nbytes} bytes > {max_bulk_bytes}",
+                envelope=env,
+            )
+    values = {}
+    for f in spec.fields:
+        if f.name not in body:
+            if f.required:
+                raise ProtocolError(
+                    "missing_field", f"{env.type}: missing field {f.name!r}", envelope=env
+                )
+            continue
+        try:
+            values[f.name] = f.check(body[f.name])
+        except _Mismatch as exc:
+            raise ProtocolError("wrong_type", f"{env.type}.{f.name}: {exc}", envelope=env) from None
+    return Message(envelope=env, record=spec.cls(**values), bulk=views[1:])
