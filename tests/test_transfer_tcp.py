@@ -430,3 +430,19 @@ def test_data_plane_imports_without_torch_or_numpy():
     )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30, cwd=root)
+
+
+async def test_sender_gone_between_messages_fails_its_transfer_at_once(receiver):
+    transfer = receiver.expect("between", lease_s=30)
+    reader, writer = await raw_connection(receiver.address)
+    data = bytes(range(256)) * 4
+    writer.write(wire.encode(wire.Chunk("between", 0, [0], wire.checksum(data)), len(data)))
+    writer.write(data)  # one whole chunk, then the sender vanishes before finishing
+    await writer.drain()
+    await until(lambda: transfer.chunks_received == 1)
+    start = time.monotonic()
+    writer.close()
+    with pytest.raises(TransferError, match="sender connection lost"):
+        await transfer.wait()
+    assert time.monotonic() - start < 1.0
+    assert receiver.live() == 0

@@ -61,6 +61,7 @@ class FrameReader(asyncio.BufferedProtocol):
         self._prefix = memoryview(bytearray(wire.PREFIX.size))
         self._payload = bytearray()
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._carried: set[str] = set()  # transfers with chunks here and no end yet
         self._begin_message()
 
     # -- asyncio.BufferedProtocol ------------------------------------------------------
@@ -95,6 +96,12 @@ class FrameReader(asyncio.BufferedProtocol):
                 self._table.fail(self._message.request_id, reason + (f": {exc}" if exc else ""))
             else:
                 log.warning("kv_transfer.connection_lost_mid_message", peer=self._peer)
+        if self._stage is not _Stage.CLOSED:
+            # A sender that goes away leaves its transfers unfinishable: fail them now
+            # rather than at lease end.
+            for request_id in self._carried:
+                self._table.fail(request_id, "sender connection lost")
+        self._carried.clear()
         self._stage = _Stage.CLOSED
         self._on_close(self)
 
@@ -173,6 +180,7 @@ class FrameReader(asyncio.BufferedProtocol):
             if payload is None:
                 self._table.drop(message.request_id, "chunk")
             else:
+                self._carried.add(message.request_id)
                 self._table.on_chunk(
                     message.request_id,
                     message.layer,
@@ -181,8 +189,10 @@ class FrameReader(asyncio.BufferedProtocol):
                     message.checksum,
                 )
         elif isinstance(message, wire.Finish):
+            self._carried.discard(message.request_id)
             self._table.on_finish(message.request_id, message.num_chunks)
         elif isinstance(message, wire.Abort):
+            self._carried.discard(message.request_id)
             self._table.on_abort(message.request_id, message.reason)
         if self._stage is not _Stage.CLOSED:
             self._begin_message()
