@@ -134,12 +134,15 @@ class Cluster:
             "--executor", self.executor, "--sim-profile", self.sim_profile,
             *self.worker_args], control)
 
-    def start(self, timeout_s: float = 120.0) -> Cluster:
-        self._spawn("conductor", [
+    def start_conductor(self) -> Proc:
+        return self._spawn("conductor", [
             "services.conductor", "--control-addr", self.conductor_addr,
             "--heartbeat-addr", self.heartbeat_addr, "--policy", self.policy,
             "--disagg-threshold", str(self.disagg_threshold), *self.conductor_args],
             self.conductor_addr)
+
+    def start(self, timeout_s: float = 120.0) -> Cluster:
+        self.start_conductor()
         for i, role in enumerate(self.roles):
             self.start_worker(f"{role}-{i}", role)
         self._spawn("gateway", [

@@ -17,7 +17,7 @@ import pytest
 from common.client import Client, GenerationError
 from services.engine.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
-from tests.cluster import Cluster, make_served_tiny_model
+from tests.cluster import Cluster, make_served_tiny_model, stats
 from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -350,3 +350,47 @@ def test_auto_negotiation_picks_shared_memory_on_one_host(disagg, prompts):
     sdk_tokens(disagg, [prompts[4]])  # 90 tokens: prefilled remotely
     used = disagg.worker_stats("prefill-0")["transfer_backends"]
     assert set(used) == {"shm"} and used["shm"] >= 1
+
+
+def test_conductor_restart_rebuilds_the_prefix_index(model_dir, tmp_path):
+    cluster = Cluster(str(model_dir), tmp_path, ["decode", "decode"], policy="cache_aware")
+    cluster.start()
+
+    def cached_tokens(prompt) -> int:
+        with Client(cluster.zmq_addr, timeout_s=60) as client:
+            done = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0,
+                                   ignore_eos=True)
+        return done.usage["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        prompt = random_prompts([300], vocab=49152, seed=44)[0]
+        assert cached_tokens(prompt) == 0
+        time.sleep(1.5)  # a heartbeat clears the first request's in-flight load estimate
+        deadline = time.monotonic() + 5
+        while stats(cluster.conductor_addr)["index_blocks"] < 300 // 16:
+            assert time.monotonic() < deadline, "KV events never reached the index"
+            time.sleep(0.1)
+        assert cached_tokens(prompt + [5]) == 288  # routed to the worker holding it
+        # Kill the conductor; a new one on the same addresses must learn it all back.
+        cluster.signal("conductor", signal.SIGKILL)
+        cluster.procs["conductor"].popen.wait(10)
+        restarted = time.monotonic()
+        cluster.start_conductor()
+        while True:
+            try:
+                s = stats(cluster.conductor_addr, 1)
+                if s["index_blocks"] >= 300 // 16 and sum(w["alive"] for w in s["workers"]) == 2:
+                    break
+            except (TimeoutError, KeyError):
+                pass
+            assert time.monotonic() - restarted < 10, "index not rebuilt within 10 s"
+            time.sleep(0.1)
+        # Cache-aware again: each follow-up goes where the prefix is. (Spaced by a
+        # heartbeat: between heartbeats the decode choice weighs in-flight load first.)
+        hits = []
+        for i in range(3):
+            hits.append(cached_tokens(prompt + [6 + i]))
+            time.sleep(1.2)
+        assert hits == [288] * 3
+    finally:
+        cluster.stop()

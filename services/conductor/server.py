@@ -29,7 +29,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from common.cost_profile import load_profile
 from common.logging import configure_logging
-from common.protocol import Error, GetStats, Heartbeat, Hello, Route, RouteReply, Stats, Welcome
+from common.protocol import (
+    Error,
+    GetStats,
+    Heartbeat,
+    Hello,
+    KVEvent,
+    Resync,
+    Route,
+    RouteReply,
+    Stats,
+    Welcome,
+)
 from common.zmq_io import RpcClient, RpcServer, Subscriber, install_uvloop
 from services.conductor.cache_policy import Rejection
 from services.conductor.policy import NoWorkers
@@ -106,6 +117,8 @@ class Conductor:
         rec = msg.record
         if isinstance(rec, Hello):
             self.registry.register(_view_from(vars_of(rec)))
+            # A worker saying Hello starts with an empty cache: forget what it held.
+            self.router.index.drop_location(rec.worker_id)
             return Welcome(conductor_id="conductor",
                            heartbeat_interval_s=self.settings.heartbeat_interval_s)
         if isinstance(rec, Route):
@@ -176,6 +189,32 @@ class Conductor:
             msg = await self.sub.recv()
             if isinstance(msg.record, Heartbeat):
                 self.apply_heartbeat(msg.record)
+            elif isinstance(msg.record, KVEvent):
+                self.apply_kv_event(msg.record)
+
+    def apply_kv_event(self, event: KVEvent) -> None:
+        """Keep the global prefix index in step with a worker's or pool's cache."""
+        index = self.router.index
+        if event.kind == "stored":
+            index.stored(event.source, event.hashes)
+        elif event.kind == "removed":
+            index.removed(event.source, event.hashes)
+        elif event.kind == "cleared":
+            index.drop_location(event.source)
+
+    async def _resync(self, worker_id: str, control_addr: str) -> None:
+        """Rebuild a worker's part of the prefix index from the blocks it reports."""
+        client = RpcClient(self.ctx, control_addr, name="conductor")
+        try:
+            reply = await client.call(Resync(), timeout=5.0)
+            hashes = reply.record.values.get("hashes", [])
+            self.router.index.drop_location(worker_id)
+            self.router.index.stored(worker_id, hashes)
+            log.info("prefix index resynced", worker_id=worker_id, blocks=len(hashes))
+        except Exception as exc:
+            log.warning("resync failed", worker_id=worker_id, error=str(exc))
+        finally:
+            await client.close()
 
     async def _discover(self, hb: Heartbeat) -> None:
         """Learn about a worker from its heartbeat (after a conductor restart)."""
@@ -184,6 +223,7 @@ class Conductor:
             reply = await client.call(GetStats(), timeout=2.0)
             self.registry.register(_view_from(reply.record.values))
             self.registry.heartbeat(hb)
+            await self._resync(hb.worker_id, hb.control_addr)
         except Exception as exc:
             log.warning("could not reach worker", worker_id=hb.worker_id, error=str(exc))
         finally:
@@ -193,7 +233,8 @@ class Conductor:
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(min(0.25, self.settings.heartbeat_interval_s / 2))
-            self.registry.reap()
+            for worker_id in self.registry.reap():
+                self.router.index.drop_location(worker_id)  # its cache died with it
             for role in ("prefill", "decode", "unified"):
                 self.alive_workers.labels(role=role).set(len(self.registry.alive((role,))))
 

@@ -90,6 +90,10 @@ class BlockPool:
         self._check_id(block_id)
         return self._refs[block_id]
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash findable in the prefix cache now (for a resync of the global index)."""
+        return list(self._block_by_hash)
+
     def block_hash(self, block_id: int) -> int | None:
         """The hash the block is cached under, or None if it is not cached."""
         self._check_id(block_id)

@@ -9,6 +9,7 @@ PUSH sockets to the gateway named in each request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import signal
@@ -18,7 +19,19 @@ import structlog
 import zmq.asyncio
 
 from common.logging import configure_logging
-from common.protocol import Abort, Ack, Error, Generate, GetStats, Heartbeat, Hello, Prefill, Stats
+from common.protocol import (
+    Abort,
+    Ack,
+    Error,
+    Generate,
+    GetStats,
+    Heartbeat,
+    Hello,
+    KVEvent,
+    Prefill,
+    Resync,
+    Stats,
+)
 from common.transfer import MultiReceiver, MultiSender
 from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_uvloop
 from services.worker.decode_role import DecodeRole
@@ -32,6 +45,8 @@ if TYPE_CHECKING:
     from services.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
+
+KV_EVENT_FLUSH_S = 0.1  # how often prefix-cache changes go out to the conductor
 
 
 def build_engine(s: WorkerSettings) -> EngineCore:
@@ -82,6 +97,10 @@ class Worker:
         self._clients: dict[str, RpcClient] = {}
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
+        # Prefix-cache changes, appended on the engine thread, published in batches.
+        self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
+        engine.block_pool.on_stored = lambda hashes: self._kv_events.append(("stored", hashes))
+        engine.block_pool.on_removed = lambda hashes: self._kv_events.append(("removed", hashes))
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -132,6 +151,10 @@ class Worker:
         rec, rid = msg.record, msg.envelope.request_id
         if isinstance(rec, GetStats):
             return Stats(values=self.stats())
+        if isinstance(rec, Resync):
+            hashes = await self.loop.call(self.engine.block_pool.cached_hashes)
+            return Stats(values={"source": self.worker_id, "hashes": hashes,
+                                 "tiers": ["local"] * len(hashes)})
         if not rid and isinstance(rec, Generate | Prefill | Abort):
             return Error("bad_request", "request id missing from the envelope")
         if isinstance(rec, Generate):
@@ -201,8 +224,15 @@ class Worker:
                 await asyncio.sleep(0.5)
         pub = Publisher(self.ctx, s.heartbeat_addr, bind=False)
         seq = 0
+        next_beat = 0.0
         try:
             while True:
+                await self._flush_kv_events(pub)
+                now = asyncio.get_running_loop().time()
+                if now < next_beat:
+                    await asyncio.sleep(min(KV_EVENT_FLUSH_S, next_beat - now))
+                    continue
+                next_beat = now + s.heartbeat_interval_s
                 load = self.loop.load
                 self.metrics.update_load(load)
                 prefill_steps, decode_steps = self.loop.take_samples()
@@ -213,9 +243,21 @@ class Worker:
                     step_time_ms=self.loop.recent_step_ms(), control_addr=self.rpc.address,
                     prefill_steps=prefill_steps, decode_steps=decode_steps))
                 seq += 1
-                await asyncio.sleep(s.heartbeat_interval_s)
         finally:
             await pub.close()
+
+    async def _flush_kv_events(self, pub: Publisher) -> None:
+        """Publish the prefix-cache changes since the last flush, runs of one kind merged."""
+        batch: list[tuple[str, list[int]]] = []
+        while self._kv_events:
+            kind, hashes = self._kv_events.popleft()
+            if batch and batch[-1][0] == kind:
+                batch[-1][1].extend(hashes)
+            else:
+                batch.append((kind, list(hashes)))
+        for kind, hashes in batch:
+            await pub.publish(KVEvent(source=self.worker_id, kind=kind, hashes=hashes),
+                              topic=b"kv")
 
 
 async def serve(settings: WorkerSettings) -> None:
