@@ -125,3 +125,21 @@ def test_queue_time_reported_on_first_token_only(tiny_dirs, make_engine):
     assert [o.queue_time_s is not None for o in outs] == [
         o.num_output_tokens == 1 for o in outs]
     assert first["b"].queue_time_s > first["a"].queue_time_s >= 0  # b waited for a
+
+
+def test_different_cache_salts_never_share_a_block(tiny_dirs, make_engine):
+    engine = make_engine(tiny_dirs["llama"])
+    prompt = random_prompts([40], seed=15)[0]
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(salt):
+        engine.add_request("r", prompt, params, cache_salt=salt)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs.extend(engine.step())
+        return outs[-1].num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == 32  # same salt: two full blocks reused
+    assert cached("tenant-b") == 0  # another salt: nothing shared
+    assert cached(None) == 0

@@ -558,3 +558,24 @@ def test_client_disconnect_aborts_non_streaming(tok):
             client.completions.create(model=MODEL, prompt="Hi",
                                       extra_headers={"X-Request-Id": "gone-2"})
         _wait_for_abort(slow, "gone-2")
+
+
+async def test_cache_salt_is_per_api_key_by_default(make_client, backend):
+    async with make_client(api_keys=("sk-one", "sk-two")) as c:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        for key, extra in (("sk-one", {}), ("sk-one", {}), ("sk-two", {}),
+                           ("sk-one", {"cache_salt": "team-a"})):
+            r = await c.post("/v1/completions", json={**body, **extra},
+                             headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+    one, again, two, own = (r.cache_salt for r in backend.requests[-4:])
+    assert one == again and one.startswith("key-")
+    assert two != one and two.startswith("key-")
+    assert own == f"{one}/team-a"
+    assert "sk-one" not in one  # the key itself never travels as a salt
+
+
+async def test_cache_salt_passes_through_without_api_keys(client, backend):
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                   "max_tokens": 1, "cache_salt": "s1"})
+    assert r.status_code == 200 and backend.requests[-1].cache_salt == "s1"

@@ -19,6 +19,7 @@ disconnect at once, a non-streaming one within ``_DISCONNECT_POLL_S``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import uuid
@@ -155,6 +156,16 @@ class _SSEResponse(StreamingResponse):
             await self._run.close()
 
 
+def tenant_salt(api_key: bytes, given: Any) -> Any:
+    """The cache salt of a request made with ``api_key``: tenants never share KV blocks,
+    and a salt the client gives only partitions its own tenant's cache further. A
+    malformed ``given`` is passed through for validation to reject."""
+    tenant = "key-" + hashlib.sha256(api_key).hexdigest()[:16]
+    if given is None or given == "":
+        return tenant
+    return f"{tenant}/{given}" if isinstance(given, str) else given
+
+
 def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_name: str,
                max_model_len: int, api_keys: Sequence[str] = (), request_timeout_s: float = 600,
                metrics_registry: CollectorRegistry | None = None) -> FastAPI:
@@ -191,17 +202,19 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
         log.exception("request_failed")
         return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> bytes | None:
+        """The caller's API key, checked; None when the server has no keys."""
         if not keys:
-            return
+            return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         token = given.strip().encode()
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in keys):
             raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
+        return token
 
     async def read_body(request: Request) -> dict[str, Any]:
-        authorize(request)
+        token = authorize(request)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -214,6 +227,8 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
         if model != model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{model_name!r}", param="model", code="model_not_found")
+        if token is not None:
+            body["cache_salt"] = tenant_salt(token, body.get("cache_salt"))
         return body
 
     def request_id_for(request: Request, prefix: str) -> str:
