@@ -39,7 +39,7 @@ def _receiver(kind: str, host: str, port: int, sink: ChunkSink, table: TransferT
         receiver = TcpReceiver(host, port, sink=sink)
         # tcp.py predates shared tables and builds its own; this one replaces it before
         # start, while nothing refers to the old one.
-        receiver._table = table
+        receiver.table = table
         return receiver
     if kind == "shm":
         from common.transfer.shm import ShmReceiver

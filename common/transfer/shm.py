@@ -45,9 +45,9 @@ import socket
 import structlog
 
 from common.transfer import control, wire
-from common.transfer.base import ChunkSink, KVReceiver, Transfer
+from common.transfer.base import ChunkSink
 from common.transfer.shm_segment import SHM_DIR, Segment, is_valid_name, unlink_prefix
-from common.transfer.table import TransferTable
+from common.transfer.table import TableReceiver, TransferTable
 from common.transfer.tcp import format_address, parse_address
 
 log = structlog.get_logger("pdserve.transfer")
@@ -189,7 +189,7 @@ class _Peer(asyncio.Protocol):
             unlink_prefix(self.rx.directory, self.prefix)
 
 
-class ShmReceiver(KVReceiver):
+class ShmReceiver(TableReceiver):
     """KVReceiver over shared memory. Give ``sink`` or a ``table`` shared with other
     receivers (``multi.py``), not both. ``dropped`` counts messages for ids not live."""
 
@@ -219,18 +219,11 @@ class ShmReceiver(KVReceiver):
         self._closed = False
 
     @property
-    def address(self) -> str:
-        if self._address is None:
-            raise RuntimeError("receiver has no address before start()")
-        return self._address
-
-    @property
-    def dropped(self) -> int:
-        return self.table.dropped
-
-    @property
     def connections(self) -> int:
         return len(self._peers)
+
+    def _serving(self) -> bool:
+        return self._server is not None and not self._closed
 
     async def start(self) -> None:
         if self._server is not None or self._closed:
@@ -254,13 +247,5 @@ class ShmReceiver(KVReceiver):
         if self._server is not None:
             await self._server.wait_closed()
 
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
-        if self._server is None or self._closed:
-            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
-        return self.table.expect(request_id, lease_s)
 
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
 
-    def live(self) -> int:
-        return self.table.live()

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import structlog
 
-from common.transfer.base import ChunkSink, Transfer, TransferState
+from common.transfer.base import ChunkSink, KVReceiver, Transfer, TransferState
 from common.transfer.wire import checksum
 
 log = structlog.get_logger("pdserve.transfer")
@@ -136,3 +136,38 @@ class TransferTable:
         )
         while len(self._ended) > _REMEMBER_ENDED:
             self._ended.popitem(last=False)
+
+
+class TableReceiver(KVReceiver):
+    """What every backend's receiver shares: its transfers live in ``self.table``.
+
+    A subclass sets ``self.table`` and, once listening, ``self._address``, and says
+    whether it is serving (started and not closed) through ``_serving``.
+    """
+
+    table: TransferTable
+    _address: str | None = None
+
+    def _serving(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise RuntimeError("receiver has no address before start()")
+        return self._address
+
+    @property
+    def dropped(self) -> int:
+        return self.table.dropped
+
+    def expect(self, request_id: str, lease_s: float) -> Transfer:
+        if not self._serving():
+            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
+        return self.table.expect(request_id, lease_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.table.cancel(request_id)
+
+    def live(self) -> int:
+        return self.table.live()

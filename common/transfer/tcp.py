@@ -20,9 +20,9 @@ import contextlib
 import socket
 
 from common.transfer import wire
-from common.transfer.base import ChunkSink, KVReceiver, KVSender, Transfer, TransferError
+from common.transfer.base import ChunkSink, KVSender, TransferError
 from common.transfer.frame_reader import FrameReader
-from common.transfer.table import TransferTable
+from common.transfer.table import TableReceiver, TransferTable
 
 SOCKET_BUFFER_BYTES = 4 << 20
 _SCHEME = "tcp://"
@@ -51,7 +51,7 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class TcpReceiver(KVReceiver):
+class TcpReceiver(TableReceiver):
     """KVReceiver over TCP. ``dropped`` counts messages for request ids not live."""
 
     def __init__(
@@ -68,7 +68,7 @@ class TcpReceiver(KVReceiver):
         if max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
         self._host, self._port = host, port
-        self._table = TransferTable(sink)
+        self.table = TransferTable(sink)
         self._max_payload = max_payload_bytes
         self._buffer_bytes = socket_buffer_bytes
         self._server: asyncio.Server | None = None
@@ -77,19 +77,12 @@ class TcpReceiver(KVReceiver):
         self._closed = False
 
     @property
-    def address(self) -> str:
-        if self._address is None:
-            raise RuntimeError("receiver has no address before start()")
-        return self._address
-
-    @property
-    def dropped(self) -> int:
-        return self._table.dropped
-
-    @property
     def connections(self) -> int:
         """Sender connections open right now."""
         return len(self._readers)
+
+    def _serving(self) -> bool:
+        return self._server is not None and not self._closed
 
     async def start(self) -> None:
         if self._server is not None or self._closed:
@@ -115,7 +108,7 @@ class TcpReceiver(KVReceiver):
         if self._closed:
             return
         self._closed = True
-        self._table.cancel_all("receiver closed")
+        self.table.cancel_all("receiver closed")
         if self._server is not None:
             self._server.close()
         for reader in list(self._readers):
@@ -123,19 +116,8 @@ class TcpReceiver(KVReceiver):
         if self._server is not None:
             await self._server.wait_closed()
 
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
-        if self._server is None or self._closed:
-            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
-        return self._table.expect(request_id, lease_s)
-
-    def cancel(self, request_id: str) -> None:
-        self._table.cancel(request_id)
-
-    def live(self) -> int:
-        return self._table.live()
-
     def _new_reader(self) -> FrameReader:
-        reader = FrameReader(self._table, self._max_payload, self._readers.discard)
+        reader = FrameReader(self.table, self._max_payload, self._readers.discard)
         self._readers.add(reader)
         return reader
 

@@ -32,9 +32,9 @@ import os
 import structlog
 
 from common.transfer import wire
-from common.transfer.base import ChunkSink, KVReceiver, Transfer
+from common.transfer.base import ChunkSink
 from common.transfer.negotiate import BackendUnavailable
-from common.transfer.table import TransferTable
+from common.transfer.table import TableReceiver, TransferTable
 from common.transfer.tcp import format_address, parse_address
 
 log = structlog.get_logger("pdserve.transfer")
@@ -70,7 +70,7 @@ def parse_ucx_address(address: str) -> tuple[str, int]:
         raise ValueError(f"not a ucx address (ucx://host:port): {address!r}") from None
 
 
-class UcxReceiver(KVReceiver):
+class UcxReceiver(TableReceiver):
     """KVReceiver over UCX. Give ``sink`` or a ``table`` shared with other receivers
     (``multi.py``), not both. Raises BackendUnavailable if ucxx cannot be imported."""
 
@@ -99,18 +99,11 @@ class UcxReceiver(KVReceiver):
         self._closed = False
 
     @property
-    def address(self) -> str:
-        if self._address is None:
-            raise RuntimeError("receiver has no address before start()")
-        return self._address
-
-    @property
-    def dropped(self) -> int:
-        return self.table.dropped
-
-    @property
     def connections(self) -> int:
         return len(self._endpoints)
+
+    def _serving(self) -> bool:
+        return self._listener is not None and not self._closed
 
     async def start(self) -> None:
         if self._listener is not None or self._closed:
@@ -129,17 +122,6 @@ class UcxReceiver(KVReceiver):
         await asyncio.gather(*self._endpoints.values(), return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
-
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
-        if self._listener is None or self._closed:
-            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
-        return self.table.expect(request_id, lease_s)
-
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
-
-    def live(self) -> int:
-        return self.table.live()
 
     async def _serve(self, ep) -> None:
         if self._closed:
