@@ -17,7 +17,8 @@ import structlog
 import xxhash
 
 from common.transfer import control, wire
-from common.transfer.base import KVSender, TransferError
+from common.transfer.base import TransferError
+from common.transfer.pooled import PooledSender
 from common.transfer.shm import MAX_SLOTS, VERSION, parse_shm_address
 from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix, segment_name, unlink_prefix
 from common.transfer.tcp import _byte_view
@@ -125,7 +126,7 @@ class _Connection:
         return self.ring.error is None and not self.writer.is_closing()
 
 
-class ShmSender(KVSender):
+class ShmSender(PooledSender):
     """KVSender over shared memory, for receivers on this host.
 
     Per receiver: up to ``slots`` chunks and ``max_in_flight_bytes`` in flight (a larger
@@ -230,21 +231,6 @@ class ShmSender(KVSender):
         except OSError as exc:
             self._drop(address, conn)
             raise TransferError(f"connection to {address} broke: {exc!r}", rid) from exc
-
-    async def _connection(self, address: str) -> _Connection:
-        conn = self._pool.get(address)
-        if conn is not None and conn.usable():
-            return conn
-        async with self._dialing.setdefault(address, asyncio.Lock()):
-            conn = self._pool.get(address)
-            if conn is not None and conn.usable():
-                return conn
-            if conn is not None:
-                self._drop(address, conn)
-            if self._closed:
-                raise TransferError("sender is closed")
-            conn = self._pool[address] = await self._dial(address)
-            return conn
 
     async def _dial(self, address: str) -> _Connection:
         host, port = parse_shm_address(address)

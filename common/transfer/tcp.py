@@ -20,8 +20,9 @@ import contextlib
 import socket
 
 from common.transfer import wire
-from common.transfer.base import ChunkSink, KVSender, TransferError
+from common.transfer.base import ChunkSink, TransferError
 from common.transfer.frame_reader import FrameReader
+from common.transfer.pooled import PooledSender
 from common.transfer.table import TableReceiver, TransferTable
 
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -135,7 +136,7 @@ class _Connection:
         return not (self.broken or self.writer.is_closing() or self.reader.at_eof())
 
 
-class TcpSender(KVSender):
+class TcpSender(PooledSender):
     """KVSender over TCP.
 
     Payloads are written in ``write_slice_bytes`` slices, each drained into the kernel
@@ -221,22 +222,6 @@ class TcpSender(KVSender):
                     raise
                 return
         raise TransferError(f"connection to {address} kept breaking", request_id)
-
-    async def _connection(self, address: str) -> _Connection:
-        conn = self._pool.get(address)
-        if conn is not None and conn.usable():
-            return conn
-        async with self._dialing.setdefault(address, asyncio.Lock()):
-            conn = self._pool.get(address)
-            if conn is not None and conn.usable():
-                return conn
-            if conn is not None:
-                self._drop(address, conn)
-            if self._closed:
-                raise TransferError("sender is closed")
-            conn = await self._dial(address)
-            self._pool[address] = conn
-            return conn
 
     async def _dial(self, address: str) -> _Connection:
         host, port = parse_address(address)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 
 from common.transfer import wire
-from common.transfer.base import KVSender, TransferError
+from common.transfer.base import TransferError
+from common.transfer.pooled import PooledSender
 from common.transfer.tcp import _byte_view
 from common.transfer.ucx import load_ucxx, parse_ucx_address
 
@@ -29,7 +30,7 @@ class _Connection:
         return not (self.broken or self.ep.closed)
 
 
-class UcxSender(KVSender):
+class UcxSender(PooledSender):
     """KVSender over UCX, one endpoint per receiver address. Raises BackendUnavailable
     if ucxx cannot be imported."""
 
@@ -89,30 +90,18 @@ class UcxSender(KVSender):
                 return
         raise TransferError(f"connection to {address} kept breaking", rid)
 
-    async def _connection(self, address: str) -> _Connection:
-        conn = self._pool.get(address)
-        if conn is not None and conn.usable():
-            return conn
-        async with self._dialing.setdefault(address, asyncio.Lock()):
-            conn = self._pool.get(address)
-            if conn is not None and conn.usable():
-                return conn
-            if conn is not None:
-                self._drop(address, conn)
-            if self._closed:
-                raise TransferError("sender is closed")
-            host, port = parse_ucx_address(address)
-            if port == 0:
-                raise ValueError(f"cannot connect to port 0: {address!r}")
-            try:
-                async with asyncio.timeout(self._connect_timeout_s):
-                    ep = await self._ucxx.create_endpoint(
-                        host, port, connect_timeout=self._connect_timeout_s
-                    )
-            except (TimeoutError, self._ucxx.exceptions.UCXError) as exc:
-                raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
-            conn = self._pool[address] = _Connection(ep)
-            return conn
+    async def _dial(self, address: str) -> _Connection:
+        host, port = parse_ucx_address(address)
+        if port == 0:
+            raise ValueError(f"cannot connect to port 0: {address!r}")
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                ep = await self._ucxx.create_endpoint(
+                    host, port, connect_timeout=self._connect_timeout_s
+                )
+        except (TimeoutError, self._ucxx.exceptions.UCXError) as exc:
+            raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
+        return _Connection(ep)
 
     def _drop(self, address: str, conn: _Connection) -> None:
         conn.broken = True
