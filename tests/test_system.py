@@ -394,3 +394,37 @@ def test_conductor_restart_rebuilds_the_prefix_index(model_dir, tmp_path):
         assert hits == [288] * 3
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_prefill_killed_mid_transfer_decode_recovers_at_once(tmp_path):
+    from services.engine.weights import DEFAULT_MODEL
+
+    # A lease far longer than the run: finishing well inside it proves the broken
+    # transfer was noticed when the sender died, not when the lease ran out.
+    cluster = Cluster(DEFAULT_MODEL, tmp_path, ["prefill", "decode"], kv_cache_mib=256,
+                      kv_lease_s=60)
+    cluster.start(timeout_s=240)
+    try:
+        prompt = random_prompts([1500], vocab=49152, seed=55)[0]
+        result = {}
+
+        def run():
+            with Client(cluster.zmq_addr, timeout_s=120) as client:
+                result["done"] = client.generate(prompt_token_ids=prompt, max_tokens=4,
+                                                 temperature=0, ignore_eos=True)
+
+        start = time.monotonic()
+        worker = concurrent.futures.ThreadPoolExecutor(1).submit(run)
+        while cluster.worker_stats("decode-1")["kv_bytes_received"] == 0:
+            assert time.monotonic() - start < 60, "no KV ever arrived"
+            time.sleep(0.01)
+        cluster.signal("prefill-0", signal.SIGKILL)  # layers are still streaming
+        worker.result(timeout=120)
+        assert time.monotonic() - start < 45
+        assert len(result["done"].token_ids) == 4
+        stats = wait_idle(cluster, ["decode-1"])["decode-1"]
+        assert stats["local_fallbacks"] == 1 and stats["live_transfers"] == 0
+        assert "sender connection lost" in cluster.procs["decode-1"].log.read_text()
+    finally:
+        cluster.stop()

@@ -98,16 +98,24 @@ class DecodeRole:
         w = self.worker
         remote = self.remote[rid]
         lease = w.settings.kv_lease_s
+        asking = asyncio.create_task(w.client(rec.prefill_addr).call(Prefill(
+            prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
+            stream_addr=rec.stream_addr, kv_addr=w.receiver.address,
+            block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
+            lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt,
+            kv_advert=w.receiver.advert()),
+            request_id=rid, timeout=lease))
+        arriving = asyncio.create_task(remote.transfer.wait())
         try:
-            reply = await w.client(rec.prefill_addr).call(Prefill(
-                prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
-                stream_addr=rec.stream_addr, kv_addr=w.receiver.address,
-                block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
-                lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt,
-                kv_advert=w.receiver.advert()),
-                request_id=rid, timeout=lease)
-            left = lease - (time.monotonic() - remote.started)
-            await asyncio.wait_for(remote.transfer.wait(), timeout=max(left, 0.001))
+            # Whichever fails first decides: a prefill worker that dies mid-transfer
+            # breaks the data plane long before its reply would time out.
+            done, _ = await asyncio.wait({asking, arriving}, timeout=lease,
+                                         return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # raises the first failure
+            if len(done) < 2:
+                raise TimeoutError(f"KV not complete within its {lease} s lease")
+            reply = asking.result()
             if rid not in self.remote:  # aborted meanwhile
                 return
             out = await w.loop.call(w.engine.complete_remote_prefill, rid,
@@ -119,6 +127,8 @@ class DecodeRole:
             if rid in self.remote:
                 await self._fall_back(rid, remote, str(exc) or type(exc).__name__)
         finally:
+            for task in (asking, arriving):
+                task.cancel()
             self.remote.pop(rid, None)
 
     async def _fall_back(self, rid: str, remote: Remote, reason: str) -> None:
