@@ -150,7 +150,11 @@ class Cluster:
             "--zmq-addr", self.zmq_addr, "--conductor-addr", self.conductor_addr,
             "--stream-bind", f"tcp://127.0.0.1:{free_port()}",
             "--request-timeout-s", "120", *self.gateway_args])
-        self.wait_ready(timeout_s)
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # a cluster that never came up must not outlive the test
+            raise
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
