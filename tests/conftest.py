@@ -39,3 +39,14 @@ def make_engine():
         engine.block_pool.check_invariants()
         assert not engine.requests, f"requests left behind: {list(engine.requests)}"
         assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory):
+    """The default model's tokenizer exported once per session, in a private cache."""
+    from services.engine.tokenizer_export import tokenizer_dir_for
+
+    cache = tmp_path_factory.getbasetemp() / "pdserve-cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_CACHE", str(cache))
+        return tokenizer_dir_for("smollm2-135m-instruct")

@@ -27,17 +27,6 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tok_dir(tmp_path_factory):
-    """The default model's tokenizer exported once; the cache is shared by test files."""
-    from services.engine.tokenizer_export import tokenizer_dir_for
-
-    cache = tmp_path_factory.getbasetemp() / "pdserve-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PDSERVE_CACHE", str(cache))
-        return tokenizer_dir_for("smollm2-135m-instruct")
-
-
 @pytest.fixture(scope="module")
 def ours(tok_dir):
     return TextTokenizer.from_dir(tok_dir)
