@@ -31,7 +31,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.protocol import Message, PoolExists, PoolGet, PoolPut, PoolRemove
+from common.protocol import GetStats, Message, PoolExists, PoolGet, PoolPut, PoolRemove
 from common.zmq_io import RemoteError, RpcClient, RpcTimeout
 from services.cache_pool import placement
 from services.cache_pool.block import Buffer, check_block, check_key
@@ -185,3 +185,31 @@ class PoolClient:
         if self._down_until.pop(inst, None) is not None:
             log.info("pool_instance_back", instance=inst)
         return reply
+
+
+def parse_pool_addrs(spec: str) -> list[str]:
+    """Control addresses from a comma-separated setting; "" means no pool."""
+    return [a.strip() for a in spec.split(",") if a.strip()]
+
+
+async def discover_pools(ctx: zmq.asyncio.Context, control_addrs: Sequence[str], *,
+                         timeout_s: float = 2.0) -> dict[str, dict]:
+    """Ask each pool instance for its Stats: instance id -> those values (which name its
+    ``control_addr`` and ``events_addr``). Instances that do not answer are left out;
+    a caller that needs them all retries."""
+
+    async def ask(addr: str) -> dict | None:
+        client = RpcClient(ctx, addr, name="pool-discovery")
+        try:
+            reply = await client.call(GetStats(), timeout=timeout_s)
+            values = dict(reply.record.values)
+            values["control_addr"] = addr  # the address we reach it by, not its bind
+            return values
+        except (RemoteError, RpcTimeout, ConnectionError, zmq.ZMQError) as exc:
+            log.info("pool_not_answering", addr=addr, error=str(exc) or type(exc).__name__)
+            return None
+        finally:
+            await client.close()
+
+    found = await asyncio.gather(*(ask(a) for a in control_addrs))
+    return {v["instance_id"]: v for v in found if v is not None}

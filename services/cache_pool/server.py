@@ -213,6 +213,8 @@ class CachePool:
         stats, capacity = self._read_stats()
         values = stats._asdict() if stats is not None else dict.fromkeys(StoreStats._fields, 0)
         return Stats(values={**values, "instance_id": self.settings.instance_id,
+                             "control_addr": self.rpc.address,
+                             "events_addr": self.events.address if self.events else "",
                              "block_bytes": self.block_bytes, "policy": self.settings.policy,
                              "dram_capacity_bytes": capacity["dram"],
                              "ssd_capacity_bytes": capacity["ssd"]})
