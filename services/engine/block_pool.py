@@ -94,6 +94,10 @@ class BlockPool:
         """Every hash findable in the prefix cache now (for a resync of the global index)."""
         return list(self._block_by_hash)
 
+    def block_for_hash(self, block_hash: int) -> int | None:
+        """The block cached under ``block_hash``, or None."""
+        return self._block_by_hash.get(block_hash)
+
     def block_hash(self, block_id: int) -> int | None:
         """The hash the block is cached under, or None if it is not cached."""
         self._check_id(block_id)

@@ -224,3 +224,58 @@ class EngineCore:
 
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    # ---- the cache pool ---------------------------------------------------------------
+
+    def _chunks(self, token_ids: Seq[int], n: int) -> list[list[int]]:
+        bs = self.block_pool.block_size
+        return [list(token_ids[i * bs:(i + 1) * bs]) for i in range(n)]
+
+    def cached_prefix_blocks(self, hashes: Seq[int], token_ids: Seq[int]) -> int:
+        """How many leading blocks of the chain ``hashes`` (over ``token_ids``) this
+        engine's prefix cache holds."""
+        hashes = list(hashes)
+        return len(self.block_pool.match_prefix(hashes, self._chunks(token_ids, len(hashes))))
+
+    def adopt_blocks(self, hashes: Seq[int], token_ids: Seq[int], start: int,
+                     blocks: Seq[Any]) -> int:
+        """Put KV blocks fetched from elsewhere (one ``export_block_bytes`` buffer each)
+        into the prefix cache as chain blocks ``start, start + 1, …`` of ``hashes`` over
+        ``token_ids``, as if computed here: the next request with this prefix hits them.
+
+        Blocks ``0 .. start-1`` must be cached here already (they are held meanwhile, so
+        adopting cannot evict them). Adopts fewer when free blocks run short, none when
+        the held prefix is shorter than ``start``. Returns how many were adopted; raises
+        ValueError, having adopted none, when a buffer is not one block of this layout."""
+        hashes = list(hashes)
+        if start < 0 or start + len(blocks) > len(hashes):
+            raise ValueError(f"blocks {start}..{start + len(blocks)} outside a chain of "
+                             f"{len(hashes)}")
+        size = self.kv_cache.block_nbytes
+        if any(memoryview(b).nbytes != size for b in blocks):
+            raise ValueError(f"every adopted block must be {size} bytes")
+        pool = self.block_pool
+        chunks = self._chunks(token_ids, start + len(blocks))
+        held = pool.match_prefix(hashes[:start], chunks[:start])
+        if len(held) < start:
+            return 0
+        pool.acquire(held)
+        ids = pool.allocate(min(len(blocks), pool.num_free_blocks))
+        try:
+            for i, block_id in enumerate(ids):
+                self.kv_cache.import_block_bytes(block_id, blocks[i])
+                pool.cache_block(block_id, hashes[start + i], chunks[start + i])
+        finally:
+            pool.free(list(reversed(held + ids)))  # tail first: evicted before the head
+        return len(ids)
+
+    def export_cached_blocks(self, hashes: Seq[int]) -> list[Any]:
+        """KV bytes (``export_block_bytes``) of the leading blocks of ``hashes`` that
+        are still in the prefix cache; stops at the first that is not."""
+        out = []
+        for h in hashes:
+            block_id = self.block_pool.block_for_hash(h)
+            if block_id is None:
+                break
+            out.append(self.kv_cache.export_block_bytes(block_id))
+        return out

@@ -74,6 +74,32 @@ class KVCache:
         buf = raw.view(self.k.dtype).view(2, len(block_ids), *self.k.shape[2:])
         self.import_layer(layer, block_ids, buf)
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers, K and V (a cache-pool block)."""
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def export_block_bytes(self, block_id: int) -> memoryview:
+        """One block, all layers, as ``[layer, 0 = K | 1 = V, token, kv_head, head_dim]``
+        bytes (the layout of :meth:`export_blocks` for a single id)."""
+        self._ids([block_id])
+        both = torch.stack([self.k[:, block_id], self.v[:, block_id]], dim=1)
+        return memoryview(both.view(torch.uint8).numpy()).cast("B")
+
+    def import_block_bytes(self, block_id: int, data) -> None:
+        """Write bytes from :meth:`export_block_bytes` into ``block_id``; ``ValueError``
+        if they are not one block of this layout."""
+        self._ids([block_id])
+        if memoryview(data).nbytes != self.block_nbytes:
+            raise ValueError(f"a block holds {self.block_nbytes} bytes, got "
+                             f"{memoryview(data).nbytes}")
+        with warnings.catch_warnings():  # a read-only buffer is fine: the copy below
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        both = raw.view(self.k.dtype).view(self.num_layers, 2, *self.k.shape[2:])
+        self.k[:, block_id].copy_(both[:, 0])
+        self.v[:, block_id].copy_(both[:, 1])
+
     def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """All layers: ``[layers, 2, n, block_size, kv_heads, head_dim]``."""
         return torch.stack([self.export_layer(i, block_ids) for i in range(self.num_layers)])

@@ -97,6 +97,16 @@ class SimKVCache:
         return b"".join(bytes(self.export_layer_bytes(i, block_ids))
                         for i in range(self.num_layers))
 
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_bytes * self.num_layers
+
+    def export_block_bytes(self, block_id: int) -> bytes:
+        return self.export_blocks([block_id])
+
+    def import_block_bytes(self, block_id: int, data: bytes) -> None:
+        self.import_blocks([block_id], bytes(data))
+
     def import_blocks(self, block_ids: Sequence[int], buffer: bytes) -> None:
         per_layer = self.block_bytes * len(block_ids)
         if len(buffer) != per_layer * self.num_layers:
