@@ -45,7 +45,12 @@ class Stream:
     request_id: str
     addr: str
     start_position: int
-    prompt_tokens: int
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 @dataclass(slots=True)
@@ -73,22 +78,23 @@ class DecodeRole:
         except ValueError as exc:
             return Error("bad_request", str(exc))
         self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position,
-                                   len(rec.prompt_token_ids))
+                                   rec.prompt_token_ids, rec.cache_salt)
         try:
             # A resumed stream (start_position > 0) prefills here: the prefill worker
             # only ever streams position 0.
             if rec.prefill_addr and w.settings.role == "decode" and rec.start_position == 0:
-                slots = await w.loop.call(w.engine.reserve_remote_prefill, rid,
-                                          rec.prompt_token_ids, params,
-                                          cache_salt=rec.cache_salt)
+                slots = await w.pool.with_prefix(
+                    rec.prompt_token_ids, rec.cache_salt, w.engine.reserve_remote_prefill,
+                    rid, rec.prompt_token_ids, params, cache_salt=rec.cache_salt)
                 if slots is not None:
                     transfer = w.receiver.expect(rid, w.settings.kv_lease_s)
                     self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
                                               time.monotonic())
                     asyncio.create_task(self._remote_prefill(rid, rec))
                     return Ack(detail="remote")
-            await w.loop.call(w.engine.add_request, rid, rec.prompt_token_ids, params,
-                              cache_salt=rec.cache_salt)
+            await w.pool.with_prefix(rec.prompt_token_ids, rec.cache_salt,
+                                     w.engine.add_request, rid, rec.prompt_token_ids, params,
+                                     cache_salt=rec.cache_salt)
             return Ack(detail="local")
         except ValueError as exc:
             self.streams.pop(rid, None)
@@ -167,6 +173,10 @@ class DecodeRole:
         if stream is None:
             return
         position = stream.start_position + out.num_output_tokens - len(out.new_token_ids)
+        if out.num_output_tokens == len(out.new_token_ids) and out.new_token_ids:
+            # The first token of a prompt computed here (a remote prefill's first token
+            # never passes through): its blocks may serve other workers.
+            self.worker.pool.computed(stream.prompt_token_ids, stream.cache_salt)
         self.worker.streams.send(stream.addr, out.request_id, Tokens(
             position=position, token_ids=list(out.new_token_ids), finished=out.finished,
             finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,

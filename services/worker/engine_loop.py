@@ -60,6 +60,7 @@ class EngineLoop:
         self._prefill_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
         self._decode_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
         self.last_error: str | None = None
+        self.prefill_tokens_per_s = 0.0  # smoothed over prefill-only steps; 0: none yet
         self.load = self._snapshot()
 
     def start(self) -> None:
@@ -98,6 +99,9 @@ class EngineLoop:
         if step is None:
             return
         if step.prefill and not step.decode_batch:
+            rate = sum(n for n, _ in step.prefill) / max(elapsed, 1e-9)
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate
             self._prefill_samples.append({"tokens": [n for n, _ in step.prefill],
                                           "cached": [c for _, c in step.prefill],
                                           "seconds": elapsed})

@@ -106,14 +106,16 @@ class PrefillRole:
         sending = asyncio.create_task(self._send_layers(rid, job))
         try:
             try:
-                await w.loop.call(w.engine.add_request, rid, rec.prompt_token_ids, params,
-                                  cache_salt=rec.cache_salt, hold_blocks=True)
+                await w.pool.with_prefix(rec.prompt_token_ids, rec.cache_salt,
+                                         w.engine.add_request, rid, rec.prompt_token_ids,
+                                         params, cache_salt=rec.cache_salt, hold_blocks=True)
             except ValueError as exc:
                 return Error("bad_request", str(exc))
             out = await job.done
             if out.finish_reason in ("abort", "error") or not out.new_token_ids:
                 raise TransferError(f"prefill ended with {out.finish_reason}")
             first = out.new_token_ids[0]
+            w.pool.computed(rec.prompt_token_ids, rec.cache_salt)
             w.streams.send(rec.stream_addr, rid, Tokens(
                 position=0, token_ids=[first], prompt_tokens=out.num_prompt_tokens,
                 cached_tokens=out.num_cached_tokens, source="prefill",

@@ -37,6 +37,7 @@ from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_u
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
+from services.worker.pool_link import PoolLink
 from services.worker.prefill_role import PrefillRole
 from services.worker.settings import WorkerSettings, parse_cpus
 from services.worker.streams import StreamSender
@@ -87,6 +88,7 @@ class Worker:
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
         self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
         self.streams = StreamSender(self.ctx)
+        self.pool = PoolLink(self)
         self.prefill = PrefillRole(self) if settings.role == "prefill" else None
         self.decode = DecodeRole(self) if settings.role != "prefill" else None
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
@@ -114,6 +116,7 @@ class Worker:
                                           sink=self.decode.on_kv_chunk,
                                           host_id=s.resolved_host_id)
             await self.receiver.start()
+        await self.pool.start()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
         self._tasks.append(asyncio.create_task(self._register_and_beat()))
@@ -125,6 +128,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.rpc.close()
+        await self.pool.close()
         for client in self._clients.values():
             await client.close()
         if self.receiver is not None:
@@ -204,7 +208,7 @@ class Worker:
             "prefills_done": self.prefill.done if self.prefill else 0,
             "transfer_backends": dict(self.prefill.backends) if self.prefill else {},
             "kv_advert": self.receiver.advert() if self.receiver is not None else {},
-        }
+        } | self.pool.stats()
 
     async def _register_and_beat(self) -> None:
         s = self.settings

@@ -36,6 +36,11 @@ class WorkerSettings:
     sim_profile: str = "smollm2-cpu"  # cost profile name (deploy/profiles) or JSON path
     sim_time_scale: float = 1.0  # multiplies the simulated step times
     cpu_affinity: str = ""  # CPUs to pin the process to, e.g. "0" or "0-3,6"; empty: any
+    cache_pools: str = ""  # cache-pool control addresses, comma-separated; empty: no pool
+    pool_min_fetch_blocks: int = 1  # fetch pooled prefixes of at least this many blocks
+    pool_write_back: bool = True  # put computed prompt blocks into the pool
+    pool_bandwidth_mbs: float = 1000.0  # pool fetch speed assumed until one is measured
+    pool_timeout_s: float = 2.0  # a pool call slower than this is a miss
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -52,6 +57,10 @@ class WorkerSettings:
         if self.sim_time_scale < 0:
             raise ValueError("sim_time_scale must be >= 0")
         parse_cpus(self.cpu_affinity)
+        if self.pool_min_fetch_blocks < 1 or not self.pool_bandwidth_mbs > 0 \
+                or not self.pool_timeout_s > 0:
+            raise ValueError("pool_min_fetch_blocks must be >= 1, pool_bandwidth_mbs and "
+                             "pool_timeout_s > 0")
 
     @property
     def resolved_host_id(self) -> str:

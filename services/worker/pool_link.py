@@ -1,0 +1,226 @@
+"""A worker's use of the cache pool: pooled prefix blocks in before a prompt is computed,
+the blocks it computed out after.
+
+    with_prefix(prompt, call)
+        chain   the hashes of the prompt's full blocks, all but its last token (the
+                blocks a prefix hit may cover, as the engine's own admission sees them)
+        local   how many leading blocks this engine's prefix cache holds
+        pooled  how many of the following blocks the pool holds        (PoolExists)
+        fetch   them (PoolGet) when that is estimated cheaper than computing them, then
+                in one engine call adopt them into the prefix cache and make ``call``
+                (add_request, reserve_remote_prefill): admission finds them as ordinary
+                prefix hits, so a pooled block and a local one are reused alike
+    computed(prompt)
+        the prompt's full blocks are computed here: queue the chain for write-back. A
+        background task asks the pool which leading blocks it already holds, exports the
+        rest from the prefix cache a batch at a time (engine thread) and puts them. The
+        queue is bounded; past the bound work is dropped (counted), never waited for.
+
+The estimate: fetching n blocks costs ``n * block_bytes / bandwidth``, bandwidth measured
+on earlier fetches (``pool_bandwidth_mbs`` until then); computing them costs
+``n * block_size / prefill rate``, the rate measured on this engine's prefill steps. Until
+a prefill step has been measured, fetching wins.
+
+A pool that is down or slow is a miss: ``PoolClient`` never raises for it, and a request
+is then computed as if no pool were configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from common.block_hash import hash_blocks
+from common.pool_client import PoolClient, discover_pools, parse_pool_addrs
+
+if TYPE_CHECKING:
+    from services.worker.server import Worker
+
+log = structlog.get_logger(__name__)
+
+EXPORT_BATCH = 16  # blocks per engine call when writing back (bounds the engine's pause)
+MAX_QUEUED_BLOCKS = 8192  # write-back backlog; beyond it new work is dropped
+DISCOVER_RETRY_S = 1.0
+PARTIAL_AFTER_S = 10.0  # use the instances that answered once this long has passed
+FETCH_OVERHEAD_S = 1e-3  # a round trip and the engine call, per fetch
+
+
+class PoolLink:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        s = worker.settings
+        self.addrs = parse_pool_addrs(s.cache_pools)
+        self.client: PoolClient | None = None
+        self.bandwidth = s.pool_bandwidth_mbs * 1e6  # bytes/s, refined by each fetch
+        self._queue: collections.deque[list[int]] = collections.deque()
+        self._queued = 0
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._instances: frozenset[str] = frozenset()
+        self.counts = collections.Counter(
+            fetches=0, fetched_blocks=0, fetch_skipped=0, written_blocks=0,
+            write_back_dropped=0, fetch_bytes=0)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.addrs)
+
+    async def start(self) -> None:
+        if self.enabled:
+            self._tasks = [asyncio.create_task(self._connect()),
+                           asyncio.create_task(self._writer())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+
+    def stats(self) -> dict:
+        return {f"pool_{k}": v for k, v in self.counts.items()} | {
+            "pool_instances": sorted(self._instances),
+            "pool_write_back_queued": self._queued}
+
+    # ---- in: fetch and adopt --------------------------------------------------------
+
+    def _chain(self, prompt: list[int], salt: str | None, num_tokens: int) -> list[int]:
+        engine = self.worker.engine
+        bs = engine.block_pool.block_size
+        return hash_blocks(prompt[: num_tokens // bs * bs], bs, engine.fingerprint, salt)
+
+    async def with_prefix(self, prompt: list[int], salt: str | None,
+                          call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)`` on the engine thread, the prompt's pooled prefix
+        blocks adopted into the prefix cache first (in the same engine call)."""
+        loop = self.worker.loop
+        fetched = await self._fetch(prompt, salt) if self.client is not None else None
+        if fetched is None:
+            return await loop.call(call, *args, **kwargs)
+        engine = self.worker.engine
+
+        def adopt_then_call():
+            try:
+                adopted = engine.adopt_blocks(*fetched)
+            except ValueError as exc:  # a block of another layout: a miss
+                log.warning("pool_blocks_rejected", error=str(exc))
+                adopted = 0
+            self.counts["fetched_blocks"] += adopted
+            return call(*args, **kwargs)
+
+        return await loop.call(adopt_then_call)
+
+    async def _fetch(self, prompt: list[int], salt: str | None):
+        """``adopt_blocks`` arguments ``(chain, prompt, start, blocks)`` worth adopting,
+        or None."""
+        s = self.worker.settings
+        engine = self.worker.engine
+        chain = self._chain(prompt, salt, len(prompt) - 1)
+        # Read off the event loop's thread: a dict look-up per block, a hint only; the
+        # engine call that adopts checks the prefix again.
+        pool = engine.block_pool
+        local = 0
+        while local < len(chain) and pool.block_for_hash(chain[local]) is not None:
+            local += 1
+        rest = chain[local:]
+        if len(rest) < s.pool_min_fetch_blocks:
+            return None
+        held = await self.client.exists(rest)
+        if held < s.pool_min_fetch_blocks:
+            return None
+        if not self._worth_fetching(held):
+            self.counts["fetch_skipped"] += 1
+            return None
+        start = time.perf_counter()
+        blocks = await self.client.get(rest[:held])
+        if not blocks:
+            return None
+        nbytes = sum(len(b) for b in blocks)
+        elapsed = time.perf_counter() - start
+        if elapsed > 0:
+            self.bandwidth = 0.7 * self.bandwidth + 0.3 * nbytes / elapsed
+        self.counts["fetches"] += 1
+        self.counts["fetch_bytes"] += nbytes
+        return chain, prompt, local, blocks
+
+    def _worth_fetching(self, n: int) -> bool:
+        engine = self.worker.engine
+        rate = self.worker.loop.prefill_tokens_per_s
+        if not rate:
+            return True
+        fetch_s = FETCH_OVERHEAD_S + n * engine.kv_cache.block_nbytes / self.bandwidth
+        compute_s = n * engine.block_pool.block_size / rate
+        return fetch_s < compute_s
+
+    # ---- out: write back -------------------------------------------------------------
+
+    def computed(self, prompt: list[int], salt: str | None) -> None:
+        """The prompt's KV was computed here: write its full blocks back, in the
+        background."""
+        if self.client is None or not self.worker.settings.pool_write_back:
+            return
+        chain = self._chain(prompt, salt, len(prompt))
+        if not chain:
+            return
+        if self._queued + len(chain) > MAX_QUEUED_BLOCKS:
+            self.counts["write_back_dropped"] += len(chain)
+            return
+        self._queue.append(chain)
+        self._queued += len(chain)
+        self._wake.set()
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                chain = self._queue.popleft()
+                self._queued -= len(chain)
+                try:
+                    await self._write(chain)
+                except Exception as exc:  # write-back is best effort; keep serving
+                    log.warning("pool_write_back_failed", error=str(exc))
+
+    async def _write(self, chain: list[int]) -> None:
+        held = await self.client.exists(chain)
+        engine, loop = self.worker.engine, self.worker.loop
+        for first in range(held, len(chain), EXPORT_BATCH):
+            batch = chain[first:first + EXPORT_BATCH]
+            blocks = await loop.call(engine.export_cached_blocks, batch)
+            if blocks:
+                await self.client.put([(key, data, first + i) for i, (key, data)
+                                       in enumerate(zip(batch, blocks, strict=False))])
+                self.counts["written_blocks"] += len(blocks)
+            if len(blocks) < len(batch):  # evicted here meanwhile: the chain ends
+                return
+
+    # ---- discovery -------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        """Find the instances; use them all, or those found after PARTIAL_AFTER_S, and
+        keep looking until every configured one has answered."""
+        began = time.monotonic()
+        while True:
+            found = await discover_pools(self.worker.ctx, self.addrs)
+            ids = frozenset(found)
+            complete = len(found) == len(self.addrs)
+            if ids and ids != self._instances and (
+                    complete or time.monotonic() - began > PARTIAL_AFTER_S):
+                old = self.client
+                self.client = PoolClient(
+                    self.worker.ctx, {i: v["control_addr"] for i, v in found.items()},
+                    timeout_s=self.worker.settings.pool_timeout_s,
+                    name=f"{self.worker.worker_id}-pool")
+                self._instances = ids
+                log.info("cache pool connected", instances=sorted(ids),
+                         missing=len(self.addrs) - len(found))
+                if old is not None:
+                    await old.close()
+            if complete:
+                return
+            await asyncio.sleep(DISCOVER_RETRY_S)
