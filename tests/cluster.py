@@ -1,4 +1,8 @@
-"""Real pdserve processes on localhost for system tests: start, wait, inspect, stop."""
+"""Real pdserve processes for system tests: start, wait, inspect, stop.
+
+By default every process runs here, on 127.0.0.1. A ``Host`` puts processes in a network
+namespace, binding and advertising that namespace's address (``tests/netns.py`` builds
+two such hosts joined by a veth pair)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,8 +61,11 @@ def make_served_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def stats(addr: str, timeout_s: float = 5.0) -> dict:
-    """Ask a worker or the conductor for its Stats (a blocking DEALER call)."""
-    ctx = zmq.Context.instance()
+    """Ask a worker or the conductor for its Stats (a blocking DEALER call).
+
+    A context of its own per call: its I/O thread, which opens the connection, is then
+    in the caller's network namespace (see ``tests/netns.py``)."""
+    ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
@@ -68,6 +76,18 @@ def stats(addr: str, timeout_s: float = 5.0) -> dict:
         return decode(sock.recv_multipart()).record.values
     finally:
         sock.close(0)
+        ctx.term()
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """Where a process runs: a network namespace (None: the test's own), the address it
+    binds and its peers reach it at, and variables added to its environment. A worker
+    in a namespace takes the namespace's name as its host id."""
+
+    ip: str = "127.0.0.1"
+    netns: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,7 +110,8 @@ class Cluster:
     of ``disagg_threshold`` tokens or more cross to a prefill worker, so data-path tests
     know in advance which requests move KV; routing tests choose "cache_aware".
     ``executor="sim"`` starts simulated workers (``sim_profile``); ``conductor_args``
-    and ``worker_args`` are extra flags for those processes."""
+    and ``worker_args`` are extra flags for those processes. Conductor and gateway run
+    on ``host``, each worker on ``worker_hosts[name]`` if given, else on ``host``."""
 
     model: str
     workdir: Path
@@ -106,25 +127,36 @@ class Cluster:
     conductor_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    host: Host = field(default_factory=Host)
+    worker_hosts: dict[str, Host] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        ip = self.host.ip
         self.http_port = free_port()
-        self.zmq_addr = f"tcp://127.0.0.1:{free_port()}"
-        self.conductor_addr = f"tcp://127.0.0.1:{free_port()}"
-        self.heartbeat_addr = f"tcp://127.0.0.1:{free_port()}"
-        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.zmq_addr = f"tcp://{ip}:{free_port()}"
+        self.conductor_addr = f"tcp://{ip}:{free_port()}"
+        self.heartbeat_addr = f"tcp://{ip}:{free_port()}"
+        self.base_url = f"http://{ip}:{self.http_port}"
 
-    def _spawn(self, name: str, args: list[str], control: str = "") -> Proc:
+    def _spawn(self, name: str, args: list[str], control: str = "",
+               host: Host | None = None) -> Proc:
+        host = host or self.host
         log = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_FORMAT": "console"}
-        popen = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env,
-                                 stdout=log.open("w"), stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_FORMAT": "console",
+               **host.env}
+        cmd = [sys.executable, "-m", *args]
+        if host.netns:  # ip execs the command: the process keeps the pid we signal
+            cmd = ["ip", "netns", "exec", host.netns, *cmd]
+        popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"),
+                                 stderr=subprocess.STDOUT)
         proc = self.procs[name] = Proc(name, popen, log, control)
         return proc
 
     def start_worker(self, name: str, role: str) -> Proc:
-        control = f"tcp://127.0.0.1:{free_port()}"
+        host = self.worker_hosts.get(name, self.host)
+        control = f"tcp://{host.ip}:{free_port()}"
+        placement = ["--kv-host", host.ip, *(("--host-id", host.netns) if host.netns else ())]
         return self._spawn(name, [
             f"services.{role}", "--worker-id", name, "--model", self.model,
             "--dtype", self.dtype, "--control-addr", control,
@@ -132,7 +164,7 @@ class Cluster:
             "--kv-cache-mib", str(self.kv_cache_mib), "--kv-lease-s", str(self.kv_lease_s),
             "--num-threads", "1", "--max-model-len", str(self.max_model_len),
             "--executor", self.executor, "--sim-profile", self.sim_profile,
-            *self.worker_args], control)
+            *placement, *self.worker_args], control, host)
 
     def start_conductor(self) -> Proc:
         return self._spawn("conductor", [
@@ -146,9 +178,10 @@ class Cluster:
         for i, role in enumerate(self.roles):
             self.start_worker(f"{role}-{i}", role)
         self._spawn("gateway", [
-            "services.gateway", "--model", self.model, "--http-port", str(self.http_port),
-            "--zmq-addr", self.zmq_addr, "--conductor-addr", self.conductor_addr,
-            "--stream-bind", f"tcp://127.0.0.1:{free_port()}",
+            "services.gateway", "--model", self.model, "--http-host", self.host.ip,
+            "--http-port", str(self.http_port), "--zmq-addr", self.zmq_addr,
+            "--conductor-addr", self.conductor_addr,
+            "--stream-bind", f"tcp://{self.host.ip}:{free_port()}",
             "--request-timeout-s", "120", *self.gateway_args])
         try:
             self.wait_ready(timeout_s)
