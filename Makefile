@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest -q
 
-# Gateway, conductor, one prefill and one decode worker under supervisord.
+# Gateway, conductor, one prefill and one decode worker and a cache pool under supervisord.
 run-local: install
 	$(PY) deploy/run_local.py
 

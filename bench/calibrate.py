@@ -14,8 +14,10 @@ Each point is the median of ``--repeats`` steps. The profile's terms
 (``common/cost_profile.py``) are fitted by least squares on relative error, each row
 divided by its measured time (so short steps count as much as long ones), with every
 coefficient kept > 0. The JSON keeps the measurements and each point's fitted error.
-KV bytes per token come from the model's shape; ``--link-bandwidth`` (bytes/s) is
-taken as given.
+KV bytes per token come from the model's shape; ``--link-bandwidth`` and
+``--pool-bandwidth`` (bytes/s) are taken as given. The pool default is what
+``bench/pool_bandwidth.py`` measured on this machine (a local cache-pool instance's DRAM
+tier serving 720 KiB blocks: 0.74-1.0 GB/s for prefixes of 4-256 blocks), rounded down.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--link-bandwidth", type=float, default=1e9)
+    ap.add_argument("--pool-bandwidth", type=float, default=7.5e8)
     ap.add_argument("--name", default="smollm2-cpu")
     ap.add_argument("--out", default=str(ROOT / "deploy" / "profiles" / "smollm2-cpu.json"))
     args = ap.parse_args()
@@ -144,8 +147,10 @@ def main() -> None:
         prefill_per_pair_s=p[2], decode_fixed_s=d[0], decode_per_seq_s=d[1],
         decode_per_ctx_token_s=d[2], kv_bytes_per_token=kv_bytes,
         block_size=engine.block_pool.block_size, link_bandwidth=args.link_bandwidth,
+        pool_bandwidth=args.pool_bandwidth,
         notes=(f"bench/calibrate.py: {args.model}, {args.threads} torch thread(s), "
-               f"{engine.config.dtype}; medians of {args.repeats}+ steps"),
+               f"{engine.config.dtype}; medians of {args.repeats}+ steps; link and pool "
+               "bandwidth as given (pool: bench/pool_bandwidth.py)"),
         fit={"prefill": [[n, c, s, profile_err(s, p, (1.0, n, n * (n / 2 + c)))]
                          for n, c, s in prefill],
              "decode": [[b, k, s, profile_err(s, d, (1.0, b, k))] for b, k, s in decode],

@@ -2,8 +2,10 @@
 
     python deploy/run_local.py [--config deploy/configs/local.toml] [--timeout 300]
 
-Gateway, conductor, one prefill and one decode worker run as supervisord programs; logs
-go to a scratch directory printed at start. Ctrl-C stops everything.
+Each service section of the config (``[cache_pool]``, ``[conductor]``, ``[prefill]``,
+``[decode]``, ``[unified]``, ``[gateway]``) runs as a supervisord program
+``python -m services.<section>`` (``[cache_pool]`` is ``pdserve cache-pool``); logs go to
+a scratch directory printed at start. Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# Start order: the conductor first, workers next, the gateway last.
-SERVICES = {"conductor": 10, "prefill": 20, "decode": 20, "unified": 20, "gateway": 30}
+# Start order: the cache pool, the conductor, workers, the gateway last. (Conductor and
+# workers keep looking for pool instances that are not up yet, so the order is a nicety.)
+SERVICES = {"cache_pool": 5, "conductor": 10, "prefill": 20, "decode": 20, "unified": 20,
+            "gateway": 30}
+# Seconds supervisord waits after SIGTERM before SIGKILL: the pool copies DRAM to SSD
+# first. Under the 30 s ``stop`` below gives supervisord.
+STOP_WAIT_S = {"cache_pool": 25}
 
 
 def render(template: Path, out: Path, config: Path, run_dir: Path, sections: list[str]) -> None:
@@ -36,6 +43,7 @@ def render(template: Path, out: Path, config: Path, run_dir: Path, sections: lis
         text += (f"\n[program:{name}]\ncommand={sys.executable} -m services.{name}\n"
                  f"directory={ROOT}\nenvironment=PDSERVE_CONFIG=\"{config}\"\n"
                  f"priority={SERVICES[name]}\nautorestart=true\nstopasgroup=true\n"
+                 f"stopwaitsecs={STOP_WAIT_S.get(name, 10)}\n"
                  f"redirect_stderr=true\nstdout_logfile={run_dir}/{name}.log\n")
     out.write_text(text)
 

@@ -73,6 +73,33 @@ def test_drop_location_forgets_it_and_its_bit_is_reused_clean():
     assert idx.locations() == ["w2", "w3"]
 
 
+def test_held_counts_follow_stores_removals_and_drops():
+    idx = PrefixIndex()
+    idx.stored("a", [1, 2, 3])
+    idx.stored("a", [2, 3, 4])  # 2 and 3 again: not counted twice
+    idx.stored("pool:x", [1, 9])
+    idx.removed("a", [1, 1, 77])  # a repeat and an absent hash count once / not at all
+    assert idx.counts() == {"a": 3, "pool:x": 2}
+    assert (idx.held("a"), idx.held("nobody")) == (3, 0)
+    assert idx.drop_location("a") == 3
+    idx.stored("b", [5])  # takes a's freed bit with a fresh count
+    assert idx.counts() == {"b": 1, "pool:x": 2} and len(idx) == 3
+
+
+def test_match_group_counts_a_chain_spread_over_pool_instances():
+    idx = PrefixIndex()
+    idx.stored("pool:x", [1, 3, 5])  # placement put alternate blocks on two instances
+    idx.stored("pool:y", [2, 4])
+    idx.stored("w", [1, 2, 3, 4, 5, 6])
+    assert idx.match([1, 2, 3, 4, 5, 6]) == {"pool:x": 1, "w": 6}
+    assert idx.match_group([1, 2, 3, 4, 5, 6], "pool:") == 5  # block 6: no instance
+    assert idx.match_group([2, 1], "pool:") == 2
+    assert idx.match_group([7, 1], "pool:") == 0 and idx.match_group([], "pool:") == 0
+    assert idx.match_group([1, 2], "none:") == 0
+    idx.drop_location("pool:y")
+    assert idx.match_group([1, 2, 3], "pool:") == 1
+
+
 def test_match_of_a_64_block_chain_with_100k_blocks_and_32_workers_is_fast():
     rng = random.Random(0)
     idx, chains = PrefixIndex(), []
@@ -227,6 +254,21 @@ def test_pool_blocks_beyond_a_workers_own_are_fetched_and_counted():
     d = route(policy(idx), ws, slo_ttft_s=t_p2 + 1e-9)
     assert d.prefill.worker_id == "p2" and "hit 12/16" in d.reason
     assert isinstance(route(policy(idx), ws, slo_ttft_s=t_p2 - 1e-9), Rejection)
+
+
+def test_pool_prefix_spread_over_two_instances_counts_whole():
+    idx = PrefixIndex()
+    idx.stored("pool:x", CHAIN[0:12:2])
+    idx.stored("pool:y", CHAIN[1:12:2])
+    ws = [view("d1", "decode", running=4), view("p1", "prefill")]
+    fetch = 12 * BS * 1000 / 1e8
+    t_p1 = prefill_s(4 * BS, 12 * BS) + fetch + PROMPT * 1000 / 1e9
+    d = route(policy(idx), ws, slo_ttft_s=t_p1 + 1e-9)
+    assert d.prefill.worker_id == "p1" and "hit 12/16" in d.reason
+    no_pool = CacheAwarePolicy(idx, CostModel(CAL), PolicyConfig(
+        kv_bytes_per_token=1000, link_bandwidth=1e9, pool_bandwidth=0.0))
+    ws = [view("d1", "decode", running=4), view("p1", "prefill")]
+    assert "hit 0/16" in route(no_pool, ws).reason  # bandwidth 0: the pool is ignored
 
 
 def test_no_decode_worker_and_bad_sizes_are_explicit_errors():

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import uuid
 
 import structlog
 import zmq
@@ -67,6 +68,7 @@ class CachePool:
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.source = f"pool:{settings.instance_id}"
+        self.boot_id = uuid.uuid4().hex  # in Stats: subscribers tell a restart by it
         self.ctx = zmq.asyncio.Context()
         # Applies to sockets made after this: a peer sending a larger frame is dropped.
         self.ctx.setsockopt(zmq.MAXMSGSIZE, max(settings.max_request_bytes, MAX_FRAME_BYTES))
@@ -213,6 +215,7 @@ class CachePool:
         stats, capacity = self._read_stats()
         values = stats._asdict() if stats is not None else dict.fromkeys(StoreStats._fields, 0)
         return Stats(values={**values, "instance_id": self.settings.instance_id,
+                             "boot_id": self.boot_id,
                              "control_addr": self.rpc.address,
                              "events_addr": self.events.address if self.events else "",
                              "block_bytes": self.block_bytes, "policy": self.settings.policy,

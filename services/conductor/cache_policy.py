@@ -8,7 +8,8 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
               of  TBT = decode_step(batch + 1, context + P + O/2)
                       + (its queued local prefills, which stall the batch) / (O - 1)
     for each prefill worker p of the decode worker's fingerprint:
-        cached(p) = its own prefix + pool blocks beyond it      (from the index)
+        cached(p) = its own prefix + pool blocks beyond it      (from the index; the pool's
+                    prefix counts a block held by any of its instances)
         TTFT(p)   = queue(p)                                     queued + in-flight tokens
                   + prefill(P - cached(p), cached(p))
                   + pool fetch(pool blocks beyond its own)
@@ -125,9 +126,9 @@ class CacheAwarePolicy:
             return Rejection(f"predicted TBT {tbt * 1e3:.1f}ms > SLO {slo_tbt_s * 1e3:.1f}ms "
                              f"on {decode.worker_id}", 1.0)
         hits = self.index.match(block_hashes)
-        pool = max((v for k, v in hits.items() if k.startswith(POOL_PREFIX)), default=0)
-        if self.config.pool_bandwidth <= 0:
-            pool = 0
+        # The pool's instances together: placement spreads one chain over all of them.
+        pool = (self.index.match_group(block_hashes, POOL_PREFIX)
+                if self.config.pool_bandwidth > 0 else 0)
         chain = (prompt_tokens, block_size, hits, pool)
         local = self._estimate(decode, chain, remote=False)
         prefillers = [w for w in usable if w.role == "prefill"

@@ -12,6 +12,10 @@ timings in every heartbeat. Each Route is answered with RouteReply, or with
 ``Error("unavailable")`` when no live worker serves the model. Every decision is
 logged with its reason and counted in ``pdserve:routing_decisions{outcome}``
 (``remote``, ``local``, ``colocated``, ``rejected``).
+
+The prefix index is fed by the workers' KV events (on the heartbeat socket, with a
+Resync of a worker the conductor rediscovers) and, with ``cache_pools`` set, by the
+cache-pool instances' own event sockets (``services/conductor/pool_watch.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from common.cost_profile import load_profile
 from common.logging import configure_logging
+from common.pool_client import parse_pool_addrs
 from common.protocol import (
     Error,
     GetStats,
@@ -44,6 +49,7 @@ from common.protocol import (
 from common.zmq_io import RpcClient, RpcServer, Subscriber, install_uvloop
 from services.conductor.cache_policy import Rejection
 from services.conductor.policy import NoWorkers
+from services.conductor.pool_watch import PoolWatch
 from services.conductor.registry import Registry, WorkerView
 from services.conductor.router import Router, RouterConfig, RouteRequest
 
@@ -64,8 +70,16 @@ class ConductorSettings:
     admission: bool = True  # reject at arrival when the predicted TTFT/TBT misses the SLO
     max_decode_stall_s: float = 0.5  # cap on a local prefill's stall of running decodes
     planned_output_tokens: int = 512  # output planned for when max_tokens is larger
+    # Cache-pool control addresses, comma-separated (as the workers'); "": no pool.
+    cache_pools: str = ""
+    pool_check_interval_s: float = 1.0  # how often each pool instance is asked for Stats
+    pool_dead_after_s: float = 5.0  # silent this long: its blocks leave the index
     metrics_port: int = 0
     log_format: str = "json"
+
+    def __post_init__(self) -> None:
+        if not (self.pool_check_interval_s > 0 and self.pool_dead_after_s > 0):
+            raise ValueError("pool_check_interval_s and pool_dead_after_s must be > 0")
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(
@@ -86,6 +100,11 @@ class Conductor:
         self.sub = Subscriber(self.ctx, settings.heartbeat_addr, bind=True)
         self._tasks: list[asyncio.Task] = []
         self._discovering: set[str] = set()
+        pools = parse_pool_addrs(settings.cache_pools)
+        self.pools = PoolWatch(
+            self.ctx, pools, self.router.index, self.apply_kv_event,
+            check_interval_s=settings.pool_check_interval_s,
+            dead_after_s=settings.pool_dead_after_s) if pools else None
         self.metrics = CollectorRegistry()
         self.decisions = Counter("pdserve:routing_decisions", "Routing decisions",
                                  ["outcome"], registry=self.metrics)
@@ -99,16 +118,21 @@ class Conductor:
         await self.rpc.start()
         self._tasks += [asyncio.create_task(self._heartbeats()),
                         asyncio.create_task(self._reaper())]
+        if self.pools is not None:
+            self._tasks.append(asyncio.create_task(self.pools.run()))
         if self.settings.metrics_port:
             start_http_server(self.settings.metrics_port, registry=self.metrics)
         log.info("conductor started", control=self.rpc.address,
                  heartbeats=self.settings.heartbeat_addr, policy=self.router.name,
-                 cost_profile=self.router.profile.name)
+                 cost_profile=self.router.profile.name,
+                 cache_pools=self.pools.control_addrs if self.pools else [])
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.pools is not None:
+            await self.pools.close()
         await self.rpc.close()
         await self.sub.close()
         self.ctx.term()
@@ -135,7 +159,9 @@ class Conductor:
                 "cost_model": {k: getattr(cost.coefficients(), k)
                                for k in cost.coefficients().__slots__},
                 "cost_observations": list(cost.observations),
-                "bad_samples": self.router.bad_samples, "index_blocks": len(self.router.index)}
+                "bad_samples": self.router.bad_samples, "index_blocks": len(self.router.index),
+                "index_locations": self.router.index.counts(),
+                "cache_pools": self.pools.stats() if self.pools is not None else {}}
 
     def _route(self, rec: Route, rid: str | None):
         for name in ("slo_ttft_ms", "slo_tbt_ms"):
@@ -194,13 +220,7 @@ class Conductor:
 
     def apply_kv_event(self, event: KVEvent) -> None:
         """Keep the global prefix index in step with a worker's or pool's cache."""
-        index = self.router.index
-        if event.kind == "stored":
-            index.stored(event.source, event.hashes)
-        elif event.kind == "removed":
-            index.removed(event.source, event.hashes)
-        elif event.kind == "cleared":
-            index.drop_location(event.source)
+        self.router.index.apply(event.source, event.kind, event.hashes)
 
     async def _resync(self, worker_id: str, control_addr: str) -> None:
         """Rebuild a worker's part of the prefix index from the blocks it reports."""

@@ -1,0 +1,83 @@
+"""The shipped deployment files agree with the code: every section of every config loads
+into its service's settings, run_local makes one program per section running the right
+module, the systemd units cover the services, and local.toml's peers point at each other."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import tomllib
+
+import pytest
+
+from common.config import load_settings
+from services.cache_pool.settings import PoolSettings
+from services.conductor.server import ConductorSettings
+from services.gateway.server import GatewaySettings
+from services.worker.settings import WorkerSettings
+from tests.cluster import ROOT
+
+_spec = importlib.util.spec_from_file_location("run_local", ROOT / "deploy" / "run_local.py")
+run_local = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_local)
+
+CONFIGS = sorted((ROOT / "deploy" / "configs").glob("*.toml"))
+SETTINGS = {"conductor": ConductorSettings, "gateway": GatewaySettings,
+            "prefill": WorkerSettings, "decode": WorkerSettings, "unified": WorkerSettings,
+            "cache_pool": PoolSettings}
+# Keys naming what a service binds (a worker's conductor_addr and heartbeat_addr connect).
+BIND_KEYS = {"control_addr", "events_addr", "zmq_addr", "stream_bind", "kv_port",
+             "metrics_port", "http_port"}
+SECTIONS = [(c.name, s) for c in CONFIGS for s in tomllib.loads(c.read_text())]
+
+
+def test_every_service_has_settings_and_a_module():
+    assert set(run_local.SERVICES) == set(SETTINGS)
+    for name in SETTINGS:
+        assert importlib.util.find_spec(f"services.{name}") is not None, name
+
+
+@pytest.mark.parametrize(("config", "section"), SECTIONS)
+def test_each_section_loads_into_its_services_settings(config, section):
+    assert section in SETTINGS, f"{config}: [{section}] is no service run_local knows"
+    path = ROOT / "deploy" / "configs" / config
+    table = tomllib.loads(path.read_text())[section]
+    settings = load_settings(SETTINGS[section], section, ["--config", str(path)], env={})
+    assert {k: getattr(settings, k) for k in table} == table
+
+
+def test_local_toml_peers_point_at_each_other():
+    t = tomllib.loads((ROOT / "deploy" / "configs" / "local.toml").read_text())
+    pool = t["cache_pool"]["control_addr"]
+    assert t["conductor"]["cache_pools"] == pool == "tcp://127.0.0.1:5580"
+    assert t["prefill"]["cache_pools"] == t["decode"]["cache_pools"] == pool
+    assert t["cache_pool"]["events_addr"] == "tcp://127.0.0.1:5581"
+    for s in ("prefill", "decode", "gateway"):
+        assert t[s]["conductor_addr"] == t["conductor"]["control_addr"]
+    binds = [v for name, sec in t.items() for k, v in sec.items() if k in BIND_KEYS
+             or (name, k) == ("conductor", "heartbeat_addr")]
+    ports = [int(str(v).rsplit(":", 1)[-1]) for v in binds]
+    assert len(ports) == len(set(ports)) == 14, sorted(ports)
+
+
+def test_run_local_renders_the_cache_pool_program(tmp_path):
+    config = ROOT / "deploy" / "configs" / "local.toml"
+    sections = [n for n in run_local.SERVICES if n in tomllib.loads(config.read_text())]
+    assert sections == ["cache_pool", "conductor", "prefill", "decode", "gateway"]
+    out = tmp_path / "supervisord.conf"
+    run_local.render(ROOT / "deploy" / "supervisord.conf.in", out, config, tmp_path, sections)
+    programs = dict(re.findall(r"\[program:(\w+)\]\ncommand=\S+ -m (\S+)\n", out.read_text()))
+    assert programs == {n: f"services.{n}" for n in sections}
+    block = out.read_text().split("[program:cache_pool]")[1].split("[program:")[0]
+    assert "priority=5\n" in block and "stopwaitsecs=25\n" in block
+
+
+def test_systemd_units_cover_the_services_of_local_toml():
+    units = ROOT / "deploy" / "systemd"
+    target = (units / "pdserve.target").read_text()
+    t = tomllib.loads((ROOT / "deploy" / "configs" / "local.toml").read_text())
+    for section in t:
+        unit = f"pdserve-{section.replace('_', '-')}.service"
+        text = (units / unit).read_text()
+        assert re.search(rf"^ExecStart=\S+ -m services\.{section}$", text, re.M), unit
+        assert "WantedBy=pdserve.target" in text and unit in target
