@@ -154,3 +154,36 @@ def test_multi_turn_follow_up_moves_only_the_blocks_decode_lacks(model_dir, tmp_
         assert moved == 3 * per_block  # blocks 5, 6 and the partial 7 of 8
     finally:
         cluster.stop()
+
+
+def test_fully_pooled_prompt_is_routed_to_decode_alone_and_loaded_there(model_dir, tmp_path,
+                                                                        pool):
+    # Cache-aware routing with the pool in the conductor's index: once every block of a
+    # prompt but its last token is pooled and no worker holds it, loading the blocks on
+    # the decode worker beats any remote prefill, so no prefill worker is involved.
+    pools = ["--cache-pools", pool.control]
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], policy="cache_aware",
+                      conductor_args=pools, worker_args=pools)
+    cluster.start()
+    try:
+        prompt = random_prompts([161], vocab=49152, seed=66)[0]  # ten full blocks + 1
+        want = uncached(model_dir, prompt)
+        assert generate(cluster, prompt) == (want, 0)
+        wait_for("the pool's blocks in the conductor's index", lambda: cluster.conductor_stats()
+                 ["index_locations"].get("pool:pool-0", 0) == 10)
+        # Fresh workers under the same names: no local copy of the prompt anywhere.
+        for name, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
+            cluster.procs[name].popen.kill()
+            cluster.procs[name].popen.wait(10)
+            cluster.start_worker(name, role)
+        cluster.wait_ready(60)
+        for name in ("prefill-0", "decode-1"):
+            wait_for(f"{name} to find the pool",
+                     lambda n=name: cluster.worker_stats(n)["pool_instances"] == ["pool-0"])
+        time.sleep(1.2)  # a heartbeat: the conductor sees both fresh workers idle
+        assert generate(cluster, prompt) == (want, 160)
+        assert cluster.worker_stats("prefill-0")["prefills_done"] == 0
+        s = cluster.worker_stats("decode-1")
+        assert s["pool_fetched_blocks"] == 10 and s["kv_bytes_received"] == 0
+    finally:
+        cluster.stop()
