@@ -108,14 +108,14 @@ class Worker:
 
     async def start(self) -> None:
         self.loop.start()
-        await self.rpc.start()
-        if self.decode is not None:
+        if self.decode is not None:  # before the control socket: stats name its address
             s = self.settings
             kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
             self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
                                           sink=self.decode.on_kv_chunk,
                                           host_id=s.resolved_host_id)
             await self.receiver.start()
+        await self.rpc.start()
         await self.pool.start()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
