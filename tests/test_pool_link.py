@@ -1,0 +1,72 @@
+"""The worker's pool link in isolation: the fetch-or-compute estimate and write-back
+bounds. (Fetching and writing back for real: tests/test_pool_system.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from services.worker import pool_link
+from services.worker.pool_link import PoolLink
+from services.worker.settings import WorkerSettings
+
+
+def fake_worker(rate: float, block_nbytes: int = 720 * 1024, **settings):
+    engine = types.SimpleNamespace(
+        kv_cache=types.SimpleNamespace(block_nbytes=block_nbytes),
+        block_pool=types.SimpleNamespace(block_size=16, block_for_hash=lambda h: None),
+        fingerprint="fp")
+    return types.SimpleNamespace(
+        settings=WorkerSettings(**settings), engine=engine,
+        loop=types.SimpleNamespace(prefill_tokens_per_s=rate))
+
+
+@pytest.mark.asyncio
+async def test_fetch_only_when_cheaper_than_computing():
+    link = PoolLink(fake_worker(rate=0.0, cache_pools="tcp://127.0.0.1:1"))
+    assert link._worth_fetching(100)  # nothing measured yet: fetch
+    # 1 GB/s and 720 KiB blocks: ~0.74 ms a block, against 16 tokens at the rate.
+    link.worker.loop.prefill_tokens_per_s = 500.0  # 32 ms a block: fetch
+    assert link._worth_fetching(1) and link._worth_fetching(100)
+    link.worker.loop.prefill_tokens_per_s = 50_000.0  # 0.32 ms a block: compute
+    assert not link._worth_fetching(100)
+    link.bandwidth = 10e9  # a faster pool tips it back: 0.074 ms a block
+    assert link._worth_fetching(100)
+    assert not link._worth_fetching(1)  # the fixed cost of a fetch dominates one block
+
+
+@pytest.mark.asyncio
+async def test_write_back_is_queued_bounded_and_dropped_past_the_bound(monkeypatch):
+    monkeypatch.setattr(pool_link, "MAX_QUEUED_BLOCKS", 10)
+    link = PoolLink(fake_worker(rate=0.0, cache_pools="tcp://127.0.0.1:1"))
+    link.client = object()  # connected; the writer task is not running
+    prompt = list(range(16 * 6 + 3))  # six full blocks
+    link.computed(prompt, None)
+    assert link._queued == 6 and len(link._queue[0]) == 6
+    link.computed(prompt, None)  # 12 > 10: dropped whole, counted
+    assert link._queued == 6 and link.counts["write_back_dropped"] == 6
+    link.computed(prompt[:40], "salt")  # two blocks fit
+    assert link._queued == 8
+    assert link._queue[1] != link._queue[0][:2]  # the salt changes every hash
+
+
+@pytest.mark.asyncio
+async def test_without_pools_it_neither_fetches_nor_writes():
+    worker = fake_worker(rate=0.0)
+    calls = []
+
+    async def call(fn, *args, **kwargs):
+        calls.append(fn(*args, **kwargs))
+        return calls[-1]
+
+    worker.loop.call = call
+    link = PoolLink(worker)
+    await link.start()
+    assert not link.enabled and link._tasks == []
+    assert await link.with_prefix([1, 2, 3], None, lambda x: x * 2, 21) == 42
+    link.computed(list(range(64)), None)
+    assert link._queued == 0 and calls == [42]
+    await link.close()
+    await asyncio.sleep(0)
