@@ -9,6 +9,8 @@ a hash of its content), so putting a key already held only counts as a use.
 
 from __future__ import annotations
 
+import mmap
+
 from services.cache_pool.block import Buffer, Evicted, check_block, check_empty_policy
 from services.cache_pool.eviction import EvictionPolicy
 from services.cache_pool.ssd_tier import Recovery, SsdTier
@@ -17,7 +19,8 @@ __all__ = ["DramTier", "Evicted", "Recovery", "SsdTier"]
 
 
 class DramTier:
-    """A fixed arena: one ``bytearray`` of ``capacity_bytes`` cut into slots of
+    """A fixed arena: one anonymous memory map of ``capacity_bytes`` (pages are only
+    backed once written, so a large arena costs nothing up front) cut into slots of
     ``block_bytes``; a block of up to ``block_bytes`` takes one slot::
 
         arena  [ slot 0 | slot 1 | ... | slot n-1 | unused tail < block_bytes ]
@@ -40,7 +43,7 @@ class DramTier:
         self.policy = policy
         self.num_slots = capacity_bytes // block_bytes
         self.evictions = 0
-        self._arena = bytearray(capacity_bytes)
+        self._arena = mmap.mmap(-1, capacity_bytes)
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots: dict[int, tuple[int, int, int]] = {}  # key -> (slot, length, depth)
         self._used = 0
