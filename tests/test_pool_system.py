@@ -111,6 +111,9 @@ def test_a_fully_pooled_prompt_is_loaded_by_the_worker_that_decodes_it(model_dir
         assert generate(cluster, prompt) == (want, 80)  # only the last token computed
         s = cluster.worker_stats("unified-1")
         assert s["pool_fetched_blocks"] == 5 and s["pool_written_blocks"] == 0
+        assert 0 < s["pool_fetch_seconds"] < 2 and 0 < s["pool_adopt_seconds"] < 2
+        a = cluster.worker_stats("unified-0")  # computed, never fetched: no time counted
+        assert a["pool_fetch_seconds"] == a["pool_adopt_seconds"] == 0
     finally:
         cluster.stop()
 

@@ -65,6 +65,8 @@ class PoolLink:
         self.counts = collections.Counter(
             fetches=0, fetched_blocks=0, fetch_skipped=0, written_blocks=0,
             write_back_dropped=0, fetch_bytes=0)
+        # Wall time of the pool gets and of the engine adopting what they returned.
+        self.seconds = {"fetch_seconds": 0.0, "adopt_seconds": 0.0}
 
     @property
     def enabled(self) -> bool:
@@ -83,7 +85,7 @@ class PoolLink:
             await self.client.close()
 
     def stats(self) -> dict:
-        return {f"pool_{k}": v for k, v in self.counts.items()} | {
+        return {f"pool_{k}": v for k, v in {**self.counts, **self.seconds}.items()} | {
             "pool_instances": sorted(self._instances),
             "pool_write_back_queued": self._queued}
 
@@ -105,11 +107,13 @@ class PoolLink:
         engine = self.worker.engine
 
         def adopt_then_call():
+            start = time.perf_counter()
             try:
                 adopted = engine.adopt_blocks(*fetched)
             except ValueError as exc:  # a block of another layout: a miss
                 log.warning("pool_blocks_rejected", error=str(exc))
                 adopted = 0
+            self.seconds["adopt_seconds"] += time.perf_counter() - start
             self.counts["fetched_blocks"] += adopted
             return call(*args, **kwargs)
 
@@ -146,6 +150,7 @@ class PoolLink:
             self.bandwidth = 0.7 * self.bandwidth + 0.3 * nbytes / elapsed
         self.counts["fetches"] += 1
         self.counts["fetch_bytes"] += nbytes
+        self.seconds["fetch_seconds"] += elapsed
         return chain, prompt, local, blocks
 
     def _worth_fetching(self, n: int) -> bool:
