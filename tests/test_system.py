@@ -428,3 +428,60 @@ def test_prefill_killed_mid_transfer_decode_recovers_at_once(tmp_path):
         assert "sender connection lost" in cluster.procs["decode-1"].log.read_text()
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_decode_killed_mid_transfer_prefill_frees_all_and_request_completes(tmp_path):
+    from services.engine.engine import LLMEngine
+    from services.engine.weights import DEFAULT_MODEL
+
+    prompt = random_prompts([1500], vocab=49152, seed=56)[0]
+    # Chunks of 512 tokens: the step that streams the layers (the last 476 tokens) ends
+    # about a second after the kill, well before the gateway gives up on decode-1.
+    want = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=256 << 20,
+                                  max_num_batched_tokens=512)).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    # The lease is far longer than the run: the prefill worker must free what it held
+    # because the receiver died, not because the lease ran out.
+    cluster = Cluster(DEFAULT_MODEL, tmp_path, ["prefill", "decode", "decode"],
+                      kv_cache_mib=256, kv_lease_s=60,
+                      worker_args=["--max-num-batched-tokens", "512"])
+    cluster.start(timeout_s=240)
+    try:
+        idle = cluster.worker_stats("prefill-0")
+        result = {}
+
+        def run():
+            with Client(cluster.zmq_addr, timeout_s=120) as client:
+                result["done"] = client.generate(prompt_token_ids=prompt, max_tokens=4,
+                                                 temperature=0, ignore_eos=True)
+
+        start = time.monotonic()
+        worker = concurrent.futures.ThreadPoolExecutor(1).submit(run)
+        while (sending := cluster.worker_stats("prefill-0"))["kv_bytes_sent"] == 0:
+            assert time.monotonic() - start < 60, "no KV was ever sent"
+            time.sleep(0.01)
+        receiving = [n for n in ("decode-1", "decode-2")
+                     if cluster.worker_stats(n)["live_transfers"]]
+        assert len(receiving) == 1, "the transfer was over before the kill"
+        cluster.signal(receiving[0], signal.SIGKILL)  # layers are still streaming to it
+        other = ({"decode-1", "decode-2"} - set(receiving)).pop()
+        assert sending["prefill_jobs"] == 1
+        worker.result(timeout=150)
+        assert result["done"].token_ids == want
+        # The survivor gave everything back, well inside the lease.
+        prefill = wait_idle(cluster, ["prefill-0"], timeout_s=30)["prefill-0"]
+        assert time.monotonic() - start < 60
+        assert prefill["free_blocks"] == idle["free_blocks"] == prefill["num_blocks"]
+        assert prefill["prefill_jobs"] == 0 and prefill["live_transfers"] == 0
+        assert prefill["prefills_done"] == idle["prefills_done"]  # that prefill failed
+        all_layers = -(-len(prompt) // 16) * 16 * 46080  # whole blocks, 30 layers
+        assert 0 < prefill["kv_bytes_sent"] - idle["kv_bytes_sent"] < all_layers
+        assert "prefill failed" in cluster.procs["prefill-0"].log.read_text()
+        # The gateway moved the request to the other decode worker, which prefilled it
+        # itself: the prefill worker had streamed token 0, so it resumed at position 1.
+        assert "re-routing" in cluster.procs["gateway"].log.read_text()
+        decode = wait_idle(cluster, [other])[other]
+        assert decode["kv_bytes_received"] == 0 and decode["live_transfers"] == 0
+    finally:
+        cluster.stop()

@@ -30,6 +30,7 @@ from common.transfer import (
     make_receiver,
     make_sender,
     shm_sender,
+    table,
     wire,
 )
 from common.transfer.shm_sender import ShmSender
@@ -191,7 +192,34 @@ async def test_four_senders_into_one_receiver_at_once(kind, serve):
         assert [c[1:] for c in chunks if c[0] == rid] == plan
 
 
-async def test_bit_flipped_in_flight_fails_only_that_transfer(kind, serve, sender, monkeypatch):
+async def test_bit_flipped_once_is_sent_again_and_arrives_exact(kind, serve, sender, monkeypatch):
+    chunks = []
+    rx = await serve(kind, lambda r, layer, b, p: chunks.append((r, layer, bytes(p))))
+    data, other = (random.Random(seed).randbytes(50000) for seed in (4, 5))
+    flaky, good = rx.expect("flaky", lease_s=10), rx.expect("good", lease_s=10)
+    real_checksum, seen = table.checksum, []
+
+    def checksum(payload) -> int:  # what the receiver computes over the bytes it got
+        seen.append(bytes(payload) == data)
+        flipped = bytearray(payload)
+        flipped[31337] ^= 0x04  # the first arrival of `data` had a bit flipped in flight
+        return real_checksum(flipped if len(seen) == 1 else payload)
+
+    monkeypatch.setattr(table, "checksum", checksum)
+    await sender.send(rx.address, "flaky", 0, [5], data)
+    await sender.send(rx.address, "good", 0, [6], other)  # another transfer meanwhile
+    await sender.finish(rx.address, "flaky", 1)  # waits for the resent chunk's verdict
+    await sender.finish(rx.address, "good", 1)
+    await asyncio.gather(flaky.wait(), good.wait())
+    assert seen == [True, False, True]  # `data`, `other`, `data` again
+    assert (sender.resent, rx.retried) == (1, 1)
+    assert sorted(chunks) == [("flaky", 0, data), ("good", 0, other)]  # byte-exact, once
+    assert flaky.chunks_received == 1 and flaky.bytes_received == len(data)
+
+
+async def test_bit_flipped_on_both_attempts_fails_only_that_transfer(
+    kind, serve, sender, monkeypatch
+):
     chunks = []
     rx = await serve(kind, lambda r, layer, b, p: chunks.append((r, bytes(p))))
     data = random.Random(4).randbytes(50000)
@@ -204,10 +232,13 @@ async def test_bit_flipped_in_flight_fails_only_that_transfer(kind, serve, sende
         real_stage(destination, source)
         return real_checksum(data)
 
-    # Each sender checks `data`, but `corrupted` is what travels.
+    # Each sender checks `data`, but `corrupted` is what travels, both times.
     monkeypatch.setattr(wire, "checksum", lambda payload: real_checksum(data))
     monkeypatch.setattr(shm_sender, "stage", stage)
     await sender.send(rx.address, "bad", 0, [5], corrupted)
+    with pytest.raises(TransferError, match=r"checksum mismatch on layer 0 blocks \[5\]") as info:
+        await sender.finish(rx.address, "bad", 1)  # the sender hears it, sends no FINISH
+    assert info.value.request_id == "bad" and info.value.reason.endswith("(attempt 2 of 2)")
     monkeypatch.undo()
     await sender.send(rx.address, "good", 0, [6], data)
     await sender.finish(rx.address, "good", 1)
@@ -216,6 +247,7 @@ async def test_bit_flipped_in_flight_fails_only_that_transfer(kind, serve, sende
         await bad.wait()
     assert bad.state is TransferState.FAILED and bad.chunks_received == 0
     assert chunks == [("good", data)] and rx.live() == 0
+    assert (sender.resent, rx.retried, sender.connections) == (1, 1, 1)  # same connection
 
 
 SENDER_PROCESS = """

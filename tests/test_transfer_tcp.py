@@ -147,8 +147,8 @@ async def test_concurrent_calls_on_one_connection_never_interleave(sink):
 
 
 async def mutate_after_send_scenario(sink) -> None:
-    """send() returning means the payload may be reused: the receiver must still get
-    the bytes as they were at the call."""
+    """finish() returning means the payloads may be reused: the sender keeps each until
+    its verdict (it may have to send it again), and not a moment longer."""
     rx = TcpReceiver(sink=sink, socket_buffer_bytes=16384)
     await rx.start()
     tx = TcpSender(socket_buffer_bytes=16384)
@@ -157,9 +157,9 @@ async def mutate_after_send_scenario(sink) -> None:
         buffer = bytearray(random.Random(13).randbytes(3 << 20))
         original = bytes(buffer)
         await tx.send(rx.address, "reuse", 0, [0], buffer)
+        await tx.finish(rx.address, "reuse", 1)
         buffer[:] = bytes(len(buffer))  # the KV slot is reused at once
         buffer.extend(b"grown")  # would raise BufferError if the sender still held it
-        await tx.finish(rx.address, "reuse", 1)
         await transfer.wait()
         assert sink.of("reuse") == [("reuse", 0, [0], original)]
     finally:
@@ -167,28 +167,84 @@ async def mutate_after_send_scenario(sink) -> None:
         await rx.close()
 
 
-async def test_payload_may_be_reused_once_send_returns(sink):
+async def test_payload_may_be_reused_once_finish_returns(sink):
     await mutate_after_send_scenario(sink)
 
 
-async def test_corrupted_payload_fails_with_checksum_and_connection_keeps_serving(receiver, sink):
-    bad, good = receiver.expect("bad", lease_s=5), receiver.expect("good", lease_s=5)
+async def read_verdict(reader: asyncio.StreamReader) -> wire.Verdict:
+    kind, header_len, payload_len = wire.decode_prefix(await reader.readexactly(wire.PREFIX.size))
+    assert (kind, payload_len) == (wire.Kind.VERDICT, 0)
+    return wire.decode_header(kind, await reader.readexactly(header_len))
+
+
+async def test_corrupted_payload_is_asked_for_again_and_then_arrives_exact(receiver, sink):
+    transfer = receiver.expect("flaky", lease_s=5)
     data = random.Random(3).randbytes(10000)
     corrupted = bytearray(data)
     corrupted[1234] ^= 0x10  # one bit flipped in flight
-    _, writer = await raw_connection(receiver.address)
-    writer.write(wire.encode(wire.Chunk("bad", 0, [1], wire.checksum(data)), len(data)))
-    writer.write(corrupted)
-    writer.write(wire.encode(wire.Chunk("good", 0, [2], wire.checksum(data)), len(data)))
-    writer.write(data)
-    writer.write(wire.encode(wire.Finish("good", 1)))
-    await writer.drain()
+    reader, writer = await raw_connection(receiver.address)
+    chunk = wire.Chunk("flaky", 0, [1], wire.checksum(data))
+    writer.write(wire.encode(chunk, len(data)) + corrupted)
+    verdict = await read_verdict(reader)
+    assert verdict.status is wire.Status.RESEND
+    assert verdict.reason.startswith("checksum mismatch on layer 0 blocks [1]")
+    assert transfer.state is TransferState.PENDING and sink.chunks == []
+    assert receiver.retried == 1
+    writer.write(wire.encode(wire.Finish("flaky", 1)))  # before the resent chunk
+    writer.write(wire.encode(chunk._replace(attempt=1), len(data)) + data)
+    await transfer.wait()  # settled once the chunk asked for again is in
+    assert await read_verdict(reader) == wire.OK
+    assert sink.chunks == [("flaky", 0, [1], data)] and transfer.chunks_received == 1
+    writer.close()
+
+
+async def test_corrupted_twice_fails_with_checksum_and_connection_keeps_serving(receiver, sink):
+    bad, good = receiver.expect("bad", lease_s=5), receiver.expect("good", lease_s=5)
+    data = random.Random(3).randbytes(10000)
+    corrupted = bytearray(data)
+    corrupted[1234] ^= 0x10
+    reader, writer = await raw_connection(receiver.address)
+    chunk = wire.Chunk("bad", 0, [1], wire.checksum(data))
+    writer.write(wire.encode(chunk, len(data)) + corrupted)
+    # Another transfer's chunk between the two attempts, on the same connection.
+    writer.write(wire.encode(wire.Chunk("good", 0, [2], wire.checksum(data)), len(data)) + data)
+    assert (await read_verdict(reader)).status is wire.Status.RESEND  # written at once
+    writer.write(wire.encode(wire.Finish("bad", 1)))  # waits for the resent chunk
+    writer.write(wire.encode(wire.Finish("good", 1)))  # flushes good's verdict
+    assert await read_verdict(reader) == wire.OK
     await good.wait()
-    with pytest.raises(TransferError, match="checksum mismatch"):
+    assert bad.state is TransferState.PENDING
+    writer.write(wire.encode(chunk._replace(attempt=1), len(data)) + corrupted)
+    verdict = await read_verdict(reader)
+    assert verdict.status is wire.Status.FAILED and verdict.reason.endswith("(attempt 2 of 2)")
+    with pytest.raises(TransferError, match=r"checksum mismatch on layer 0 blocks \[1\]"):
         await bad.wait()
     assert bad.state is TransferState.FAILED and bad.chunks_received == 0
-    assert sink.chunks == [("good", 0, [2], data)]
+    assert sink.chunks == [("good", 0, [2], data)] and receiver.retried == 1
+    after = receiver.expect("after", lease_s=5)
+    writer.write(wire.encode(wire.Chunk("after", 1, [3], wire.checksum(data)), len(data)) + data)
+    writer.write(wire.encode(wire.Finish("after", 1)))
+    await after.wait()
+    assert await read_verdict(reader) == wire.OK
     writer.close()
+
+
+async def test_verdicts_say_dropped_and_failed(sink):
+    rx = TcpReceiver(sink=sink, max_payload_bytes=100)
+    await rx.start()
+    try:
+        reader, writer = await raw_connection(rx.address)
+        big = rx.expect("big", lease_s=5)
+        for rid, size in (("ghost", 10), ("big", 200)):
+            writer.write(wire.encode(wire.Chunk(rid, 0, [0], 0), size) + bytes(size))
+        assert await read_verdict(reader) == wire.DROPPED  # held back, then flushed with:
+        verdict = await read_verdict(reader)
+        assert verdict == (wire.Status.FAILED, "chunk of 200 bytes exceeds the 100-byte limit")
+        with pytest.raises(TransferError, match="exceeds"):
+            await big.wait()
+        writer.close()
+    finally:
+        await rx.close()
 
 
 async def test_finish_with_wrong_count_fails(receiver, sender):
@@ -279,12 +335,14 @@ async def test_sink_error_fails_only_its_transfer():
     tx = make_sender("tcp")
     try:
         doomed, fine = rx.expect("doomed", lease_s=5), rx.expect("fine", lease_s=5)
-        await send_all(tx, rx.address, chunks_for("doomed", seed=7))
+        with pytest.raises(TransferError, match="sink raised RuntimeError") as info:
+            await send_all(tx, rx.address, chunks_for("doomed", seed=7))  # the sender hears
+        assert info.value.request_id == "doomed"
         await send_all(tx, rx.address, chunks_for("fine", seed=8))
         await fine.wait()
         with pytest.raises(TransferError, match="sink raised RuntimeError"):
             await doomed.wait()
-        assert rx.live() == 0
+        assert rx.live() == 0 and tx.connections == 1
     finally:
         await tx.close()
         await rx.close()
@@ -298,6 +356,8 @@ async def test_oversized_chunk_fails_its_transfer_and_is_skipped(sender):
         big, small = rx.expect("big", lease_s=5), rx.expect("small", lease_s=5)
         await sender.send(rx.address, "big", 0, [0], bytes(4096))
         await sender.send(rx.address, "small", 0, [0], bytes(1024))
+        with pytest.raises(TransferError, match="exceeds the 1024-byte limit"):
+            await sender.finish(rx.address, "big", 1)  # the verdict said so
         await sender.finish(rx.address, "small", 1)
         await small.wait()
         with pytest.raises(TransferError, match="exceeds the 1024-byte limit"):
@@ -391,6 +451,24 @@ def test_wire_round_trip_and_rejections():
     with pytest.raises(wire.WireError) as info:
         wire.decode_header(wire.Kind.CHUNK, finish[wire.PREFIX.size :])
     assert info.value.request_id == "r"
+
+
+def test_verdicts_round_trip_and_split_before_a_partial_one():
+    resend = wire.Verdict(wire.Status.RESEND, "checksum mismatch on layer 3")
+    long = wire.Verdict(wire.Status.FAILED, "sink raised " + "x" * 5000)
+    frames = [wire.encode_verdict(v) for v in (wire.OK, resend, wire.DROPPED, long)]
+    data = b"".join(frames)
+    whole = [wire.OK, resend, wire.DROPPED]
+    assert wire.split_verdicts(data[:-3]) == (whole, len(data) - len(frames[3]))
+    verdicts, parsed = wire.split_verdicts(data)
+    assert parsed == len(data) and verdicts[:3] == whole
+    assert verdicts[3].status is wire.Status.FAILED and len(verdicts[3].reason) == 1003  # cut
+    assert len(frames[3]) <= wire.MAX_VERDICT_BYTES
+    assert wire.split_verdicts(frames[1][:30]) == ([], 0)  # not whole yet
+    with pytest.raises(wire.WireError, match="only VERDICT"):
+        wire.split_verdicts(wire.encode(wire.Finish("r", 1)))
+    with pytest.raises(wire.WireError, match="status"):
+        wire.encode(wire.Verdict("maybe"))
 
 
 def test_works_under_uvloop():

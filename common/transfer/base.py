@@ -9,13 +9,17 @@ over the control plane. The prefill side owns a ``KVSender`` and, per request::
     finish(address, rid, num_chunks)                 or abort(address, rid, reason)
 
 Every chunk is checked end to end (xxh3_64 of its payload) and handed to the receiver's
-``ChunkSink``, which copies it into the paged KV cache. The transfer ends exactly once::
+``ChunkSink``, which copies it into the paged KV cache. The receiver answers each chunk
+(``wire.py``: ok, dropped, resend, failed); a chunk that arrives corrupted is sent once
+more, from the payload the sender kept; a FINISH that overtakes it waits for it. The
+transfer ends exactly once::
 
     PENDING --first chunk--> TRANSFERRING --finish(n), n chunks verified--> DONE
        |                         |
-       +-------------------------+--> FAILED     checksum mismatch, wrong chunk count,
-       |                         |               sender abort, lease expired, sink raised,
-       |                         |               sender connection lost mid-message
+       +-------------------------+--> FAILED     checksum mismatch on both attempts,
+       |                         |               wrong chunk count, sender abort, lease
+       |                         |               expired, sink raised, sender connection
+       |                         |               lost mid-message
        +-------------------------+--> CANCELLED  cancel(), receiver closed
 
 The first terminal state reached wins; anything that arrives afterwards is dropped.
@@ -176,6 +180,11 @@ class KVReceiver(ABC):
     def live(self) -> int:
         """Number of PENDING or TRANSFERRING transfers."""
 
+    @property
+    def retried(self) -> int:
+        """Chunks whose checksum did not match and that were asked for again."""
+        return 0
+
 
 class KVSender(ABC):
     """Sends KV chunks to receivers, pooling one connection per address.
@@ -183,13 +192,18 @@ class KVSender(ABC):
     Messages to one address arrive in the order their calls started writing; concurrent
     calls never interleave bytes of two messages. A connection that breaks is dropped
     from the pool and the next call reconnects. A call cancelled mid-write drops its
-    connection too, so the receiver fails that message's transfer.
+    connection too, so the receiver fails that message's transfer; one cancelled while
+    waiting for its chunk's verdict leaves the connection as it is.
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
-    ValueError for a malformed address or argument. Returning means the message was
-    handed to the OS, not that the receiver accepted it: the receiver's ``Transfer``
-    is the authority on the outcome.
+    ValueError for a malformed address or argument. Returning from ``send`` means the
+    chunk was handed to the OS; its verdict comes back later (so sends pipeline), and
+    ``finish`` returns once every chunk of the request has its final verdict. The
+    receiver's ``Transfer`` is the authority on the outcome. ``resent`` counts chunks
+    sent a second time.
     """
+
+    resent: int = 0
 
     @abstractmethod
     async def send(
@@ -202,19 +216,27 @@ class KVSender(ABC):
     ) -> None:
         """Send one chunk: ``payload`` holds ``layer``'s KV for ``block_ids``.
 
-        ``payload`` must be C-contiguous; it is read, not kept, once the call returns.
+        ``payload`` must be C-contiguous. It is kept, not copied, until the receiver's
+        verdict, since the chunk may have to go again: leave it unchanged until
+        ``finish`` or ``abort`` for the request returns. If the receiver's checksum does
+        not match, the chunk is sent again, once. Raises TransferError, with the
+        receiver's reason, if an earlier chunk of the request failed there (a second
+        checksum mismatch: "checksum mismatch ...", sink raised, too large) or its
+        connection was lost.
         """
 
     @abstractmethod
     async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
-        """Declare the transfer complete after ``num_chunks`` chunks. The receiver ends
-        it DONE if it verified exactly that many, else FAILED
-        ("expected N chunks, got M")."""
+        """Declare the transfer complete after ``num_chunks`` chunks; return once every
+        chunk sent has its final verdict. The receiver ends it DONE if it verified
+        exactly that many, else FAILED ("expected N chunks, got M"). Raises
+        TransferError with the receiver's reason if one of the request's chunks failed
+        (the receiver's transfer is FAILED then)."""
 
     @abstractmethod
     async def abort(self, address: str, request_id: str, reason: str) -> None:
         """Tell the receiver the transfer will not complete: it ends FAILED with
-        ``reason``."""
+        ``reason``. Verdicts still to come for the request are ignored."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -4,17 +4,34 @@ A ``BufferedProtocol`` rather than a ``StreamReader``: the event loop ``recv_int
 straight into this reader's buffers, so a payload reaches the sink without passing
 through an intermediate stream buffer or a ``bytes`` copy. Per connection it holds::
 
-    prefix   20 bytes               the fixed part of every message (see wire.py)
-    header   header length bytes    fresh per message (small)
-    payload  largest chunk so far   reused; grown, never shrunk, while the connection lives
+    ahead    256 KiB                what the socket had, read in one go: prefixes,
+                                    headers, and payloads that fit (handed to the sink
+                                    from here); grown only for a header larger than it
+    payload  largest chunk so far   the rest of a payload that did not fit, received
+                                    straight into place; reused, grown, never shrunk
     scratch  1 MiB                  sink for payloads nobody wants (unknown request id)
+
+Reading ahead matters for small chunks: one ``recv`` then brings in the whole message,
+or several, where reading each prefix, header and payload into its own buffer took
+three trips through the event loop per message. Large chunks are better off without it:
+once a payload has not fit in ``ahead``, the reader asks for exactly the next prefix and
+header, so that the next payload lands straight in its place, not partly in ``ahead``
+to be copied; a payload that fits turns reading ahead back on.
+
+Every CHUNK is answered with one VERDICT (``wire.py``) on this connection, in the order
+the chunks arrived. Urgent ones (``wire.is_urgent``) are written at once; the others
+wait for the next FINISH or ABORT, or until ``VERDICT_BATCH`` of them, or chunks of
+``VERDICT_BATCH_BYTES``, are waiting: each small write on a socket costs about as much
+as reading a whole chunk.
 
 Failure rules:
 - bad prefix (magic, version, kind, lengths): the stream cannot be resynchronised, so the
   connection is closed; the message's request id is unknown, nothing else is failed.
 - bad header inside a good prefix: that message is skipped; if its request id could be
-  read and is live, that transfer fails ("malformed message: ...").
-- chunk larger than ``max_payload_bytes``: its transfer fails, the payload is skipped.
+  read and is live, that transfer fails ("malformed message: ..."); a chunk's verdict
+  says "failed".
+- chunk larger than ``max_payload_bytes``: its transfer fails, the payload is skipped,
+  its verdict says "failed".
 - connection lost after a message's header was read but before its last byte: that
   message's transfer fails at once ("sender connection lost mid-message").
 """
@@ -33,14 +50,16 @@ from common.transfer.table import TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
 
+_AHEAD_BYTES = 256 << 10
 _SCRATCH_BYTES = 1 << 20
+VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
+VERDICT_BATCH_BYTES = 16 << 20  # what the sender keeps until they come
 
 
 class _Stage(enum.Enum):
-    PREFIX = "prefix"
-    HEADER = "header"
-    PAYLOAD = "payload"
-    DISCARD = "discard"
+    AHEAD = "ahead"  # between messages, or inside a prefix or header
+    PAYLOAD = "payload"  # the rest of a wanted payload, straight into its buffer
+    DISCARD = "discard"  # the rest of an unwanted payload, into scratch
     CLOSED = "closed"
 
 
@@ -58,10 +77,16 @@ class FrameReader(asyncio.BufferedProtocol):
         self._on_close = on_close
         self._transport: asyncio.BaseTransport | None = None
         self._peer: object = None
-        self._prefix = memoryview(bytearray(wire.PREFIX.size))
+        self._ahead = memoryview(bytearray(_AHEAD_BYTES))
+        self._start = self._end = 0  # ahead[start:end] is read and not parsed yet
+        self._exact = False  # read only the head in progress: the last payload was large
+        self._head = wire.PREFIX.size  # how long that head is, as far as known
         self._payload = bytearray()
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
         self._carried: set[str] = set()  # transfers with chunks here and no end yet
+        self._verdicts: list[bytes] = []  # encoded, not written yet
+        self._verdict_bytes = 0  # payload bytes they answer for
+        self._stage = _Stage.AHEAD
         self._begin_message()
 
     # -- asyncio.BufferedProtocol ------------------------------------------------------
@@ -74,29 +99,41 @@ class FrameReader(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._stage is _Stage.CLOSED:
-            return self._scratch  # the loop may ask once more before the close lands
-        return self._view[self._filled :]
+        stage = self._stage
+        if stage is _Stage.AHEAD:
+            return self._ahead[self._end : self._start + self._head if self._exact else None]
+        if stage is _Stage.PAYLOAD:
+            return self._view[self._filled :]
+        if stage is _Stage.DISCARD:
+            return self._scratch[: min(self._discard_left, len(self._scratch))]
+        return self._scratch  # CLOSED: the loop may ask once more before the close lands
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._stage is _Stage.CLOSED:
-            return
-        self._filled += nbytes
-        if self._filled == len(self._view):
-            self._advance()
+        stage = self._stage
+        if stage is _Stage.AHEAD:
+            self._end += nbytes
+            self._parse()
+        elif stage is _Stage.PAYLOAD:
+            self._filled += nbytes
+            if self._filled == len(self._view):
+                self._stage = _Stage.AHEAD
+                self._complete(self._view)
+        elif stage is _Stage.DISCARD:
+            self._discard_left -= nbytes
+            if not self._discard_left:
+                self._stage = _Stage.AHEAD
+                self._complete(None)
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        mid_message = self._stage is not _Stage.PREFIX or self._filled > 0
-        if self._stage is not _Stage.CLOSED and mid_message:
-            if self._message is not None:
+        if self._stage is not _Stage.CLOSED:
+            if self._stage is not _Stage.AHEAD and self._message is not None:
                 reason = "sender connection lost mid-message"
                 self._table.fail(self._message.request_id, reason + (f": {exc}" if exc else ""))
-            else:
+            elif self._end > self._start:
                 log.warning("kv_transfer.connection_lost_mid_message", peer=self._peer)
-        if self._stage is not _Stage.CLOSED:
             # A sender that goes away leaves its transfers unfinishable: fail them now
             # rather than at lease end.
             for request_id in self._carried:
@@ -113,89 +150,133 @@ class FrameReader(asyncio.BufferedProtocol):
 
     # -- message state machine ---------------------------------------------------------
 
-    def _into(self, view: memoryview) -> None:
-        self._view = view
-        self._filled = 0
-
     def _begin_message(self) -> None:
-        self._stage = _Stage.PREFIX
         self._kind: wire.Kind | None = None
         self._message: wire.Message | None = None
+        self._verdict: wire.Verdict | None = None  # decided before the payload arrived
         self._payload_len = 0
-        self._into(self._prefix)
 
-    def _advance(self) -> None:
-        stage = self._stage
-        if stage is _Stage.PREFIX:
+    def _parse(self) -> None:
+        """Apply every whole message in ``ahead``; start on the payload of a message
+        whose payload goes past it."""
+        ahead, prefix = self._ahead, wire.PREFIX.size
+        while self._stage is _Stage.AHEAD and self._end - self._start >= prefix:
+            start = self._start
             try:
-                self._kind, header_len, self._payload_len = wire.decode_prefix(self._prefix)
+                kind, header_len, payload_len = wire.decode_prefix(ahead[start : start + prefix])
             except wire.WireError as exc:
                 self._protocol_error(str(exc))
                 return
-            self._stage = _Stage.HEADER
-            self._into(memoryview(bytearray(header_len)))
-        elif stage is _Stage.HEADER:
-            try:
-                self._message = wire.decode_header(self._kind, self._view)
-            except wire.WireError as exc:
-                log.warning("kv_transfer.malformed_message", peer=self._peer, error=str(exc))
-                if exc.request_id is not None:
-                    self._table.fail(exc.request_id, f"malformed message: {exc}")
-            self._start_payload()
-        elif stage is _Stage.PAYLOAD:
-            self._complete(self._view)
-        elif stage is _Stage.DISCARD:
-            self._discard_left -= len(self._view)
-            if self._discard_left:
-                self._into(self._scratch[: min(self._discard_left, len(self._scratch))])
-            else:
-                self._complete(None)
+            if kind is wire.Kind.VERDICT:
+                self._protocol_error("VERDICT goes from receiver to sender, not back")
+                return
+            if start + prefix + header_len > self._end:
+                if prefix + header_len > len(ahead):  # larger than the whole buffer
+                    self._ahead = ahead = self._grown(prefix + header_len)
+                self._head = prefix + header_len
+                break
+            self._head = prefix
+            self._kind, self._payload_len = kind, payload_len
+            self._start = start + prefix + header_len
+            self._read_header(ahead[start + prefix : self._start])
+            self._take_payload()
+        if self._stage is _Stage.AHEAD:
+            self._keep_unparsed()
 
-    def _start_payload(self) -> None:
+    def _keep_unparsed(self) -> None:
+        """Move the start of a message that has not all arrived to the front."""
+        start, end = self._start, self._end
+        if start and start < end:
+            self._ahead[: end - start] = bytes(self._ahead[start:end])  # < a prefix+header
+        self._start, self._end = 0, end - start
+
+    def _grown(self, size: int) -> memoryview:
+        grown = memoryview(bytearray(max(size, 2 * len(self._ahead))))
+        grown[: self._end - self._start] = self._ahead[self._start : self._end]
+        self._start, self._end = 0, self._end - self._start
+        return grown
+
+    def _read_header(self, raw: memoryview) -> None:
+        try:
+            self._message = wire.decode_header(self._kind, raw)
+        except wire.WireError as exc:
+            log.warning("kv_transfer.malformed_message", peer=self._peer, error=str(exc))
+            reason = f"malformed message: {exc}"
+            if exc.request_id is not None:
+                self._table.fail(exc.request_id, reason)
+            self._verdict = wire.Verdict(wire.Status.FAILED, reason)
+
+    def _take_payload(self) -> None:
+        """The payload follows ``ahead[start]``: apply the message if all of it is there,
+        else move what is there to its place and read the rest straight after it."""
         size, message = self._payload_len, self._message
         wanted = isinstance(message, wire.Chunk) and self._table.is_live(message.request_id)
         if wanted and size > self._max_payload:
-            self._table.fail(
+            self._verdict = self._table.fail(
                 message.request_id,
                 f"chunk of {size} bytes exceeds the {self._max_payload}-byte limit",
             )
             wanted = False
-        if size == 0:
-            self._complete(memoryview(b"") if wanted else None)
-        elif wanted:
+        start, have = self._start, self._end - self._start
+        self._exact = size > len(self._ahead)
+        if size <= have:
+            self._start = start + size
+            self._complete(self._ahead[start : start + size] if wanted else None)
+            return
+        self._start = self._end = 0
+        if wanted:
             if len(self._payload) < size:
                 # A new buffer rather than a resize: a view the sink wrongly kept must
                 # not make the resize fail with BufferError.
                 self._payload = bytearray(size)
+            self._view = memoryview(self._payload)[:size]
+            self._view[:have] = self._ahead[start : start + have]
+            self._filled = have
             self._stage = _Stage.PAYLOAD
-            self._into(memoryview(self._payload)[:size])
         else:
+            self._discard_left = size - have
             self._stage = _Stage.DISCARD
-            self._discard_left = size
-            self._into(self._scratch[: min(size, len(self._scratch))])
 
     def _complete(self, payload: memoryview | None) -> None:
-        message = self._message
-        if isinstance(message, wire.Chunk):
+        message, verdict = self._message, self._verdict
+        if isinstance(message, wire.Chunk) and verdict is None:
             if payload is None:
                 self._table.drop(message.request_id, "chunk")
+                verdict = wire.DROPPED
             else:
                 self._carried.add(message.request_id)
-                self._table.on_chunk(
+                verdict = self._table.on_chunk(
                     message.request_id,
                     message.layer,
                     message.block_ids,
                     payload,
                     message.checksum,
+                    message.attempt,
                 )
-        elif isinstance(message, wire.Finish):
+        elif isinstance(message, wire.Finish | wire.Abort):
+            if self._verdicts:  # first: the sender's finish waits for them
+                self._flush_verdicts()
             self._carried.discard(message.request_id)
-            self._table.on_finish(message.request_id, message.num_chunks)
-        elif isinstance(message, wire.Abort):
-            self._carried.discard(message.request_id)
-            self._table.on_abort(message.request_id, message.reason)
-        if self._stage is not _Stage.CLOSED:
-            self._begin_message()
+            if isinstance(message, wire.Finish):
+                self._table.on_finish(message.request_id, message.num_chunks)
+            else:
+                self._table.on_abort(message.request_id, message.reason)
+        if self._kind is wire.Kind.CHUNK:
+            self._verdicts.append(wire.encode_verdict(verdict))
+            self._verdict_bytes += self._payload_len
+            if (
+                wire.is_urgent(verdict, message)
+                or len(self._verdicts) >= VERDICT_BATCH
+                or self._verdict_bytes >= VERDICT_BATCH_BYTES
+            ):
+                self._flush_verdicts()
+        self._begin_message()
+
+    def _flush_verdicts(self) -> None:
+        if not self._transport.is_closing():
+            self._transport.write(b"".join(self._verdicts))
+        self._verdicts.clear()
+        self._verdict_bytes = 0
 
     def _protocol_error(self, reason: str) -> None:
         log.warning("kv_transfer.protocol_error", peer=self._peer, error=reason)

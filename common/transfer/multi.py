@@ -4,7 +4,7 @@ best backend it shares with each receiver (``negotiate.py``).
 ``MultiReceiver`` serves every backend it was given at once, all feeding one
 ``TransferTable``: a transfer is expected once and its messages may arrive over any of
 them. Messages are ordered only within one backend's connection, so a sender keeps each
-transfer on one address (its ``finish`` could otherwise overtake its chunks).
+transfer on one address.
 ``advert()`` is what the receiving peer publishes; ``address`` is the tcp one (or,
 without tcp, the first it serves), for callers that know only one address.
 
@@ -102,6 +102,10 @@ class MultiReceiver(KVReceiver):
     def dropped(self) -> int:
         return self._table.dropped
 
+    @property
+    def retried(self) -> int:
+        return self._table.retried
+
     def advert(self) -> dict:
         """``{"host_id": ..., "endpoints": {kind: address}}``; RuntimeError before start."""
         if not self._started:
@@ -166,6 +170,10 @@ class MultiSender(KVSender):
         self.forced = forced
         self._senders: dict[str, KVSender] = {}
         self._closed = False
+
+    @property
+    def resent(self) -> int:
+        return sum(sender.resent for sender in self._senders.values())
 
     def address_for(self, peer_advert: Mapping) -> str:
         """Where to send to the advertising peer (see ``negotiate.choose``)."""

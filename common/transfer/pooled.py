@@ -1,30 +1,131 @@
-"""Per-address connections of a sender, dialled once and reused while they work."""
+"""What every backend's sender shares: per-address connections, dialled once and reused
+while they work, and what becomes of each chunk once its verdict comes back.
+
+A chunk's life on the sending side::
+
+    send ──write attempt 0──► returns (the payload is kept, not copied)
+                                 │ verdict
+          ok / dropped ◄─────────┤
+          resend ──write attempt 1 (same bytes, same checksum)──► verdict ──► as above,
+                                 │                                 but resend counts
+          failed / connection lost ──► the request is failed here: its next send and
+                                       its finish raise TransferError with the reason
+
+    finish ──FINISH──► waits until every chunk of the request has its final verdict
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import structlog
+
+from common.transfer import wire
 from common.transfer.base import KVSender, TransferError
+
+log = structlog.get_logger("pdserve.transfer")
+
+_REMEMBER_REQUESTS = 4096
+
+
+class _Request:
+    """One request's chunks awaiting their verdicts, and its failure once there is one."""
+
+    __slots__ = ("pending", "failed", "settled")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.failed: str | None = None
+        self.settled: asyncio.Future | None = None  # made by finish while chunks pend
+
+    def fail(self, reason: str) -> None:
+        self.failed = self.failed or reason
+
+    def settle(self) -> None:
+        self.pending -= 1
+        if not self.pending and self.settled is not None and not self.settled.done():
+            self.settled.set_result(None)
+
+    async def wait(self) -> None:
+        if self.pending:
+            self.settled = asyncio.get_running_loop().create_future()
+            await self.settled
+
+
+class InFlight:
+    """One attempt of a chunk, written and waiting for its verdict.
+
+    A backend's ``_post`` sets ``claimed`` (the checksum it announces) before writing
+    and keeps the attempt until it calls ``answered(verdict)`` with the receiver's
+    verdict or ``lost(reason)`` when the connection goes first; the first of those
+    calls counts. It holds ``view``, the caller's payload, until then: a resend needs
+    the bytes.
+    """
+
+    __slots__ = ("sender", "address", "request", "chunk", "view", "claimed", "over")
+
+    def __init__(self, sender, address, request, chunk, view, claimed=None) -> None:
+        self.sender, self.address, self.request = sender, address, request
+        self.chunk: wire.Chunk = chunk
+        self.view: memoryview = view
+        self.claimed: int | None = claimed
+        self.over = False
+
+    def answered(self, verdict: wire.Verdict) -> None:
+        if self.over:
+            return
+        self.over = True
+        status = verdict.status
+        if status is wire.Status.OK or status is wire.Status.DROPPED:
+            self.request.settle()
+        elif status is wire.Status.RESEND and self.chunk.attempt + 1 < wire.MAX_ATTEMPTS:
+            self.sender._resend(self, verdict.reason)
+        else:
+            self.request.fail(verdict.reason)
+            self.request.settle()
+
+    def lost(self, reason: str) -> None:
+        if not self.over:
+            self.over = True
+            self.request.fail(reason)
+            self.request.settle()
 
 
 class PooledSender(KVSender):
     """A sender keeping one connection per receiver address.
 
-    The subclass sets ``_pool`` (address -> connection), ``_dialing`` (address -> lock)
-    and ``_closed``, and implements ``_dial(address)`` and ``_drop(address, conn)``;
-    its connections answer ``usable()``. Concurrent callers for one address share a
-    single dial; a broken connection is dropped and replaced on the next call.
+    The subclass implements ``_dial(address)``, ``_drop(address, conn)``, ``_post``
+    (write one attempt of a chunk, return the future of its verdict) and ``_write_end``
+    (write a FINISH or ABORT); its connections, in ``_pool`` by address, answer
+    ``usable()``; its ``close`` sets ``_closed`` and calls ``_stop_resending``.
+    Concurrent callers for one address share a single dial; a broken connection is
+    dropped and replaced on the next call.
     """
 
-    _pool: dict[str, Any]
-    _dialing: dict[str, asyncio.Lock]
-    _closed: bool
+    def __init__(self) -> None:
+        self._pool: dict[str, Any] = {}
+        self._dialing: dict[str, asyncio.Lock] = {}
+        self._closed = False
+        self._requests: dict[str, _Request] = {}
+        self._resending: set[asyncio.Task] = set()
 
     async def _dial(self, address: str) -> Any:
         raise NotImplementedError
 
     def _drop(self, address: str, conn: Any) -> None:
+        raise NotImplementedError
+
+    async def _post(self, attempt: InFlight) -> None:
+        """Write ``attempt.chunk`` (validated, but for its checksum) with its payload
+        ``attempt.view``, announcing ``attempt.claimed`` or, if None, the checksum it
+        computes and stores there; then hand ``attempt`` its verdict (see InFlight).
+
+        If it raises, the caller tells ``attempt`` it is lost.
+        """
+        raise NotImplementedError
+
+    async def _write_end(self, address: str, message: wire.Finish | wire.Abort) -> None:
         raise NotImplementedError
 
     async def _connection(self, address: str) -> Any:
@@ -41,3 +142,89 @@ class PooledSender(KVSender):
                 raise TransferError("sender is closed")
             conn = self._pool[address] = await self._dial(address)
             return conn
+
+    async def send(self, address, request_id, layer, block_ids, payload) -> None:
+        view = byte_view(payload)
+        if not isinstance(block_ids, list | tuple):
+            raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
+        chunk = wire.Chunk(request_id, layer, list(block_ids), 0)
+        wire.validate(chunk)
+        request = self._request(request_id)
+        if request.failed is not None:
+            raise TransferError(request.failed, request_id)
+        request.pending += 1
+        attempt = InFlight(self, address, request, chunk, view)
+        try:
+            await self._post(attempt)
+        except BaseException as exc:
+            attempt.lost(getattr(exc, "reason", None) or repr(exc))
+            raise
+
+    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
+        message = wire.Finish(request_id, num_chunks)
+        wire.validate(message)
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.failed is not None:
+            raise TransferError(request.failed, request_id)
+        # Not held back for the verdicts: the receiver settles the transfer only once
+        # the chunks it asked for again are in, and flushes its verdicts on a FINISH.
+        await self._write_end(address, message)
+        if request is not None:
+            await request.wait()
+            if request.failed is not None:
+                raise TransferError(request.failed, request_id)
+
+    async def abort(self, address: str, request_id: str, reason: str) -> None:
+        message = wire.Abort(request_id, reason)
+        wire.validate(message)
+        self._requests.pop(request_id, None)
+        await self._write_end(address, message)
+
+    def _request(self, request_id: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            if len(self._requests) >= _REMEMBER_REQUESTS:  # never finished nor aborted
+                for rid in [r for r, q in self._requests.items() if not q.pending]:
+                    del self._requests[rid]
+            request = self._requests[request_id] = _Request()
+        return request
+
+    def _resend(self, attempt: InFlight, reason: str) -> None:
+        self.resent += 1
+        log.warning("kv_transfer.chunk_resent", request_id=attempt.chunk.request_id, reason=reason)
+        again = InFlight(
+            self,
+            attempt.address,
+            attempt.request,
+            attempt.chunk._replace(attempt=attempt.chunk.attempt + 1),
+            attempt.view,
+            attempt.claimed,
+        )
+        task = asyncio.ensure_future(self._post_again(again))
+        self._resending.add(task)
+        task.add_done_callback(self._resending.discard)
+
+    async def _post_again(self, attempt: InFlight) -> None:
+        try:
+            await self._post(attempt)
+        except BaseException as exc:
+            attempt.lost(getattr(exc, "reason", None) or repr(exc))
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _stop_resending(self) -> None:
+        tasks = list(self._resending)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
+    """``payload`` as a flat memoryview of bytes; TypeError / ValueError if it cannot be."""
+    try:
+        view = memoryview(payload)
+    except TypeError:
+        raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("payload must be C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

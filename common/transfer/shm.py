@@ -7,21 +7,25 @@ by default; IPv6 hosts in brackets). Payload bytes never cross it.
 Control frames (``control.py``: u32 length | msgpack map with type ``t``)::
 
     sender -> receiver
-      hello    {v: 1, prefix}          first frame; this connection's segments are
+      hello    {v: 2, prefix}          first frame; this connection's segments are
                                        <prefix>-<slot>-<generation> in the shm directory
       chunk    {request_id, layer, block_ids, checksum,     fields of wire.Chunk
-                slot, segment, offset, length}              where the payload lies
+                attempt, slot, segment, offset, length}     where the payload lies
       finish   {request_id, num_chunks}
       abort    {request_id, reason}
     receiver -> sender
-      release  {slot}                  the receiver is done with that slot's bytes
+      verdict  {slot, status, reason}  the receiver is done with that slot's bytes;
+                                       what became of its chunk (wire.Verdict: ok,
+                                       dropped, resend, failed)
 
 The ring: each sender connection owns up to ``slots`` reusable segments, one chunk in
-flight per slot. A send waits for a ``release`` while every slot is in flight or the
+flight per slot. A send waits for a free slot while every slot is in flight or the
 bytes in flight would pass the sender's ``max_in_flight_bytes`` (backpressure: a
-receiver that falls behind holds its senders back, and nothing buffers without bound).
-One copy: the sender copies the payload into its slot; the receiver verifies it and
-hands the sink a read-only view of the mapped segment, copying nothing itself.
+receiver that falls behind holds its senders back, and nothing buffers without bound),
+then for its chunk's verdict. On "resend" it stages the caller's payload again (into
+whichever slot is free) as attempt 1. One copy: the sender copies the payload into its
+slot; the receiver verifies it and hands the sink a read-only view of the mapped
+segment, copying nothing itself.
 
 Segment lifetime (nothing left in /dev/shm):
 - the sender creates a slot's segment at the slot's first use, and a larger one (new
@@ -53,7 +57,7 @@ from common.transfer.tcp import format_address, parse_address
 log = structlog.get_logger("pdserve.transfer")
 
 SCHEME = "shm://"
-VERSION = 1
+VERSION = 2
 MAX_SLOTS = 64
 _CHUNK_EXTRA = ("slot", "segment", "offset", "length")
 
@@ -68,10 +72,29 @@ def parse_shm_address(address: str) -> tuple[str, int]:
         raise ValueError(f"not a shm address (shm://host:port): {address!r}") from None
 
 
+def verdict_frame(slot: int, verdict: wire.Verdict) -> bytes:
+    return control.pack("verdict", slot=slot, status=verdict.status.value, reason=verdict.reason)
+
+
+def read_verdict(fields: dict) -> tuple[int, wire.Verdict]:
+    """``(slot, verdict)`` of a verdict frame; ControlError if it is not one."""
+    if fields.get("t") != "verdict" or set(fields) != {"t", "slot", "status", "reason"}:
+        raise control.ControlError(f"unexpected frame {fields.get('t')!r}")
+    slot = control.uint(fields, "slot", MAX_SLOTS - 1)
+    if fields["status"] == "ok" and fields["reason"] == "":
+        return slot, wire.OK  # almost every verdict
+    try:
+        verdict = wire.Verdict(wire.Status(fields["status"]), fields["reason"])
+        wire.validate(verdict)
+    except (ValueError, wire.WireError) as exc:
+        raise control.ControlError(f"bad verdict: {exc}") from None
+    return slot, verdict
+
+
 class _Peer(asyncio.Protocol):
     """One sender connection on the receiving side: parses its frames in batches, maps
     its slots, and remembers the request ids it carried messages for (to fail them if it
-    dies). Releases for a batch of chunks go back in one write."""
+    dies). Verdicts for a batch of chunks go back in one write."""
 
     def __init__(self, receiver: ShmReceiver) -> None:
         self.rx = receiver
@@ -80,7 +103,7 @@ class _Peer(asyncio.Protocol):
         self.prefix: str | None = None
         self.maps: dict[int, Segment] = {}
         self.carried: set[str] = set()
-        self.releases: list[bytes] = []
+        self.verdicts: list[bytes] = []
         self.reason = "sender connection lost"
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -105,9 +128,13 @@ class _Peer(asyncio.Protocol):
             self.reason = f"sender protocol error: {exc}"
             self.transport.abort()
         finally:
-            if self.releases and not self.transport.is_closing():
-                self.transport.write(b"".join(self.releases))
-            self.releases.clear()
+            self.answer()
+
+    def answer(self) -> None:
+        """Write the verdicts given so far."""
+        if self.verdicts and not self.transport.is_closing():
+            self.transport.write(b"".join(self.verdicts))
+        self.verdicts.clear()
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -131,6 +158,7 @@ class _Peer(asyncio.Protocol):
         if kind == "chunk":
             self.chunk(fields)
             return
+        self.answer()  # the sender's finish waits for them; ending the transfer takes longer
         if kind == "finish":
             msg = control.message(fields, wire.Finish)
             table.on_finish(msg.request_id, msg.num_chunks)
@@ -149,19 +177,22 @@ class _Peer(asyncio.Protocol):
         if len(self.carried) > 4096:
             self.carried = {r for r in self.carried if table.is_live(r)}
         self.carried.add(rid)
+        verdict = wire.DROPPED
         try:
             if not table.is_live(rid):
                 table.drop(rid, "chunk")
             elif length > self.rx.max_payload:
                 limit = self.rx.max_payload
-                table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
+                verdict = table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
             else:
                 view = self._view(slot, segment, offset, length)
-                table.on_chunk(rid, msg.layer, msg.block_ids, view, msg.checksum)
+                verdict = table.on_chunk(
+                    rid, msg.layer, msg.block_ids, view, msg.checksum, msg.attempt
+                )
         except (OSError, ValueError) as exc:
-            table.fail(rid, f"shared-memory segment {segment!r} unusable: {exc}")
+            verdict = table.fail(rid, f"shared-memory segment {segment!r} unusable: {exc}")
         finally:
-            self.releases.append(control.pack("release", slot=slot))
+            self.verdicts.append(verdict_frame(slot, verdict))
 
     def _view(self, slot: int, name: object, offset: int, length: int) -> memoryview:
         if not (is_valid_name(name) and name.startswith(f"{self.prefix}-{slot}-")):
@@ -246,6 +277,3 @@ class ShmReceiver(TableReceiver):
         await asyncio.gather(*(peer.closed for peer in peers))
         if self._server is not None:
             await self._server.wait_closed()
-
-
-

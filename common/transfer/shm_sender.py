@@ -2,9 +2,11 @@
 
 Per receiver address: one control connection and its ring of ``slots`` segments. A
 ``send`` waits for a free slot, copies the payload into it (the one copy) while hashing
-it, and writes one ``chunk`` frame; from the slot wait to the frame write nothing awaits, so
-a cancelled send either sent its whole frame or nothing, and frames never interleave.
-A slot is reused only after the receiver's ``release`` for it.
+it, and writes one ``chunk`` frame; from the slot wait to the frame write nothing awaits,
+so a cancelled send either sent its whole frame or nothing, and frames never interleave.
+A slot is reused only after the receiver's ``verdict`` for it. A resend stages the
+caller's payload again and claims the checksum of the first staging: a payload that
+changed in between fails rather than passes.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import xxhash
 
 from common.transfer import control, wire
 from common.transfer.base import TransferError
-from common.transfer.pooled import PooledSender
-from common.transfer.shm import MAX_SLOTS, VERSION, parse_shm_address
+from common.transfer.pooled import InFlight, PooledSender
+from common.transfer.shm import MAX_SLOTS, VERSION, parse_shm_address, read_verdict
 from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix, segment_name, unlink_prefix
-from common.transfer.tcp import _byte_view
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -63,6 +64,7 @@ class _Ring:
         self.changed = asyncio.Event()
         self.error: str | None = None
         self.created = 0
+        self.waiting: dict[int, InFlight] = {}  # slot -> the chunk written there
 
     async def acquire(self, nbytes: int) -> int:
         """A free slot, once ``nbytes`` more fit in the budget (or nothing is in flight)."""
@@ -78,12 +80,16 @@ class _Ring:
         self.in_flight += nbytes
         return slot
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, verdict: wire.Verdict | None = None) -> None:
+        """Free ``slot``; hand the chunk written there its ``verdict``."""
         if slot >= len(self.segments) or slot in self.free:
-            raise control.ControlError(f"release of slot {slot}, which is not in flight")
+            raise control.ControlError(f"verdict for slot {slot}, which is not in flight")
         self.free.append(slot)
         self.in_flight -= self.sizes[slot]
         self.changed.set()
+        attempt = self.waiting.pop(slot, None)
+        if attempt is not None:
+            attempt.answered(verdict)
 
     async def drained(self) -> None:
         """Return once every slot is released (or the connection is gone)."""
@@ -110,6 +116,9 @@ class _Ring:
     def destroy(self, reason: str) -> None:
         self.error = self.error or reason
         self.changed.set()
+        waiting, self.waiting = self.waiting, {}
+        for attempt in waiting.values():
+            attempt.lost(self.error)
         for segment in self.segments:
             if segment is not None:
                 segment.close()
@@ -151,11 +160,9 @@ class ShmSender(PooledSender):
                 "max_in_flight_bytes, min_segment_bytes and connect_timeout_s must be > 0"
             )
         self._slots, self._min_bytes, self._directory = slots, min_segment_bytes, directory
+        super().__init__()
         self._budget = max_in_flight_bytes
         self._connect_timeout_s = connect_timeout_s
-        self._pool: dict[str, _Connection] = {}
-        self._dialing: dict[str, asyncio.Lock] = {}
-        self._closed = False
         self._created_before = 0
 
     @property
@@ -166,47 +173,47 @@ class ShmSender(PooledSender):
     def connections(self) -> int:
         return sum(conn.usable() for conn in self._pool.values())
 
-    async def send(self, address, request_id, layer, block_ids, payload) -> None:
-        view = _byte_view(payload)
-        if not isinstance(block_ids, list | tuple):
-            raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        wire.validate(wire.Chunk(request_id, layer, list(block_ids), 0))
+    async def _post(self, attempt: InFlight) -> None:
+        chunk, view, address = attempt.chunk, attempt.view, attempt.address
+        request_id = chunk.request_id
         conn = await self._connection(address)
-        slot = await conn.ring.acquire(view.nbytes)
+        ring = conn.ring
+        slot = await ring.acquire(view.nbytes)
         try:
-            segment = conn.ring.place(slot, view.nbytes)
+            segment = ring.place(slot, view.nbytes)
         except OSError as exc:
-            conn.ring.release(slot)
+            ring.release(slot)
             raise TransferError(
                 f"cannot stage {view.nbytes} bytes in shared memory: {exc}", request_id
             ) from exc
+        staged = stage(segment.view, view)
+        if attempt.claimed is None:
+            attempt.claimed = staged
         frame = control.pack(
             "chunk",
             request_id=request_id,
-            layer=layer,
-            block_ids=list(block_ids),
-            checksum=stage(segment.view, view),
+            layer=chunk.layer,
+            block_ids=chunk.block_ids,
+            checksum=attempt.claimed,
+            attempt=chunk.attempt,
             slot=slot,
             segment=segment.name,
             offset=0,
             length=view.nbytes,
         )
+        ring.waiting[slot] = attempt
         await self._write(address, conn, request_id, frame)
 
-    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
-        wire.validate(wire.Finish(request_id, num_chunks))
-        frame = control.pack("finish", request_id=request_id, num_chunks=num_chunks)
-        await self._write(address, await self._connection(address), request_id, frame)
-
-    async def abort(self, address: str, request_id: str, reason: str) -> None:
-        wire.validate(wire.Abort(request_id, reason))
-        frame = control.pack("abort", request_id=request_id, reason=reason)
-        await self._write(address, await self._connection(address), request_id, frame)
+    async def _write_end(self, address, message) -> None:
+        kind = "finish" if isinstance(message, wire.Finish) else "abort"
+        frame = control.pack(kind, **message._asdict())
+        await self._write(address, await self._connection(address), message.request_id, frame)
 
     async def close(self) -> None:
         """Close every connection once the receiver has taken what was sent on it (at
         most ``connect_timeout_s`` each), then remove every segment."""
         self._closed = True
+        await self._stop_resending()
         pool, self._pool = self._pool, {}
         for conn in pool.values():
             self._created_before += conn.ring.created
@@ -250,16 +257,13 @@ class ShmSender(PooledSender):
         # The prefix goes out before any segment exists, so the receiver can always
         # remove what this connection leaves behind.
         writer.write(control.pack("hello", v=VERSION, prefix=conn.ring.prefix))
-        conn.task = asyncio.create_task(self._read_releases(address, conn))
+        conn.task = asyncio.create_task(self._read_verdicts(address, conn))
         return conn
 
-    async def _read_releases(self, address: str, conn: _Connection) -> None:
+    async def _read_verdicts(self, address: str, conn: _Connection) -> None:
         try:
             while True:
-                fields = await control.read(conn.reader)
-                if fields.get("t") != "release" or set(fields) != {"t", "slot"}:
-                    raise control.ControlError(f"unexpected frame {fields.get('t')!r}")
-                conn.ring.release(control.uint(fields, "slot", MAX_SLOTS - 1))
+                conn.ring.release(*read_verdict(await control.read(conn.reader)))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             reason = f"receiver connection lost ({type(exc).__name__})"
         except control.ControlError as exc:

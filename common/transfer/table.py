@@ -2,8 +2,9 @@
 each incoming message does to them.
 
 A backend only parses its wire and calls ``on_chunk`` / ``on_finish`` / ``on_abort`` /
-``fail``; checksum verification, the sink call and state changes happen here, so every
-backend ends transfers for the same reasons with the same error strings.
+``fail``; checksum verification, the sink call, state changes and each chunk's verdict
+(``wire.Verdict``, which the backend sends back) happen here, so every backend ends
+transfers for the same reasons with the same error strings.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import OrderedDict
 import structlog
 
 from common.transfer.base import ChunkSink, KVReceiver, Transfer, TransferState
-from common.transfer.wire import checksum
+from common.transfer.wire import DROPPED, MAX_ATTEMPTS, OK, Status, Verdict, checksum
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -23,7 +24,8 @@ _REMEMBER_ENDED = 4096
 class TransferTable:
     """The live transfers of one receiver. Runs on the receiver's event loop only.
 
-    ``dropped`` counts messages for request ids that were not live when they arrived.
+    ``dropped`` counts messages for request ids that were not live when they arrived;
+    ``retried`` counts chunks whose checksum did not match and that were asked for again.
     """
 
     def __init__(self, sink: ChunkSink) -> None:
@@ -34,6 +36,11 @@ class TransferTable:
         # Only to tell "late" from "never expected" in logs; bounded.
         self._ended: OrderedDict[str, TransferState] = OrderedDict()
         self.dropped = 0
+        self.retried = 0
+        # Per live transfer: chunks asked for again and not back yet, and the chunk
+        # count of a FINISH that arrived before them (it is settled once they are in).
+        self._resends_due: dict[str, int] = {}
+        self._finish_due: dict[str, int] = {}
 
     def expect(self, request_id: str, lease_s: float) -> Transfer:
         if request_id in self._live:
@@ -48,11 +55,13 @@ class TransferTable:
         if transfer is not None:
             transfer._end(TransferState.CANCELLED, reason)
 
-    def fail(self, request_id: str, reason: str) -> None:
-        """End ``request_id`` FAILED with ``reason`` if it is live."""
+    def fail(self, request_id: str, reason: str) -> Verdict:
+        """End ``request_id`` FAILED with ``reason`` if it is live; the verdict for the
+        chunk that caused it."""
         transfer = self._live.get(request_id)
         if transfer is not None:
             transfer._end(TransferState.FAILED, reason)
+        return Verdict(Status.FAILED, reason)
 
     def cancel_all(self, reason: str) -> None:
         for transfer in list(self._live.values()):
@@ -71,36 +80,79 @@ class TransferTable:
         block_ids: list[int],
         payload: memoryview,
         expected_checksum: int,
-    ) -> None:
-        """Verify one chunk and hand it to the sink; ``payload`` is borrowed for the call."""
+        attempt: int = 0,
+    ) -> Verdict:
+        """Verify one chunk and hand it to the sink; ``payload`` is borrowed for the call.
+
+        A checksum mismatch on any attempt but the last asks for the chunk again and
+        leaves the transfer as it was; on the last attempt it fails the transfer.
+        """
         transfer = self._live.get(request_id)
         if transfer is None:
             self.drop(request_id, "chunk")
-            return
+            return DROPPED
+        if attempt == 0:
+            return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0)
+        verdict = self._verify(transfer, layer, block_ids, payload, expected_checksum, attempt)
+        due = self._resends_due.get(request_id, 0) - 1
+        if due > 0:
+            self._resends_due[request_id] = due
+        else:
+            self._resends_due.pop(request_id, None)
+            if request_id in self._finish_due and transfer.is_live:
+                self._settle(transfer, self._finish_due.pop(request_id))
+        return verdict
+
+    def _verify(
+        self,
+        transfer: Transfer,
+        layer: int,
+        block_ids: list[int],
+        payload: memoryview,
+        expected_checksum: int,
+        attempt: int,
+    ) -> Verdict:
+        request_id = transfer.request_id
         actual = checksum(payload)
         if actual != expected_checksum:
-            self.fail(
-                request_id,
+            reason = (
                 f"checksum mismatch on layer {layer} blocks {block_ids}: "
-                f"expected {expected_checksum:#018x}, got {actual:#018x}",
+                f"expected {expected_checksum:#018x}, got {actual:#018x}"
             )
-            return
+            if attempt + 1 < MAX_ATTEMPTS:
+                self.retried += 1
+                self._resends_due[request_id] = self._resends_due.get(request_id, 0) + 1
+                log.warning(
+                    "kv_transfer.chunk_resend", request_id=request_id, layer=layer, reason=reason
+                )
+                return Verdict(Status.RESEND, reason)
+            return self.fail(request_id, f"{reason} (attempt {attempt + 1} of {MAX_ATTEMPTS})")
         try:
             self._sink(request_id, layer, block_ids, payload)
         except Exception as exc:
             log.exception("kv_transfer.sink_raised", request_id=request_id, layer=layer)
-            self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
-            return
+            return self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
         transfer._accept_chunk(payload.nbytes)
+        return OK
 
     def on_finish(self, request_id: str, num_chunks: int) -> None:
+        """Settle the transfer, or, while chunks it was asked to resend are due (they come
+        after the FINISH that the sender did not hold back), once they are in."""
         transfer = self._live.get(request_id)
         if transfer is None:
             self.drop(request_id, "finish")
-        elif transfer.chunks_received == num_chunks:
+        elif request_id in self._resends_due:
+            self._finish_due[request_id] = num_chunks
+        else:
+            self._settle(transfer, num_chunks)
+
+    def _settle(self, transfer: Transfer, num_chunks: int) -> None:
+        if transfer.chunks_received == num_chunks:
             transfer._end(TransferState.DONE)
         else:
-            self.fail(request_id, f"expected {num_chunks} chunks, got {transfer.chunks_received}")
+            self.fail(
+                transfer.request_id, f"expected {num_chunks} chunks, got {transfer.chunks_received}"
+            )
 
     def on_abort(self, request_id: str, reason: str) -> None:
         if request_id in self._live:
@@ -122,6 +174,8 @@ class TransferTable:
     def _forget(self, transfer: Transfer) -> None:
         if self._live.get(transfer.request_id) is transfer:
             del self._live[transfer.request_id]
+            self._resends_due.pop(transfer.request_id, None)
+            self._finish_due.pop(transfer.request_id, None)
         self._ended[transfer.request_id] = transfer.state
         emit = {TransferState.DONE: log.debug, TransferState.FAILED: log.warning}.get(
             transfer.state, log.info
@@ -160,6 +214,10 @@ class TableReceiver(KVReceiver):
     @property
     def dropped(self) -> int:
         return self.table.dropped
+
+    @property
+    def retried(self) -> int:
+        return self.table.retried
 
     def expect(self, request_id: str, lease_s: float) -> Transfer:
         if not self._serving():

@@ -8,24 +8,31 @@ listening socket gets its buffers before ``listen`` so the TCP window can scale.
 Sender (asyncio streams): one pooled connection per address, a lock per connection so
 that messages never interleave, and each payload slice drained into the kernel before the
 next is written, so at most one slice plus the socket buffers are in flight per
-connection. Receiver: a server whose per-connection protocol is a ``FrameReader`` (a
-``BufferedProtocol``: payloads are received straight into a reused buffer, which a
-``StreamReader`` cannot do), all connections feeding one ``TransferTable``.
+connection; a task per connection reads the receiver's verdicts. Receiver: a server
+whose per-connection protocol is a ``FrameReader`` (a ``BufferedProtocol``: payloads are
+received straight into a reused buffer, which a ``StreamReader`` cannot do), all
+connections feeding one ``TransferTable`` and answering each chunk on its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
+
+import structlog
 
 from common.transfer import wire
 from common.transfer.base import ChunkSink, TransferError
 from common.transfer.frame_reader import FrameReader
-from common.transfer.pooled import PooledSender
+from common.transfer.pooled import InFlight, PooledSender
 from common.transfer.table import TableReceiver, TransferTable
 
+log = structlog.get_logger("pdserve.transfer")
+
 SOCKET_BUFFER_BYTES = 4 << 20
+JOIN_BYTES = 256 << 10  # payloads up to this go out in one write with their head
 _SCHEME = "tcp://"
 
 
@@ -124,24 +131,31 @@ class TcpReceiver(TableReceiver):
 
 
 class _Connection:
-    __slots__ = ("reader", "writer", "lock", "broken")
+    __slots__ = ("reader", "writer", "lock", "broken", "verdicts", "task")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.lock = asyncio.Lock()
         self.broken = False
+        # The chunks written and not answered yet, in write order.
+        self.verdicts: collections.deque[InFlight] = collections.deque()
+        self.task: asyncio.Task | None = None
 
     def usable(self) -> bool:
-        # The receiver never writes, so EOF on our read side means it closed on us.
         return not (self.broken or self.writer.is_closing() or self.reader.at_eof())
+
+    def fail_waiting(self, reason: str) -> None:
+        while self.verdicts:
+            self.verdicts.popleft().lost(reason)
 
 
 class TcpSender(PooledSender):
     """KVSender over TCP.
 
     Payloads are written in ``write_slice_bytes`` slices, each drained into the kernel
-    before the next, so a large chunk is never copied whole into the transport's buffer
-    and the caller's payload is no longer referenced once ``send`` returns.
+    before the next, so a large chunk is never copied whole into the transport's buffer.
+    The connection's lock is held only while a message is written; a task per
+    connection reads the verdicts, which come back in the order the chunks went out.
     """
 
     def __init__(
@@ -153,36 +167,14 @@ class TcpSender(PooledSender):
     ) -> None:
         if connect_timeout_s <= 0 or write_slice_bytes <= 0:
             raise ValueError("connect_timeout_s and write_slice_bytes must be > 0")
+        super().__init__()
         self._connect_timeout_s = connect_timeout_s
         self._slice = write_slice_bytes
         self._buffer_bytes = socket_buffer_bytes
-        self._pool: dict[str, _Connection] = {}
-        self._dialing: dict[str, asyncio.Lock] = {}
-        self._closed = False
-
-    async def send(
-        self,
-        address: str,
-        request_id: str,
-        layer: int,
-        block_ids: list[int],
-        payload: bytes | bytearray | memoryview,
-    ) -> None:
-        view = _byte_view(payload)
-        if not isinstance(block_ids, list | tuple):
-            raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        chunk = wire.Chunk(request_id, layer, list(block_ids), wire.checksum(view))
-        await self._write(address, request_id, wire.encode(chunk, view.nbytes), view)
-
-    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
-        head = wire.encode(wire.Finish(request_id, num_chunks))
-        await self._write(address, request_id, head, None)
-
-    async def abort(self, address: str, request_id: str, reason: str) -> None:
-        await self._write(address, request_id, wire.encode(wire.Abort(request_id, reason)), None)
 
     async def close(self) -> None:
         self._closed = True
+        await self._stop_resending()
         pool, self._pool = self._pool, {}
         for conn in pool.values():
             conn.broken = True
@@ -190,38 +182,87 @@ class TcpSender(PooledSender):
         for conn in pool.values():
             with contextlib.suppress(OSError):
                 await conn.writer.wait_closed()
+            if conn.task is not None:
+                conn.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await conn.task
+            conn.fail_waiting("sender closed")
 
     @property
     def connections(self) -> int:
         """Pooled connections that are still usable (the peer has not closed them)."""
         return sum(conn.usable() for conn in self._pool.values())
 
+    async def _post(self, attempt: InFlight) -> None:
+        view = attempt.view
+        if attempt.claimed is None:
+            attempt.claimed = wire.checksum(view)
+        chunk = attempt.chunk._replace(checksum=attempt.claimed)
+        head = wire.encode(chunk, view.nbytes, checked=True)
+        await self._write(attempt.address, chunk.request_id, head, view, attempt)
+
+    async def _write_end(self, address, message) -> None:
+        await self._write(address, message.request_id, wire.encode(message), None)
+
     async def _write(
-        self, address: str, request_id: str, head: bytes, payload: memoryview | None
+        self,
+        address: str,
+        request_id: str,
+        head: bytes,
+        payload: memoryview | None,
+        attempt: InFlight | None = None,
     ) -> None:
+        """Write one message; a chunk's ``attempt`` then waits for its verdict."""
         for _ in range(3):  # another call may break the connection while we queue for it
             conn = await self._connection(address)
             async with conn.lock:
                 if not conn.usable():
                     self._drop(address, conn)
                     continue
+                if attempt is not None:
+                    conn.verdicts.append(attempt)
                 try:
-                    conn.writer.write(head)
-                    if payload is not None:
-                        for start in range(0, payload.nbytes, self._slice):
+                    if payload is not None and payload.nbytes <= JOIN_BYTES:
+                        conn.writer.write(head + payload)  # one send() instead of two
+                    else:
+                        conn.writer.write(head)
+                        for start in range(
+                            0, 0 if payload is None else payload.nbytes, self._slice
+                        ):
                             conn.writer.write(payload[start : start + self._slice])
                             await conn.writer.drain()
                     await conn.writer.drain()
                 except BaseException as exc:
                     # Part of a message may be out: the stream is no longer framed.
-                    self._drop(address, conn)
+                    self._drop(address, conn, f"connection to {address} broke: {exc!r}")
                     if isinstance(exc, OSError):
                         raise TransferError(
                             f"connection to {address} broke: {exc!r}", request_id
                         ) from exc
                     raise
-                return
+            return
         raise TransferError(f"connection to {address} kept breaking", request_id)
+
+    async def _read_verdicts(self, address: str, conn: _Connection) -> None:
+        reader, unparsed = conn.reader, bytearray()
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise asyncio.IncompleteReadError(bytes(unparsed), None)
+                unparsed += data
+                verdicts, parsed = wire.split_verdicts(unparsed)
+                del unparsed[:parsed]
+                for verdict in verdicts:
+                    if not conn.verdicts:
+                        raise wire.WireError("a verdict for no chunk")
+                    conn.verdicts.popleft().answered(verdict)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            reason = f"connection to {address} lost before the receiver's verdict: {exc!r}"
+        except wire.WireError as exc:
+            log.warning("kv_transfer.protocol_error", backend="tcp", error=str(exc))
+            reason = f"receiver protocol error: {exc}"
+        self._drop(address, conn, reason)
 
     async def _dial(self, address: str) -> _Connection:
         host, port = parse_address(address)
@@ -248,25 +289,19 @@ class TcpSender(PooledSender):
                     reader, writer = await asyncio.open_connection(sock=sock)
                     # Any buffered byte pauses writing, so drain() returns only once the
                     # kernel holds every byte: the transport keeps no reference to the
-                    # caller's payload after send() returns (it may on Python >= 3.12).
+                    # caller's payload once it is written (it may on Python >= 3.12);
+                    # only its InFlight does, until the verdict.
                     writer.transport.set_write_buffer_limits(high=0)
-                    return _Connection(reader, writer)
+                    conn = _Connection(reader, writer)
+                    conn.task = asyncio.create_task(self._read_verdicts(address, conn))
+                    return conn
                 raise error
         except OSError as exc:  # TimeoutError is an OSError
             raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
 
-    def _drop(self, address: str, conn: _Connection) -> None:
+    def _drop(self, address: str, conn: _Connection, reason: str = "connection dropped") -> None:
         conn.broken = True
         if self._pool.get(address) is conn:
             del self._pool[address]
         conn.writer.transport.abort()
-
-
-def _byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
-    try:
-        view = memoryview(payload)
-    except TypeError:
-        raise TypeError(f"payload must be bytes-like, got {type(payload).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("payload must be C-contiguous")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+        conn.fail_waiting(reason)

@@ -12,7 +12,10 @@ its payload. The receiver keeps a head receive posted (into a buffer of the larg
 head the spec allows; the prefix says how much arrived), and on each head posts the
 payload's receive, of the size the prefix announced, straight into a buffer reused for
 the connection (grown, never shrunk), then the next head's. A payload nobody wants is
-received into one byte and its truncation ignored.
+received into one byte and its truncation ignored. Verdicts go back on the same
+endpoint, in chunk order, batched as the tcp receiver does (``frame_reader.py``), a
+batch to a tagged message: its length (u32, little-endian) then its VERDICT messages
+(prefix and header each) back to back. The sender keeps a receive posted for them.
 
 Configuration: ``UCX_*`` environment variables (``UCX_TLS=tcp,self,sm``, device
 choices...) as read by UCX when ucxx first starts in the process; ucxx keeps one
@@ -28,11 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 
 import structlog
 
 from common.transfer import wire
 from common.transfer.base import ChunkSink
+from common.transfer.frame_reader import VERDICT_BATCH, VERDICT_BATCH_BYTES
 from common.transfer.negotiate import BackendUnavailable
 from common.transfer.table import TableReceiver, TransferTable
 from common.transfer.tcp import format_address, parse_address
@@ -42,6 +47,7 @@ log = structlog.get_logger("pdserve.transfer")
 SCHEME = "ucx://"
 PACKAGE = "ucxx-cu12"
 _HEAD_BYTES = wire.PREFIX.size + wire.MAX_HEADER_BYTES
+BATCH_LENGTH = struct.Struct("<I")
 
 
 def load_ucxx():
@@ -95,6 +101,7 @@ class UcxReceiver(TableReceiver):
         self.max_payload = max_payload_bytes
         self._listener = None
         self._endpoints: dict[object, asyncio.Task] = {}
+        self._answering: set[asyncio.Future] = set()  # verdict batches being sent
         self._address: str | None = None
         self._closed = False
 
@@ -117,6 +124,8 @@ class UcxReceiver(TableReceiver):
             return
         self._closed = True
         self.table.cancel_all("receiver closed")
+        if self._answering:  # verdicts given deserve to arrive (a sender's finish waits)
+            await asyncio.wait(self._answering, timeout=1.0)
         for ep in list(self._endpoints):
             ep.abort()  # fails the endpoint's pending receive; its task then ends
         await asyncio.gather(*self._endpoints.values(), return_exceptions=True)
@@ -149,20 +158,40 @@ class UcxReceiver(TableReceiver):
     async def _read_messages(self, ep, carried: set[str]) -> None:
         table, truncated = self.table, self._ucxx.exceptions.UCXMessageTruncatedError
         head, payload = bytearray(_HEAD_BYTES), bytearray()
+        answering = self._answering
+        verdicts: list[bytes] = []  # encoded, not sent yet
+        held = 0  # payload bytes they answer for
+
+        def flush() -> None:
+            # One tagged message for the batch, posted now, in order (tasks start in
+            # creation order).
+            nonlocal held
+            batch = b"".join(verdicts)
+            answer = asyncio.ensure_future(ep.send(BATCH_LENGTH.pack(len(batch)) + batch))
+            verdicts.clear()
+            held = 0
+            answering.add(answer)
+            answer.add_done_callback(answering.discard)
+            answer.add_done_callback(_consume)
+
         next_head = asyncio.ensure_future(ep.recv(head))
         try:
             while True:
                 await next_head
                 kind, header_len, size = wire.decode_prefix(head[: wire.PREFIX.size])
+                if kind is wire.Kind.VERDICT:
+                    raise wire.WireError("VERDICT goes from receiver to sender, not back")
                 message = _decode_header(table, kind, head[wire.PREFIX.size :][:header_len])
                 rid = message.request_id
                 if len(carried) > 4096:
                     carried -= {r for r in carried if not table.is_live(r)}
                 carried.add(rid)
                 wanted = isinstance(message, wire.Chunk) and table.is_live(rid)
+                verdict = None
                 if wanted and size > self.max_payload:
                     limit = self.max_payload
-                    table.fail(rid, f"chunk of {size} bytes exceeds the {limit}-byte limit")
+                    reason = f"chunk of {size} bytes exceeds the {limit}-byte limit"
+                    verdict = table.fail(rid, reason)
                     wanted = False
                 view = memoryview(b"")
                 if wanted and size:
@@ -181,7 +210,19 @@ class UcxReceiver(TableReceiver):
                     except truncated:
                         if wanted:
                             raise
-                _dispatch(table, message, wanted, view, carried)
+                if verdicts and not isinstance(message, wire.Chunk):
+                    flush()  # first: the sender's finish waits for them
+                applied = _dispatch(table, message, wanted, view, carried)
+                verdict = verdict or applied
+                if verdict is not None:
+                    verdicts.append(wire.encode_verdict(verdict))
+                    held += size
+                    if (
+                        wire.is_urgent(verdict, message)
+                        or len(verdicts) >= VERDICT_BATCH
+                        or held >= VERDICT_BATCH_BYTES
+                    ):
+                        flush()
         finally:
             next_head.cancel()
             next_head.add_done_callback(_consume)
@@ -201,14 +242,18 @@ def _decode_header(table: TransferTable, kind: wire.Kind, raw: bytearray) -> wir
         raise
 
 
-def _dispatch(table: TransferTable, message, wanted: bool, view: memoryview, carried) -> None:
+def _dispatch(
+    table: TransferTable, message, wanted: bool, view: memoryview, carried
+) -> wire.Verdict | None:
+    """Apply one message; a chunk's verdict (DROPPED when it was not ``wanted``)."""
     rid = message.request_id
     if isinstance(message, wire.Chunk):
         if wanted:
-            table.on_chunk(rid, message.layer, message.block_ids, view, message.checksum)
-        else:
-            table.drop(rid, "chunk")
-        return
+            return table.on_chunk(
+                rid, message.layer, message.block_ids, view, message.checksum, message.attempt
+            )
+        table.drop(rid, "chunk")
+        return wire.DROPPED
     if isinstance(message, wire.Finish):
         table.on_finish(rid, message.num_chunks)
     else:

@@ -1,4 +1,5 @@
-"""Framing of data-plane messages on a byte stream (used by the tcp backend).
+"""Framing of data-plane messages on a byte stream (the tcp backend; the ucx backend
+sends the same prefix and header as one tagged message).
 
 Every message is::
 
@@ -6,10 +7,30 @@ Every message is::
               magic b"PDKV" | version u8 | kind u8 | reserved u16 (0) |
               header length u32 | payload length u64
     header    msgpack map, by kind:
-              CHUNK   {request_id: str, layer: int, block_ids: [int], checksum: u64}
-              FINISH  {request_id: str, num_chunks: int}
-              ABORT   {request_id: str, reason: str}
+              sender -> receiver
+              CHUNK    {request_id: str, layer: int, block_ids: [int], checksum: u64,
+                        attempt: int}
+              FINISH   {request_id: str, num_chunks: int}
+              ABORT    {request_id: str, reason: str}
+              receiver -> sender
+              VERDICT  {status: str, reason: str}
     payload   CHUNK only: the raw KV bytes; ``checksum`` is their xxh3_64 (seed 0)
+
+Verdicts: the receiver answers every CHUNK, in the order the chunks arrived on the
+connection, with one VERDICT (FINISH and ABORT get none). It may hold "ok" and
+"dropped" back to write several at once, but no later than when it processes a FINISH
+or ABORT; "resend", "failed" and the verdict on a resent chunk go at once::
+
+    ok       verified and handed to the sink
+    dropped  its transfer is not live (never expected, ended, cancelled): read and dropped
+    resend   the checksum did not match on attempt 0: send the same chunk again, attempt 1
+    failed   the chunk ended its transfer FAILED: checksum mismatch on the last attempt,
+             sink raised, too large, malformed header; ``reason`` says which
+
+So a payload is sent at most ``MAX_ATTEMPTS`` (2) times: one mismatch is retried, a
+second fails the transfer (``reason`` starts "checksum mismatch"). The sender keeps the
+payload until its verdict. A resent chunk may come after its transfer's FINISH: the
+receiver settles the transfer once the chunks it asked for again are in.
 
 A bad prefix means the stream cannot be trusted past this point; a bad header inside a
 good prefix spoils only that one message (its payload length is still known).
@@ -25,16 +46,20 @@ import msgpack
 import xxhash
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 PREFIX = struct.Struct("<4sBBHIQ")
 MAX_HEADER_BYTES = 1 << 20
 _U64_MAX = (1 << 64) - 1
+MAX_ATTEMPTS = 2
+MAX_REASON_CHARS = 1000
+MAX_VERDICT_BYTES = PREFIX.size + 64 + 4 * (MAX_REASON_CHARS + 3)  # UTF-8: <= 4 bytes a char
 
 
 class Kind(enum.IntEnum):
     CHUNK = 1
     FINISH = 2
     ABORT = 3
+    VERDICT = 4
 
 
 class WireError(ValueError):
@@ -50,6 +75,7 @@ class Chunk(NamedTuple):
     layer: int
     block_ids: list[int]
     checksum: int
+    attempt: int = 0  # 0, or 1 when the receiver asked for it again
 
 
 class Finish(NamedTuple):
@@ -62,9 +88,27 @@ class Abort(NamedTuple):
     reason: str
 
 
-Message = Chunk | Finish | Abort
-_KIND_OF = {Chunk: Kind.CHUNK, Finish: Kind.FINISH, Abort: Kind.ABORT}
+class Status(enum.StrEnum):
+    OK = "ok"
+    DROPPED = "dropped"
+    RESEND = "resend"
+    FAILED = "failed"
+
+
+class Verdict(NamedTuple):
+    """The receiver's answer to one chunk; ``reason`` is empty for OK."""
+
+    status: Status
+    reason: str = ""
+
+
+OK = Verdict(Status.OK)
+DROPPED = Verdict(Status.DROPPED)
+
+Message = Chunk | Finish | Abort | Verdict
+_KIND_OF = {Chunk: Kind.CHUNK, Finish: Kind.FINISH, Abort: Kind.ABORT, Verdict: Kind.VERDICT}
 _TYPE_OF = {kind: cls for cls, kind in _KIND_OF.items()}
+_STATUSES = frozenset(Status)
 
 
 def checksum(payload: bytes | bytearray | memoryview) -> int:
@@ -77,6 +121,12 @@ def _is_uint(value: object, limit: int = _U64_MAX) -> bool:
 
 def validate(message: Message) -> None:
     """Raise WireError unless every field of ``message`` has its spec'd type and range."""
+    if isinstance(message, Verdict):
+        if message.status not in _STATUSES:
+            raise WireError(f"status must be one of {sorted(_STATUSES)}, got {message.status!r}")
+        if not isinstance(message.reason, str):
+            raise WireError(f"reason must be a string, got {message.reason!r}")
+        return
     rid = message.request_id
     if not isinstance(rid, str) or not rid:
         raise WireError(f"request_id must be a non-empty string, got {rid!r}")
@@ -88,6 +138,10 @@ def validate(message: Message) -> None:
             raise WireError(f"block_ids must be a list of integers >= 0, got {blocks!r}", rid)
         if not _is_uint(message.checksum):
             raise WireError(f"checksum must be a u64, got {message.checksum!r}", rid)
+        if not _is_uint(message.attempt, MAX_ATTEMPTS - 1):
+            raise WireError(
+                f"attempt must be in [0, {MAX_ATTEMPTS - 1}], got {message.attempt!r}", rid
+            )
     elif isinstance(message, Finish):
         if not _is_uint(message.num_chunks):
             raise WireError(f"num_chunks must be an integer >= 0, got {message.num_chunks!r}", rid)
@@ -95,9 +149,13 @@ def validate(message: Message) -> None:
         raise WireError(f"reason must be a string, got {message.reason!r}", rid)
 
 
-def encode(message: Message, payload_len: int = 0) -> bytes:
-    """Prefix and header of ``message``; the caller writes ``payload_len`` bytes after it."""
-    validate(message)
+def encode(message: Message, payload_len: int = 0, *, checked: bool = False) -> bytes:
+    """Prefix and header of ``message``; the caller writes ``payload_len`` bytes after it.
+
+    Validates ``message`` first unless the caller says it is ``checked`` already.
+    """
+    if not checked:
+        validate(message)
     kind = _KIND_OF[type(message)]
     if kind is not Kind.CHUNK and payload_len:
         raise WireError(f"{kind.name} carries no payload", message.request_id)
@@ -127,6 +185,10 @@ def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
 
 def decode_header(kind: Kind, raw: bytes | bytearray | memoryview) -> Message:
     """The message a header of ``kind`` holds; WireError if it is malformed."""
+    if kind is Kind.VERDICT:
+        common = _VERDICT_OF.get(bytes(raw))  # almost every verdict: no msgpack
+        if common is not None:
+            return common
     try:
         fields = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -138,4 +200,54 @@ def decode_header(kind: Kind, raw: bytes | bytearray | memoryview) -> Message:
         raise WireError(f"{kind.name} header must hold exactly {cls._fields}", rid)
     message = cls(**fields)
     validate(message)
+    if kind is Kind.VERDICT:
+        message = message._replace(status=Status(message.status))
     return message
+
+
+def encode_verdict(verdict: Verdict) -> bytes:
+    """The whole VERDICT message (it has no payload); the common ones are built once.
+
+    A reason longer than ``MAX_REASON_CHARS`` is cut, so that a verdict stays under
+    ``MAX_VERDICT_BYTES``."""
+    frame = _VERDICT_FRAMES.get(verdict)
+    if frame is not None:
+        return frame
+    if len(verdict.reason) > MAX_REASON_CHARS:
+        verdict = verdict._replace(reason=verdict.reason[:MAX_REASON_CHARS] + "...")
+    return encode(verdict)
+
+
+_VERDICT_FRAMES = {v: encode(v) for v in (OK, DROPPED)}
+_VERDICT_OF = {frame[PREFIX.size :]: v for v, frame in _VERDICT_FRAMES.items()}
+_OK_FRAME = _VERDICT_FRAMES[OK]
+
+
+def split_verdicts(data: bytes | bytearray, start: int = 0, end: int | None = None):
+    """The VERDICT messages that ``data[start:end]`` holds whole, and where the first
+    one that is not whole begins; WireError for anything but a VERDICT."""
+    end = len(data) if end is None else end
+    view, verdicts, offset = memoryview(data), [], start
+    while end - offset >= PREFIX.size:
+        if data.startswith(_OK_FRAME, offset):  # almost every verdict
+            verdicts.append(OK)
+            offset += len(_OK_FRAME)
+            continue
+        kind, header_len, _ = decode_prefix(view[offset : offset + PREFIX.size])
+        if kind is not Kind.VERDICT:
+            raise WireError(f"a receiver sends only VERDICT, not {kind.name}")
+        if end - offset < PREFIX.size + header_len:
+            break
+        offset += PREFIX.size + header_len
+        verdicts.append(decode_header(kind, view[offset - header_len : offset]))
+    return verdicts, offset
+
+
+_URGENT = frozenset((Status.RESEND, Status.FAILED))
+
+
+def is_urgent(verdict: Verdict, chunk: Chunk | None) -> bool:
+    """Whether a receiver writes ``verdict`` at once rather than with the next batch:
+    "resend" and "failed", and any verdict on a resent chunk (its FINISH may have
+    come and flushed the batch already, and the sender waits for it)."""
+    return verdict.status in _URGENT or chunk is None or chunk.attempt > 0

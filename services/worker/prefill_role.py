@@ -91,6 +91,8 @@ class PrefillRole:
 
     async def handle(self, rid: str, rec: Prefill):
         w = self.worker
+        if rid in self.jobs:  # a re-routed request while its first prefill still runs
+            return Error("bad_request", f"request id {rid!r} is already being prefilled here")
         try:
             params = prefill_params(rec.sampling)
         except ValueError as exc:
@@ -103,6 +105,7 @@ class PrefillRole:
         self.backends[backend] += 1
         w.metrics.transfer_backend.labels(backend=backend).inc()
         job = self.jobs[rid] = Job(rec, addr, self._aio.create_future())
+        deadline = self._aio.time() + rec.lease_s  # the decode worker gives up then
         sending = asyncio.create_task(self._send_layers(rid, job))
         try:
             try:
@@ -120,7 +123,10 @@ class PrefillRole:
                 position=0, token_ids=[first], prompt_tokens=out.num_prompt_tokens,
                 cached_tokens=out.num_cached_tokens, source="prefill",
                 logprobs=w.logprob_dicts(out.new_logprobs)))
-            chunks = await sending
+            try:  # finish waits for the decode worker's verdicts: not past its lease
+                chunks = await asyncio.wait_for(sending, deadline - self._aio.time())
+            except TimeoutError:
+                raise TransferError(f"KV not accepted within the {rec.lease_s} s lease") from None
             self.done += 1
             return PrefillDone(first_token=first, num_chunks=chunks,
                                cached_tokens=out.num_cached_tokens)

@@ -206,6 +206,9 @@ class Worker:
             "kv_bytes_received": self.decode.received_bytes if self.decode else 0,
             "kv_bytes_sent": self.prefill.sent_bytes if self.prefill else 0,
             "prefills_done": self.prefill.done if self.prefill else 0,
+            "prefill_jobs": len(self.prefill.jobs) if self.prefill else 0,
+            "kv_chunks_resent": self.sender.resent if self.sender is not None else 0,
+            "kv_chunks_retried": self.receiver.retried if self.receiver is not None else 0,
             "transfer_backends": dict(self.prefill.backends) if self.prefill else {},
             "kv_advert": self.receiver.advert() if self.receiver is not None else {},
         } | self.pool.stats()
