@@ -257,28 +257,66 @@ class ClientChunk:
 @message("pool_put")
 @dataclass(frozen=True, slots=True)
 class PoolPut:
-    """Pool client -> cache pool (DEALER -> ROUTER), with one bulk frame per block, in the
-    order of ``keys``, each exactly ``block_bytes`` long. Reply: Ack (``detail`` = how
-    many blocks were new to the pool) or Error("bad_request")."""
+    """Pool client -> cache pool (DEALER -> ROUTER): store blocks ``keys``, each exactly
+    ``block_bytes`` long.
+
+    Without ``transfer_id`` the blocks come as bulk frames, one per key in order. Reply:
+    Ack (``detail`` = how many blocks were new to the pool) or Error("bad_request").
+    With ``transfer_id`` no frames: the pool expects that data-plane transfer for
+    ``lease_s`` and replies PoolReady; the client sends the blocks to its ``kv_advert``
+    and then asks for the outcome with PoolCommit."""
 
     keys: list[int]
     depths: list[int]
     block_bytes: int
+    transfer_id: str = ""
+    lease_s: float = 0.0
+
+
+@message("pool_ready")
+@dataclass(frozen=True, slots=True)
+class PoolReady:
+    """Cache pool -> client, the reply to a PoolPut with ``transfer_id``: the transfer is
+    expected; send to ``kv_advert`` (the pool's data-plane receiver). No reply."""
+
+    kv_advert: dict
+
+
+@message("pool_commit")
+@dataclass(frozen=True, slots=True)
+class PoolCommit:
+    """Pool client -> cache pool (DEALER -> ROUTER), after the blocks of the PoolPut with
+    ``transfer_id`` were sent (or, with ``abort``, could not be). Reply: Ack (``detail`` =
+    how many blocks were new to the pool) once the transfer ended DONE and was stored;
+    Error("transfer_failed") if it failed or was aborted; Error("not_found") for an
+    unknown or already committed id."""
+
+    transfer_id: str
+    abort: str = ""
 
 
 @message("pool_get")
 @dataclass(frozen=True, slots=True)
 class PoolGet:
-    """Pool client -> cache pool (DEALER -> ROUTER). Reply: PoolBlocks or Error."""
+    """Pool client -> cache pool (DEALER -> ROUTER). Reply: PoolBlocks or Error.
+
+    With ``transfer_id`` the blocks travel on the data plane: the client has expected
+    that transfer on the receiver ``kv_advert`` describes, and the pool sends each found
+    block there within ``lease_s``."""
 
     keys: list[int]
+    transfer_id: str = ""
+    kv_advert: dict = field(default_factory=dict)
+    lease_s: float = 0.0
 
 
 @message("pool_blocks")
 @dataclass(frozen=True, slots=True)
 class PoolBlocks:
     """Cache pool -> client, the reply to PoolGet: the longest prefix of the asked keys
-    that is present and readable, as ``found`` bulk frames in key order. No reply."""
+    that is present and readable, as ``found`` bulk frames in key order, or (for a
+    PoolGet with ``transfer_id``) as ``found`` data-plane chunks sent after this reply.
+    No reply."""
 
     found: int
 

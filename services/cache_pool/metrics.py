@@ -10,7 +10,10 @@ so the store keeps no metric objects and a scrape always agrees with ``GetStats`
     pdserve:cache_pool_bytes{tier}             payload bytes held
     pdserve:cache_pool_blocks{tier}            blocks held
     pdserve:cache_pool_capacity_bytes{tier}    configured capacity
-    pdserve:cache_pool_requests_total{type,outcome}   requests served ("ok", "bad_request")
+    pdserve:cache_pool_requests_total{type,outcome}   requests served ("ok", or the
+                                                      Error code answered)
+    pdserve:cache_pool_block_bytes_total{direction,carrier}   block bytes in (puts) and
+                                                      out (gets), by "data_plane" or "zmq"
 """
 
 from __future__ import annotations
@@ -56,10 +59,12 @@ class _StoreCollector:
 
 
 class PoolMetrics:
-    """The registry and the one metric the server updates itself (requests)."""
+    """The registry and the metrics the server updates itself (requests, bytes)."""
 
     def __init__(self, read: Callable[[], tuple[StoreStats | None, dict[str, int]]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(read))
         self.requests = Counter(_P + "requests", "Requests served", ["type", "outcome"],
                                 registry=self.registry)
+        self.block_bytes = Counter(_P + "block_bytes", "Block bytes moved, by direction and "
+                                   "carrier", ["direction", "carrier"], registry=self.registry)

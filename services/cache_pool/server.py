@@ -3,15 +3,31 @@
 Lifecycle of an instance::
 
     start   open the SSD tier (index replay) -> block size: the setting, else the size of
-            the blocks on SSD, else the first PoolPut's -> bind the control ROUTER
+            the blocks on SSD, else the first stored put's -> start the data-plane
+            receiver (kv_advert in Stats and PoolReady) -> bind the control ROUTER
             (control_addr) and the events PUB (events_addr) -> after ANNOUNCE_DELAY_S,
             publish "cleared" then "stored" of everything held
-    serve   PoolPut / PoolGet / PoolExists / PoolRemove / Resync / GetStats. Store calls
-            are synchronous, so requests never interleave inside the store. The store's
-            stored/removed callbacks are collected per request and queued as one KVEvent
-            per kind (topic b"kv"); one task publishes the queue in order.
+    serve   PoolPut / PoolCommit / PoolGet / PoolExists / PoolRemove / Resync / GetStats.
+            Store calls are synchronous, so requests never interleave inside the store.
+            The store's stored/removed callbacks are collected per request (or stored
+            transfer) and queued as one KVEvent per kind (topic b"kv"); one task
+            publishes the queue in order.
     SIGTERM stop serving -> copy DRAM blocks to SSD (``flush_on_close``) -> sync the
             index -> exit. A restart on the same ``ssd_dir`` then serves them all.
+
+Block bytes on the data plane (a request with a ``transfer_id``; docs/cache_pool.md)::
+
+    put   PoolPut    validate, expect the transfer on the receiver for lease_s (its
+                     blocks collect in ``inbox``), reply PoolReady(kv_advert)
+          (chunks)   a task waits for the transfer: DONE -> store all its blocks at once;
+                     anything else -> store nothing
+          PoolCommit that task's outcome: Ack(new blocks) or Error("transfer_failed");
+                     with ``abort`` the transfer is cancelled first
+    get   PoolGet    read the blocks as for frames, reply PoolBlocks(found), and a task
+                     sends them to the client's advert (negotiated backend) within lease_s
+
+Every transfer ends by its lease at the latest, and each end frees what it held then:
+a vanished client costs the pool one lease of memory, never more.
 
 Bad input is answered with ``Error("bad_request")`` (contents) or the codec's error
 (frames), and the process keeps serving. A frame over ``max(max_request_bytes, 64 MiB)``
@@ -22,7 +38,9 @@ writes run on the event loop: one request's disk I/O delays the others.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import inspect
 import signal
 import sys
 import uuid
@@ -33,6 +51,7 @@ import zmq.asyncio
 from prometheus_client import start_http_server
 
 from common.logging import configure_logging
+from common.pool_transfer import BlockInbox, send_blocks
 from common.protocol import (
     MAX_FRAME_BYTES,
     Ack,
@@ -40,14 +59,18 @@ from common.protocol import (
     GetStats,
     Message,
     PoolBlocks,
+    PoolCommit,
     PoolExists,
     PoolFound,
     PoolGet,
     PoolPut,
+    PoolReady,
     PoolRemove,
     Resync,
     Stats,
 )
+from common.transfer import MultiReceiver, MultiSender, TransferError
+from common.transfer.negotiate import check_advert
 from common.zmq_io import Publisher, RpcServer, install_uvloop
 from services.cache_pool import validate
 from services.cache_pool.events import EventOutbox
@@ -60,6 +83,7 @@ from services.cache_pool.validate import BadRequest
 log = structlog.get_logger(__name__)
 
 ANNOUNCE_DELAY_S = 0.5  # lets subscribers that reconnect after a restart see the announce
+_ADDRESSES_KEPT = 1024  # negotiated client addresses remembered
 
 
 class CachePool:
@@ -82,14 +106,28 @@ class CachePool:
         self.metrics = PoolMetrics(self._read_stats)
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.source)
         self.events: Publisher | None = None
+        # The data plane: blocks of puts in, blocks of gets out.
+        forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
+        self.inbox = BlockInbox()
+        self.receiver = MultiReceiver(None if forced is None else (forced,),
+                                      host=settings.resolved_kv_host, port=settings.kv_port,
+                                      sink=self.inbox.sink,
+                                      host_id=settings.resolved_host_id)
+        self.sender = MultiSender(host_id=settings.resolved_host_id, forced=forced)
+        self._puts: dict[str, asyncio.Task] = {}  # transfer id -> its receive-and-store
+        self._sends: set[asyncio.Task] = set()
+        self._addresses: dict[tuple, str] = {}  # client advert -> where its gets go
+        # in_/out_bytes, in_/out_ok, in_/out_failed, out_<backend>, frame_in/out_bytes
+        self.transfers: collections.Counter[str] = collections.Counter()
         self._tasks: list[asyncio.Task] = []
-        self._handlers = {PoolPut: self._put, PoolGet: self._get, PoolExists: self._exists,
-                          PoolRemove: self._remove, Resync: self._resync,
-                          GetStats: self._stats}
+        self._handlers = {PoolPut: self._put, PoolCommit: self._commit, PoolGet: self._get,
+                          PoolExists: self._exists, PoolRemove: self._remove,
+                          Resync: self._resync, GetStats: self._stats}
 
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.receiver.start()
         self.events = Publisher(self.ctx, self.settings.events_addr, bind=True)
         await self.rpc.start()
         self._tasks += [asyncio.create_task(self.outbox.run(self.events)),
@@ -98,6 +136,7 @@ class CachePool:
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
         log.info("cache pool started", instance=self.settings.instance_id,
                  control=self.rpc.address, events=self.events.address,
+                 kv_advert=self.receiver.advert(),
                  block_bytes=self.block_bytes, dram_bytes=self.settings.dram_bytes,
                  ssd_bytes=self.settings.ssd_bytes,
                  ssd_recovery=self.ssd.recovery._asdict() if self.ssd is not None else None)
@@ -105,9 +144,12 @@ class CachePool:
     async def close(self) -> None:
         """Stop serving; flush DRAM to SSD if configured; sync and close the SSD tier."""
         await self.rpc.close()
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._sends, *self._puts.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.receiver.close()
+        await self.sender.close()
         if self.events is not None:
             await self.events.close()
         if self.ssd is not None:
@@ -150,6 +192,8 @@ class CachePool:
             return Error("unsupported", f"{kind} is not handled by the cache pool")
         try:
             reply = handler(msg.record, msg.bulk)
+            if inspect.isawaitable(reply):
+                reply = await reply
         except BadRequest as exc:
             log.warning("pool_bad_request", type=kind, error=str(exc),
                         request_id=msg.envelope.request_id)
@@ -157,28 +201,117 @@ class CachePool:
             return Error("bad_request", str(exc))
         finally:
             self.outbox.flush()
-        self.metrics.requests.labels(type=kind, outcome="ok").inc()
+        outcome = reply.code if isinstance(reply, Error) else "ok"
+        self.metrics.requests.labels(type=kind, outcome=outcome).inc()
         return reply
 
     def _put(self, rec: PoolPut, bulk):
+        if rec.transfer_id:
+            return self._expect_put(rec, bulk)
         items = validate.put_items(rec.keys, rec.depths, rec.block_bytes, bulk,
                                    pool_block_bytes=self.block_bytes,
                                    max_request_bytes=self.settings.max_request_bytes)
+        new = self._store_items(rec.block_bytes, items)
+        self._count_bytes("frame_in", rec.block_bytes * len(items))
+        return Ack(detail=str(new))
+
+    def _store_items(self, block_bytes: int, items: list) -> int:
+        """Store validated ``(key, data, depth)`` items; how many were new. Learns the
+        block size from the first items stored."""
         if self.store is None and items:
-            if rec.block_bytes > self.settings.dram_bytes:
-                raise BadRequest(f"block_bytes {rec.block_bytes} exceeds the DRAM tier's "
+            if block_bytes > self.settings.dram_bytes:
+                raise BadRequest(f"block_bytes {block_bytes} exceeds the DRAM tier's "
                                  f"{self.settings.dram_bytes} bytes")
-            self.block_bytes = rec.block_bytes
-            self._open_store(rec.block_bytes)
-            log.info("block size learned", block_bytes=rec.block_bytes)
+            self.block_bytes = block_bytes
+            self._open_store(block_bytes)
+            log.info("block size learned", block_bytes=block_bytes)
+        if items and block_bytes != self.block_bytes:  # learned meanwhile from another put
+            raise BadRequest(f"block_bytes {block_bytes} differs from the pool's "
+                             f"{self.block_bytes}")
         before = self.outbox.pending_stored
         if items:
             self.store.put_many(items)
-        return Ack(detail=str(self.outbox.pending_stored - before))
+        return self.outbox.pending_stored - before
+
+    def _expect_put(self, rec: PoolPut, bulk):
+        validate.check_no_bulk("pool_put with a transfer_id", bulk)
+        validate.check_put(rec.keys, rec.depths, rec.block_bytes,
+                           pool_block_bytes=self.block_bytes,
+                           max_request_bytes=self.settings.max_request_bytes)
+        validate.check_transfer(rec.transfer_id, rec.lease_s)
+        if self.store is None and rec.block_bytes > self.settings.dram_bytes:
+            raise BadRequest(f"block_bytes {rec.block_bytes} exceeds the DRAM tier's "
+                             f"{self.settings.dram_bytes} bytes")
+        if rec.transfer_id in self._puts:
+            raise BadRequest(f"transfer_id {rec.transfer_id!r} is in use")
+        try:
+            transfer = self.inbox.open(self.receiver, rec.transfer_id, len(rec.keys),
+                                       rec.block_bytes, rec.lease_s)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        self._puts[rec.transfer_id] = asyncio.create_task(self._receive_put(rec, transfer))
+        return PoolReady(kv_advert=self.receiver.advert())
+
+    async def _receive_put(self, rec: PoolPut, transfer) -> Ack | Error:
+        """Wait for the put's transfer; store its blocks if it ended DONE. The outcome
+        waits in ``_puts`` for the client's PoolCommit, one lease at most."""
+        tid = rec.transfer_id
+        try:
+            try:
+                await transfer.wait()
+                blocks = self.inbox.take(tid, len(rec.keys))
+                if blocks is None:
+                    raise TransferError("the blocks sent are not the blocks announced", tid)
+            except TransferError as exc:
+                self.transfers["in_failed"] += 1
+                log.warning("pool_put_transfer_failed", transfer_id=tid, error=exc.reason)
+                return Error("transfer_failed", exc.reason)
+            try:
+                new = self._store_items(rec.block_bytes,
+                                        list(zip(rec.keys, blocks, rec.depths, strict=True)))
+            except BadRequest as exc:
+                self.transfers["in_failed"] += 1
+                return Error("bad_request", str(exc))
+            except Exception as exc:  # as the RpcServer answers a handler that raised
+                log.exception("pool_put_store_failed", transfer_id=tid)
+                self.transfers["in_failed"] += 1
+                return Error("internal", str(exc) or type(exc).__name__)
+            finally:
+                self.outbox.flush()
+            self.transfers["in_ok"] += 1
+            self._count_bytes("in", rec.block_bytes * len(blocks))
+            return Ack(detail=str(new))
+        finally:
+            self.receiver.cancel(tid)
+            self.inbox.discard(tid)
+            asyncio.get_running_loop().call_later(rec.lease_s, self._forget_put, tid)
+
+    def _forget_put(self, tid: str) -> None:
+        task = self._puts.get(tid)
+        if task is not None and task.done():
+            del self._puts[tid]
+
+    async def _commit(self, rec: PoolCommit, bulk):
+        validate.check_no_bulk("pool_commit", bulk)
+        task = self._puts.pop(rec.transfer_id, None)
+        if task is None:
+            return Error("not_found", f"no put transfer {rec.transfer_id!r} (unknown, "
+                                      "committed, or forgotten one lease after it ended)")
+        if rec.abort and not task.done():
+            log.info("pool_put_aborted", transfer_id=rec.transfer_id, reason=rec.abort)
+            self.receiver.cancel(rec.transfer_id)
+        return await asyncio.shield(task)
 
     def _get(self, rec: PoolGet, bulk):
         validate.check_get(rec.keys, bulk, pool_block_bytes=self.block_bytes,
                            max_request_bytes=self.settings.max_request_bytes)
+        address = None
+        if rec.transfer_id:
+            validate.check_transfer(rec.transfer_id, rec.lease_s)
+            try:
+                address = self._address_for(rec.kv_advert)
+            except (TransferError, ValueError) as exc:
+                raise BadRequest(f"no usable data plane to the client: {exc}") from exc
         if self.store is None:
             return PoolBlocks(found=0)
         blocks: list[bytes] = []
@@ -190,7 +323,49 @@ class CachePool:
             if data is None:
                 break
             blocks.append(data)
-        return PoolBlocks(found=len(blocks)), blocks
+        if address is None:
+            self._count_bytes("frame_out", sum(map(len, blocks)))
+            return PoolBlocks(found=len(blocks)), blocks
+        if blocks:
+            task = asyncio.create_task(
+                self._send_get(address, rec.transfer_id, blocks, rec.lease_s))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+        return PoolBlocks(found=len(blocks))
+
+    async def _send_get(self, address: str, tid: str, blocks: list[bytes],
+                        lease_s: float) -> None:
+        try:
+            async with asyncio.timeout(lease_s):
+                await send_blocks(self.sender, address, tid, blocks)
+        except Exception as exc:  # the client's lease ends its side in any case
+            self.transfers["out_failed"] += 1
+            expected = isinstance(exc, TransferError | ValueError | TimeoutError)
+            (log.warning if expected else log.exception)(
+                "pool_get_transfer_failed", transfer_id=tid, address=address,
+                error=exc.reason if isinstance(exc, TransferError) else
+                str(exc) or type(exc).__name__)
+            return
+        self.transfers["out_ok"] += 1
+        self.transfers[f"out_{address.partition('://')[0]}"] += 1
+        self._count_bytes("out", sum(map(len, blocks)))
+
+    def _address_for(self, advert: dict) -> str:
+        """Where a client's gets go: negotiated once per advert."""
+        host_id, endpoints = check_advert(advert)
+        key = (host_id, tuple(sorted(endpoints.items())))
+        address = self._addresses.get(key)
+        if address is None:
+            if len(self._addresses) >= _ADDRESSES_KEPT:
+                self._addresses.clear()
+            address = self._addresses[key] = self.sender.address_for(advert)
+        return address
+
+    def _count_bytes(self, direction: str, nbytes: int) -> None:
+        self.transfers[f"{direction}_bytes"] += nbytes
+        self.metrics.block_bytes.labels(
+            direction=direction.removeprefix("frame_"),
+            carrier="zmq" if direction.startswith("frame_") else "data_plane").inc(nbytes)
 
     def _exists(self, rec: PoolExists, bulk):
         validate.check_no_bulk("pool_exists", bulk)
@@ -220,7 +395,11 @@ class CachePool:
                              "events_addr": self.events.address if self.events else "",
                              "block_bytes": self.block_bytes, "policy": self.settings.policy,
                              "dram_capacity_bytes": capacity["dram"],
-                             "ssd_capacity_bytes": capacity["ssd"]})
+                             "ssd_capacity_bytes": capacity["ssd"],
+                             "kv_advert": self.receiver.advert(),
+                             "live_transfers": self.receiver.live(),
+                             "pending_puts": len(self._puts), "sending_gets": len(self._sends),
+                             "transfers": dict(self.transfers)})
 
     def _read_stats(self) -> tuple[StoreStats | None, dict[str, int]]:
         return (self.store.stats() if self.store is not None else None,
@@ -262,7 +441,7 @@ def main(argv=None) -> int:
     install_uvloop()
     try:
         asyncio.run(serve(settings))
-    except (ValueError, OSError, zmq.ZMQError) as exc:  # startup: tiers, directory, bind
+    except (ValueError, OSError, zmq.ZMQError, TransferError) as exc:  # startup: tiers, binds
         log.error("cache pool failed", error=str(exc))
         return 1
     return 0

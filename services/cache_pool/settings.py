@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from services.cache_pool.eviction import EvictionPolicy, LRUPolicy, ReuseAwarePolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "reuse_aware": ReuseAwarePolicy}
+TRANSFER_BACKENDS = ("auto", "tcp", "shm", "ucx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +19,11 @@ class PoolSettings:
         subscriber) connects a SUB to it. block_bytes 0: learned from the SSD tier or the
         first put (services/cache_pool/server.py).
     ssd_dir "": no SSD tier. dram_mib / ssd_mib may be fractional.
+    kv_host "": the data-plane receiver (block bytes of puts) listens on control_addr's
+        host (every interface for a wildcard, 127.0.0.1 for a non-tcp address).
+    transfer_backend: "auto" offers every backend available here and lets each peer
+        negotiate; "tcp", "shm" or "ucx" offers and uses only that one.
+    host_id "": this machine's hostname (equal host ids on both ends enable shm).
     """
 
     instance_id: str = "pool-0"
@@ -31,6 +38,10 @@ class PoolSettings:
     flush_on_close: bool = True
     log_format: str = "json"
     metrics_port: int = 0
+    kv_host: str = ""
+    kv_port: int = 0
+    transfer_backend: str = "auto"
+    host_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -42,6 +53,11 @@ class PoolSettings:
         if not 0 <= self.block_bytes <= self.dram_bytes:
             raise ValueError(f"block_bytes must be in [0, dram bytes {self.dram_bytes}], "
                              f"got {self.block_bytes}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer_backend must be one of {TRANSFER_BACKENDS}, "
+                             f"got {self.transfer_backend!r}")
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")
         if self.max_request_bytes <= 0:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
 
@@ -52,3 +68,17 @@ class PoolSettings:
     @property
     def ssd_bytes(self) -> int:
         return int(self.ssd_mib * (1 << 20)) if self.ssd_dir else 0
+
+    @property
+    def resolved_host_id(self) -> str:
+        return self.host_id or socket.gethostname()
+
+    @property
+    def resolved_kv_host(self) -> str:
+        if self.kv_host:
+            return self.kv_host
+        scheme, _, rest = self.control_addr.partition("://")
+        host = rest.rpartition(":")[0].strip("[]")
+        if scheme != "tcp" or not host:
+            return "127.0.0.1"
+        return "0.0.0.0" if host == "*" else host

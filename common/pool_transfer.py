@@ -1,0 +1,138 @@
+"""Cache-pool blocks on the data plane (``common/transfer``), for both ends: ``PoolClient``
+and the cache-pool process.
+
+Control stays on ZeroMQ (``pool_put`` / ``pool_commit`` / ``pool_get``, see
+docs/cache_pool.md); the block bytes of one call are one data-plane transfer, named by a
+``transfer_id`` the client draws::
+
+    chunk   request_id = transfer_id, layer 0, block_ids = [i], payload = block i of
+            the call (i indexes the call's keys), checksummed by the data plane
+    finish  num_chunks = the number of blocks sent, once every chunk was acknowledged
+
+The receiving end ``open``s a transfer in its ``BlockInbox`` (which ``expect``s it on its
+receiver) before the sender can learn its id, and always ``take``s or ``discard``s it
+afterwards, whatever the outcome: a transfer that fails, is cancelled or outlives its
+lease leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from common.transfer import KVReceiver, KVSender, Transfer, TransferError
+
+Buffer = bytes | bytearray | memoryview
+
+WINDOW = 8
+"""Chunks one ``send_blocks`` keeps unacknowledged: enough to keep a connection busy
+while earlier verdicts travel back, few enough to stay inside the shm ring."""
+
+ABORT_TIMEOUT_S = 1.0
+
+
+class BlockInbox:
+    """The blocks of the open transfers of one receiver; ``sink`` is its ChunkSink.
+
+    ``open`` reserves ``count`` slots under a transfer id; the sink copies each verified
+    chunk into the slots its ``block_ids`` name (a chunk may carry several equal blocks)
+    and fails the transfer for an index out of range, a slot filled twice, or a block of
+    the wrong size. Runs on the receiver's event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[list[bytes | None], int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def open(self, receiver: KVReceiver, transfer_id: str, count: int, block_bytes: int,
+             lease_s: float) -> Transfer:
+        """Expect ``transfer_id`` on ``receiver`` for ``lease_s`` with room for ``count``
+        blocks of ``block_bytes`` (0: any size, equal within the transfer). Raises as
+        ``KVReceiver.expect`` does (ValueError for an id already live)."""
+        if transfer_id in self._open:
+            raise ValueError(f"transfer {transfer_id!r} is already open")
+        transfer = receiver.expect(transfer_id, lease_s)
+        self._open[transfer_id] = ([None] * count, block_bytes)
+        return transfer
+
+    def sink(self, request_id: str, layer: int, block_ids: list[int],
+             payload: memoryview) -> None:
+        entry = self._open.get(request_id)
+        if entry is None:
+            raise ValueError(f"no pool transfer {request_id!r} is open")
+        slots, size = entry
+        n = len(block_ids)
+        if layer != 0 or n == 0 or payload.nbytes % n:
+            raise ValueError(f"a chunk of {payload.nbytes} bytes for layer {layer} cannot "
+                             f"hold blocks {block_ids[:4]}")
+        each = payload.nbytes // n
+        if size == 0:
+            size = each
+            self._open[request_id] = (slots, size)
+        if each != size:
+            raise ValueError(f"blocks of {each} bytes in a transfer of {size}-byte blocks")
+        for j, i in enumerate(block_ids):
+            if not 0 <= i < len(slots) or slots[i] is not None:
+                raise ValueError(f"block index {i} is out of range or sent twice")
+            slots[i] = bytes(payload[j * each:(j + 1) * each])
+
+    def take(self, transfer_id: str, count: int) -> list[bytes] | None:
+        """Close ``transfer_id``: its first ``count`` blocks if exactly those arrived,
+        else None."""
+        entry = self._open.pop(transfer_id, None)
+        if entry is None:
+            return None
+        slots = entry[0]
+        head, tail = slots[:count], slots[count:]
+        if len(head) != count or any(b is None for b in head) or any(b is not None for b in tail):
+            return None
+        return head
+
+    def discard(self, transfer_id: str) -> None:
+        self._open.pop(transfer_id, None)
+
+
+async def send_blocks(sender: KVSender, address: str, transfer_id: str,
+                      blocks: Sequence[Buffer], window: int | None = None) -> None:
+    """Send ``blocks[i]`` as chunk ``[i]`` with up to ``window`` (default ``WINDOW``)
+    chunks unacknowledged, then ``finish``. On failure, tells the receiver (``abort``,
+    best effort) and raises TransferError; a cancelled call aborts too."""
+    window = window or WINDOW
+    pending = iter(enumerate(blocks))
+
+    async def lane() -> None:
+        for i, block in pending:  # shared: each lane takes the next block
+            await sender.send(address, transfer_id, 0, [i], block)
+
+    lanes = [asyncio.ensure_future(lane()) for _ in range(min(window, len(blocks)))]
+    try:
+        try:
+            await asyncio.gather(*lanes)
+            await sender.finish(address, transfer_id, len(blocks))
+        except OSError as exc:
+            raise TransferError(f"{type(exc).__name__}: {exc}", transfer_id) from exc
+    except BaseException as exc:
+        for task in lanes:
+            task.cancel()
+        await asyncio.gather(*lanes, return_exceptions=True)
+        await abort_quietly(sender, address, transfer_id, _reason(exc))
+        raise
+
+
+async def abort_quietly(sender: KVSender, address: str, transfer_id: str, reason: str) -> None:
+    """``sender.abort``, giving up silently after ``ABORT_TIMEOUT_S`` or on any error: the
+    receiver's lease ends the transfer anyway."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(ABORT_TIMEOUT_S):
+            await sender.abort(address, transfer_id, reason)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TransferError):
+        return exc.reason
+    if isinstance(exc, asyncio.CancelledError | TimeoutError):
+        return "sender gave up"
+    return f"{type(exc).__name__}: {exc}"
