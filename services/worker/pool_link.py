@@ -209,6 +209,7 @@ class PoolLink:
     async def _connect(self) -> None:
         """Find the instances; use them all, or those found after PARTIAL_AFTER_S, and
         keep looking until every configured one has answered."""
+        s = self.worker.settings
         began = time.monotonic()
         while True:
             found = await discover_pools(self.worker.ctx, self.addrs)
@@ -219,8 +220,8 @@ class PoolLink:
                 old = self.client
                 self.client = PoolClient(
                     self.worker.ctx, {i: v["control_addr"] for i, v in found.items()},
-                    timeout_s=self.worker.settings.pool_timeout_s,
-                    name=f"{self.worker.worker_id}-pool")
+                    timeout_s=s.pool_timeout_s, name=f"{self.worker.worker_id}-pool",
+                    transfer_backend=s.transfer_backend, host_id=s.resolved_host_id)
                 self._instances = ids
                 log.info("cache pool connected", instances=sorted(ids),
                          missing=len(self.addrs) - len(found))
