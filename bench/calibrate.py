@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--link-bandwidth", type=float, default=1e9)
-    ap.add_argument("--pool-bandwidth", type=float, default=7.5e8)
+    ap.add_argument("--pool-bandwidth", type=float, default=1.9e9)
     ap.add_argument("--name", default="smollm2-cpu")
     ap.add_argument("--out", default=str(ROOT / "deploy" / "profiles" / "smollm2-cpu.json"))
     args = ap.parse_args()
