@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import socket
 import time
 
 import httpx
@@ -342,6 +343,35 @@ def test_each_backend_forced_gives_colocated_output(backend, model_dir, tmp_path
         assert stats["decode-1"]["local_fallbacks"] == 0
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("advertise_host", ["127.0.0.1", ""])
+def test_wildcard_binds_advertise_a_dialable_host(advertise_host, model_dir, tmp_path,
+                                                  prompts, offline):
+    # The KV listener binds every interface; peers are told a host they can dial: the
+    # configured one, else this machine's own address.
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"],
+                      worker_args=["--transfer-backend", "tcp", "--kv-host", "0.0.0.0",
+                                   "--advertise-host", advertise_host])
+    cluster.start()
+    try:
+        assert sdk_tokens(cluster, prompts[2:4]) == offline[2:4]
+        decode = cluster.worker_stats("decode-1")
+        host = advertise_host or socket.gethostbyname(socket.gethostname())
+        assert decode["kv_advert"]["endpoints"]["tcp"].startswith(f"tcp://{host}:")
+        assert decode["kv_addr"].startswith(f"tcp://{host}:")
+        assert decode["kv_bytes_received"] > 0 and decode["local_fallbacks"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_advertised_addresses():
+    from services.worker.server import advertise
+
+    assert advertise("tcp://0.0.0.0:5", "10.0.0.7") == "tcp://10.0.0.7:5"
+    assert advertise("ucx://10.1.1.1:9", "") == "ucx://10.1.1.1:9"
+    assert advertise("tcp://*:5", "") == f"tcp://{socket.gethostbyname(socket.gethostname())}:5"
+    assert advertise("shm://pdserve-1/ctl", "10.0.0.7") == "shm://pdserve-1/ctl"
 
 
 def test_auto_negotiation_picks_shared_memory_on_one_host(disagg, prompts):

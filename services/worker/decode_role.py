@@ -106,10 +106,10 @@ class DecodeRole:
         lease = w.settings.kv_lease_s
         asking = asyncio.create_task(w.client(rec.prefill_addr).call(Prefill(
             prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
-            stream_addr=rec.stream_addr, kv_addr=w.receiver.address,
+            stream_addr=rec.stream_addr, kv_addr=w.kv_addr,
             block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
             lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt,
-            kv_advert=w.receiver.advert()),
+            kv_advert=w.kv_advert()),
             request_id=rid, timeout=lease))
         arriving = asyncio.create_task(remote.transfer.wait())
         try:

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import os
 import signal
+import socket
 from typing import TYPE_CHECKING
 
 import structlog
@@ -70,6 +71,22 @@ def build_engine(s: WorkerSettings) -> EngineCore:
         num_threads=s.num_threads or None))
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def advertise(addr: str, host: str = "") -> str:
+    """``addr`` (``scheme://host:port``) as peers should dial it: with ``host`` when
+    given, else with this machine's address in place of a wildcard bind. Addresses
+    without a network host (shm, ipc) are returned as they are."""
+    scheme, sep, rest = addr.partition("://")
+    bound, colon, port = rest.rpartition(":")
+    if not sep or not colon or scheme not in ("tcp", "ucx"):
+        return addr
+    if not host and bound in WILDCARD_HOSTS:
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{scheme}://{host}:{port}" if host else addr
+
+
 def pin_cpus(spec: str) -> None:
     """Pin this process (and the threads it starts later) to the CPUs in ``spec``."""
     cpus = parse_cpus(spec)
@@ -121,7 +138,7 @@ class Worker:
             self.metrics.serve(self.settings.metrics_port)
         self._tasks.append(asyncio.create_task(self._register_and_beat()))
         log.info("worker started", worker_id=self.worker_id, role=self.settings.role,
-                 control=self.rpc.address, kv=self.kv_addr)
+                 control=self.control_addr, kv=self.kv_addr)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -140,8 +157,23 @@ class Worker:
         self.ctx.term()
 
     @property
+    def control_addr(self) -> str:
+        """Where peers reach this worker's control socket (see ``advertise``)."""
+        return advertise(self.rpc.address, self.settings.advertise_host)
+
+    @property
     def kv_addr(self) -> str:
-        return self.receiver.address if self.receiver is not None else ""
+        if self.receiver is None:
+            return ""
+        return advertise(self.receiver.address, self.settings.advertise_host)
+
+    def kv_advert(self) -> dict:
+        """The receiver's advert, each network endpoint as peers reach it."""
+        if self.receiver is None:
+            return {}
+        advert = self.receiver.advert()
+        return {**advert, "endpoints": {k: advertise(a, self.settings.advertise_host)
+                                        for k, a in advert["endpoints"].items()}}
 
     def client(self, addr: str) -> RpcClient:
         client = self._clients.get(addr)
@@ -196,7 +228,7 @@ class Worker:
         return {
             "worker_id": self.worker_id, "role": s.role, "model": s.model,
             "executor": s.executor,
-            "control_addr": self.rpc.address, "kv_addr": self.kv_addr,
+            "control_addr": self.control_addr, "kv_addr": self.kv_addr,
             "host_id": s.resolved_host_id, "fingerprint": self.engine.fingerprint,
             "block_size": s.block_size, "num_blocks": load.total_blocks,
             "free_blocks": load.free_blocks, "waiting": load.waiting, "running": load.running,
@@ -210,14 +242,14 @@ class Worker:
             "kv_chunks_resent": self.sender.resent if self.sender is not None else 0,
             "kv_chunks_retried": self.receiver.retried if self.receiver is not None else 0,
             "transfer_backends": dict(self.prefill.backends) if self.prefill else {},
-            "kv_advert": self.receiver.advert() if self.receiver is not None else {},
+            "kv_advert": self.kv_advert(),
         } | self.pool.stats()
 
     async def _register_and_beat(self) -> None:
         s = self.settings
         conductor = self.client(s.conductor_addr)
         hello = Hello(worker_id=self.worker_id, role=s.role, model=s.model,
-                      control_addr=self.rpc.address, kv_addr=self.kv_addr,
+                      control_addr=self.control_addr, kv_addr=self.kv_addr,
                       host_id=s.resolved_host_id, block_size=s.block_size,
                       num_blocks=self.engine.block_pool.num_blocks,
                       fingerprint=self.engine.fingerprint)
@@ -247,7 +279,7 @@ class Worker:
                     worker_id=self.worker_id, role=s.role, seq=seq, waiting=load.waiting,
                     running=load.running, queued_prefill_tokens=load.queued_prefill_tokens,
                     free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-                    step_time_ms=self.loop.recent_step_ms(), control_addr=self.rpc.address,
+                    step_time_ms=self.loop.recent_step_ms(), control_addr=self.control_addr,
                     prefill_steps=prefill_steps, decode_steps=decode_steps))
                 seq += 1
         finally:

@@ -24,6 +24,7 @@ class WorkerSettings:
     control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
     kv_host: str = "127.0.0.1"  # data plane listener (decode and unified roles)
     kv_port: int = 0
+    advertise_host: str = ""  # host peers dial for control and KV; empty: the bound one
     transfer_backend: str = "auto"  # auto: negotiate per peer; or force tcp, shm or ucx
     conductor_addr: str = "tcp://127.0.0.1:5551"
     heartbeat_addr: str = "tcp://127.0.0.1:5552"
