@@ -50,3 +50,31 @@ def tok_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PDSERVE_CACHE", str(cache))
         return tokenizer_dir_for("smollm2-135m-instruct")
+
+
+@pytest.fixture
+async def ctx():
+    """A ZeroMQ asyncio context, destroyed after the test."""
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def pools(tmp_path):
+    """Make cache-pool processes (``tests.pool_procs.PoolProc``); all killed after."""
+    import signal
+
+    from tests.pool_procs import PoolProc
+
+    made: list[PoolProc] = []
+
+    def make(instance: str = "a", **kw) -> PoolProc:
+        made.append(PoolProc(instance, tmp_path, **kw))
+        return made[-1]
+
+    yield make
+    for proc in made:
+        proc.stop(signal.SIGKILL)

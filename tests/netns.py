@@ -13,11 +13,12 @@ that has entered that side's namespace.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -127,3 +128,20 @@ def _enter(netns: str) -> None:
             raise OSError(err, f"setns into {netns}: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def veth_pair_or_skip(prefix: str) -> Iterator[VethPair]:
+    """A ``VethPair`` named ``<prefix>-<pid>`` for the ``with`` body, deleted after; skips
+    the test, saying why, where network namespaces cannot be created."""
+    import pytest
+
+    pair = VethPair(f"{prefix}-{os.getpid()}")
+    try:
+        pair.create()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"cross-host tests need network namespaces (root, iproute2): {exc}")
+    try:
+        yield pair
+    finally:
+        pair.delete()

@@ -22,26 +22,6 @@ from tests.pool_procs import BLOCK, PoolProc, blocks
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-async def ctx():
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def pools(tmp_path):
-    made: list[PoolProc] = []
-
-    def make(instance: str = "a", **kw) -> PoolProc:
-        made.append(PoolProc(instance, tmp_path, **kw))
-        return made[-1]
-
-    yield make
-    for proc in made:
-        proc.stop(signal.SIGKILL)
-
-
 async def exists(ctx, proc: PoolProc, keys: list[int]) -> tuple[int, list[str]]:
     client = RpcClient(ctx, proc.control, name="test")
     try:

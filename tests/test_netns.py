@@ -18,7 +18,6 @@ same tokens and leaking nothing, on either side once the wire is back.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 
 import pytest
@@ -27,7 +26,7 @@ from common.client import Client
 from services.engine.config import EngineConfig
 from services.engine.sampling_params import SamplingParams
 from tests.cluster import Cluster, Host, make_served_tiny_model
-from tests.netns import DEVICE, NetnsUnavailable, VethPair
+from tests.netns import DEVICE, veth_pair_or_skip
 from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -55,15 +54,8 @@ CROSS_HOST_BEST = "ucx" if _ucx_importable() else "tcp"
 
 @pytest.fixture(scope="module")
 def wire():
-    pair = VethPair(f"pdserve-{os.getpid()}")
-    try:
-        pair.create()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"cross-host tests need network namespaces (root, iproute2): {exc}")
-    try:
+    with veth_pair_or_skip("pdserve") as pair:
         yield pair
-    finally:
-        pair.delete()
 
 
 @pytest.fixture(scope="module")

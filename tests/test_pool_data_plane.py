@@ -5,11 +5,8 @@ failed writes, and no transfer left behind on either end after any of them."""
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from common import protocol as p
 from common.pool_client import PoolClient
@@ -19,7 +16,7 @@ from common.zmq_io import RemoteError, RpcClient
 from services.cache_pool.server import CachePool
 from services.cache_pool.settings import PoolSettings
 from tests.cluster import free_port
-from tests.pool_procs import BLOCK, PoolProc, blocks
+from tests.pool_procs import BLOCK, blocks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,26 +33,6 @@ def _ucx_works() -> bool:
 
 BACKENDS = ["tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(
     not _ucx_works(), reason="ucxx is not usable here"))]
-
-
-@pytest.fixture
-async def ctx():
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-def pools(tmp_path):
-    made: list[PoolProc] = []
-
-    def make(instance: str = "a", **kw) -> PoolProc:
-        made.append(PoolProc(instance, tmp_path, **kw))
-        return made[-1]
-
-    yield make
-    for proc in made:
-        proc.stop(signal.SIGKILL)
 
 
 def assert_client_idle(client: PoolClient) -> None:

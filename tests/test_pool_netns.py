@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.cluster import ROOT, stats
-from tests.netns import DEVICE, NetnsUnavailable, VethPair
+from tests.netns import DEVICE, veth_pair_or_skip
 from tests.pool_procs import BLOCK
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,15 +65,8 @@ print(json.dumps(asyncio.run(main())))
 
 @pytest.fixture(scope="module")
 def wire():
-    pair = VethPair(f"pdpool-{os.getpid()}")
-    try:
-        pair.create()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"cross-host tests need network namespaces (root, iproute2): {exc}")
-    try:
+    with veth_pair_or_skip("pdpool") as pair:
         yield pair
-    finally:
-        pair.delete()
 
 
 @pytest.fixture(scope="module")

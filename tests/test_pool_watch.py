@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import zmq.asyncio
 
 from common.pool_client import PoolClient
 from common.protocol import KVEvent
@@ -121,13 +120,6 @@ def test_conductor_settings_check_the_pool_timings():
 
 
 # -- an in-process pool instance, real sockets -----------------------------------------
-
-@pytest.fixture
-async def ctx():
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
 
 class Pool:
     """A CachePool in this event loop that can be stopped and started on its addresses."""

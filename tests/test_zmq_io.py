@@ -27,13 +27,6 @@ ANY_PORT = "tcp://127.0.0.1:*"
 pytestmark = pytest.mark.timeout(20)
 
 
-@pytest.fixture
-async def ctx():
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 async def _handler(msg: p.Message):
     """Route(prompt_len=ms) sleeps that long and acks; model names other behaviours."""
     rec = msg.record
