@@ -220,6 +220,7 @@ class PoolLink:
                 old = self.client
                 self.client = PoolClient(
                     self.worker.ctx, {i: v["control_addr"] for i, v in found.items()},
+                    replicas=min(s.pool_replicas, len(found)),
                     timeout_s=s.pool_timeout_s, name=f"{self.worker.worker_id}-pool",
                     transfer_backend=s.transfer_backend, host_id=s.resolved_host_id)
                 self._instances = ids

@@ -42,6 +42,7 @@ class WorkerSettings:
     pool_write_back: bool = True  # put computed prompt blocks into the pool
     pool_bandwidth_mbs: float = 1000.0  # pool fetch speed assumed until one is measured
     pool_timeout_s: float = 2.0  # a pool call slower than this is a miss
+    pool_replicas: int = 1  # pool instances each written block goes to (rendezvous order)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,10 +59,10 @@ class WorkerSettings:
         if self.sim_time_scale < 0:
             raise ValueError("sim_time_scale must be >= 0")
         parse_cpus(self.cpu_affinity)
-        if self.pool_min_fetch_blocks < 1 or not self.pool_bandwidth_mbs > 0 \
-                or not self.pool_timeout_s > 0:
-            raise ValueError("pool_min_fetch_blocks must be >= 1, pool_bandwidth_mbs and "
-                             "pool_timeout_s > 0")
+        if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
+                or not self.pool_bandwidth_mbs > 0 or not self.pool_timeout_s > 0:
+            raise ValueError("pool_min_fetch_blocks and pool_replicas must be >= 1, "
+                             "pool_bandwidth_mbs and pool_timeout_s > 0")
 
     @property
     def resolved_host_id(self) -> str:
