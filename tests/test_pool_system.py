@@ -6,6 +6,7 @@ compared token for token against the offline engine with no cache at all.
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -190,3 +191,28 @@ def test_fully_pooled_prompt_is_routed_to_decode_alone_and_loaded_there(model_di
         assert s["pool_fetched_blocks"] == 10 and s["kv_bytes_received"] == 0
     finally:
         cluster.stop()
+
+
+def test_replicated_blocks_survive_a_pool_instance_dying(model_dir, tmp_path):
+    a = PoolProc("pool-0", tmp_path, dram_blocks=4096).start(learn_block_bytes=True)
+    b = PoolProc("pool-1", tmp_path, dram_blocks=4096).start(learn_block_bytes=True)
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], policy="round_robin",
+                      worker_args=["--cache-pools", f"{a.control},{b.control}",
+                                   "--pool-replicas", "2", "--pool-timeout-s", "0.5"])
+    cluster.start()
+    try:
+        for name in ("unified-0", "unified-1"):
+            wait_for(f"{name} to find both pools", lambda n=name: cluster.worker_stats(n)
+                     ["pool_instances"] == ["pool-0", "pool-1"])
+        prompt = random_prompts([81], vocab=49152, seed=67)[0]
+        want = uncached(model_dir, prompt)
+        assert generate(cluster, prompt) == (want, 0)
+        wait_for("both copies", lambda: a.stats()["dram_blocks"] == b.stats()["dram_blocks"]
+                 == 5)
+        a.stop(signal.SIGKILL)
+        assert generate(cluster, prompt) == (want, 80)  # every block from pool-1
+        assert cluster.worker_stats("unified-1")["pool_fetched_blocks"] == 5
+    finally:
+        cluster.stop()
+        a.stop(signal.SIGKILL)
+        b.stop()
