@@ -91,3 +91,14 @@ def load_settings(cls: type[T], section: str, argv: Sequence[str] | None = None,
         if flag is not None:
             values[name] = _convert(flag, hints[name], name, "--" + name.replace("_", "-"))
     return cls(**values)
+
+
+def apply_ucx_settings(tls: str, net_devices: str) -> None:
+    """Set ``UCX_TLS`` / ``UCX_NET_DEVICES`` from settings (an empty one leaves the
+    environment as it is). UCX reads them once, when ucxx first starts in the process,
+    so this runs at process start, before any ucx receiver or sender is built."""
+    import os
+
+    for name, value in (("UCX_TLS", tls), ("UCX_NET_DEVICES", net_devices)):
+        if value:
+            os.environ[name] = value

@@ -37,3 +37,15 @@ def test_bad_values_name_the_key(tmp_path):
         load_settings(Demo, "demo", ["--config", str(cfg)], env={})
     with pytest.raises(ValueError, match="flag"):
         load_settings(Demo, "demo", ["--flag", "maybe"], env={})
+
+
+def test_ucx_settings_reach_the_environment(monkeypatch):
+    from common.config import apply_ucx_settings
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth9")
+    monkeypatch.setenv("UCX_TLS", "rc")  # restored after the test
+    apply_ucx_settings("tcp,self", "")
+    import os
+
+    assert os.environ["UCX_TLS"] == "tcp,self"
+    assert os.environ["UCX_NET_DEVICES"] == "eth9"  # empty setting: left alone

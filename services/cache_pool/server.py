@@ -430,7 +430,7 @@ async def serve(settings: PoolSettings) -> None:
 
 
 def main(argv=None) -> int:
-    from common.config import load_settings
+    from common.config import apply_ucx_settings, load_settings
 
     try:
         settings = load_settings(PoolSettings, "cache_pool", argv, prog="pdserve cache-pool")
@@ -438,6 +438,7 @@ def main(argv=None) -> int:
         print(f"pdserve cache-pool: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, service=f"cache-pool:{settings.instance_id}")
+    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
     install_uvloop()
     try:
         asyncio.run(serve(settings))

@@ -41,6 +41,8 @@ class PoolSettings:
     kv_host: str = ""
     kv_port: int = 0
     transfer_backend: str = "auto"
+    ucx_tls: str = ""  # UCX_TLS for the ucx backend; empty: UCX's choice
+    ucx_net_devices: str = ""  # UCX_NET_DEVICES; empty: UCX's choice
     host_id: str = ""
 
     def __post_init__(self) -> None:

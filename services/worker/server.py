@@ -312,7 +312,7 @@ async def serve(settings: WorkerSettings) -> None:
 
 
 def main(argv=None, role: str | None = None) -> int:
-    from common.config import load_settings
+    from common.config import apply_ucx_settings, load_settings
 
     settings = load_settings(WorkerSettings, role or "worker", argv)
     if role is not None and settings.role != role:
@@ -320,6 +320,7 @@ def main(argv=None, role: str | None = None) -> int:
 
         settings = dataclasses.replace(settings, role=role)
     configure_logging(settings.log_format, service=role or settings.role)
+    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
     pin_cpus(settings.cpu_affinity)
     install_uvloop()
     asyncio.run(serve(settings))

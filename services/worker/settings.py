@@ -26,6 +26,8 @@ class WorkerSettings:
     kv_port: int = 0
     advertise_host: str = ""  # host peers dial for control and KV; empty: the bound one
     transfer_backend: str = "auto"  # auto: negotiate per peer; or force tcp, shm or ucx
+    ucx_tls: str = ""  # UCX_TLS for the ucx backend, e.g. "rc,sm,self"; empty: UCX's choice
+    ucx_net_devices: str = ""  # UCX_NET_DEVICES, e.g. "mlx5_0:1"; empty: UCX's choice
     conductor_addr: str = "tcp://127.0.0.1:5551"
     heartbeat_addr: str = "tcp://127.0.0.1:5552"
     heartbeat_interval_s: float = 1.0
