@@ -473,7 +473,7 @@ async def discover_pools(ctx: zmq.asyncio.Context, control_addrs: Sequence[str],
             values["control_addr"] = addr  # the address we reach it by, not its bind
             return values
         except (RemoteError, RpcTimeout, ConnectionError, zmq.ZMQError) as exc:
-            log.info("pool_not_answering", addr=addr, error=str(exc) or type(exc).__name__)
+            log.debug("pool_not_answering", addr=addr, error=str(exc) or type(exc).__name__)
             return None
         finally:
             await client.close()
