@@ -31,6 +31,7 @@ from common.transfer import (
     make_sender,
     shm_sender,
     table,
+    ucx,
     wire,
 )
 from common.transfer.shm_sender import ShmSender
@@ -162,7 +163,8 @@ async def test_256_mib_in_32_layers_of_8_mib(kind, serve, sender):
         data[:8] = layer.to_bytes(8, "little")  # each layer's bytes differ
         blocks = list(range(layer * 3, 400, 37))
         expected.append((layer, blocks, xxhash.xxh3_64_digest(data)))
-        await sender.send(rx.address, "big", layer, blocks, data)
+        # A buffer of its own: a payload must stay unchanged until finish (base.py).
+        await sender.send(rx.address, "big", layer, blocks, bytes(data))
     await sender.finish(rx.address, "big", 32)
     await transfer.wait()
     assert transfer.bytes_received == 256 << 20 and got == expected
@@ -320,6 +322,72 @@ async def test_shm_ring_reuses_its_slots_within_the_in_flight_budget(serve):
         assert tx.segments_created == 3  # two slots in use, one of them grown once
     finally:
         await tx.close()
+
+
+async def test_shm_small_chunks_share_a_segment(serve):
+    got = []
+    rx = await serve("shm", lambda r, layer, b, p: got.append(bytes(p)))
+    tx = ShmSender()  # 4 MiB segments: 40 chunks of 48 KiB fit in one
+    chunks = [random.Random(i).randbytes(48 << 10) for i in range(40)]
+    try:
+        transfer = rx.expect("r", lease_s=10)
+        for layer, chunk in enumerate(chunks):
+            await tx.send(rx.address, "r", layer, [layer], chunk)
+        await tx.finish(rx.address, "r", len(chunks))
+        await transfer.wait()
+        assert got == chunks and tx.segments_created == 1
+    finally:
+        await tx.close()
+
+
+def test_ucx_run_holds_small_payloads_and_ends_with_a_large_one():
+    small, large = b"s" * 100, 5 << 20  # the large one's payload follows on its own
+    messages = [
+        wire.encode(wire.Chunk("r", 0, [1], wire.checksum(small)), len(small)) + small,
+        wire.encode(wire.Chunk("r", 1, [2], 7), large),
+    ]
+    run = ucx.BATCH_LENGTH.pack(sum(map(len, messages))) + b"".join(messages)
+    buffer = bytearray(run + bytes(64))
+    parsed = ucx.split_run(buffer)
+    assert [(kind, size) for kind, _, size, _ in parsed] == [
+        (wire.Kind.CHUNK, 100),
+        (wire.Kind.CHUNK, large),
+    ]
+    assert bytes(parsed[0][3]) == small and parsed[1][3] is None
+    assert wire.decode_header(wire.Kind.CHUNK, parsed[1][1]) == wire.Chunk("r", 1, [2], 7)
+    after = messages[1] + messages[0]  # nothing may follow a payload that comes on its own
+    with pytest.raises(wire.WireError, match="after one whose payload follows"):
+        ucx.split_run(bytearray(ucx.BATCH_LENGTH.pack(len(after)) + after))
+    short = messages[0][:-3]
+    with pytest.raises(wire.WireError, match="ends inside a message"):
+        ucx.split_run(bytearray(ucx.BATCH_LENGTH.pack(len(short)) + short))
+    with pytest.raises(wire.WireError, match="a run of"):
+        ucx.split_run(bytearray(ucx.BATCH_LENGTH.pack(1 << 30) + messages[0]))
+
+
+@pytest.mark.skipif(UCX_MISSING is not None, reason=str(UCX_MISSING))
+async def test_ucx_run_applies_the_messages_before_a_malformed_one(serve):
+    got = []
+    rx = await serve("ucx", lambda r, layer, b, p: got.append((r, bytes(p))))
+    done, left = rx.expect("done", lease_s=30), rx.expect("left", lease_s=30)
+    data = b"x" * 1000
+    bad = b"\x81\xa1z\x01"  # a CHUNK header without its fields
+    run = b"".join([
+        wire.encode(wire.Chunk("left", 0, [1], wire.checksum(data)), len(data)) + data,
+        wire.encode(wire.Chunk("done", 0, [2], wire.checksum(data)), len(data)) + data,
+        wire.encode(wire.Finish("done", 1)),
+        wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.CHUNK, 0, len(bad), 0) + bad,
+    ])
+    ucxx = load_ucxx()
+    ep = await ucxx.create_endpoint(*ucx.parse_ucx_address(rx.address))
+    try:
+        await ep.send(ucx.BATCH_LENGTH.pack(len(run)) + run)
+        await done.wait()
+        with pytest.raises(TransferError, match="sender protocol error: CHUNK header"):
+            await asyncio.wait_for(left.wait(), 10)  # at once, not at the end of its lease
+    finally:
+        ep.abort()
+    assert got == [("left", data), ("done", data)] and rx.live() == 0
 
 
 def test_works_under_uvloop(kind):

@@ -197,10 +197,11 @@ class KVSender(ABC):
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
     ValueError for a malformed address or argument. Returning from ``send`` means the
-    chunk was handed to the OS; its verdict comes back later (so sends pipeline), and
-    ``finish`` returns once every chunk of the request has its final verdict. The
-    receiver's ``Transfer`` is the authority on the outcome. ``resent`` counts chunks
-    sent a second time.
+    chunk is on its way (handed to the OS, posted to UCX, or staged in shared memory with
+    its notice written by the event loop's next turn); its verdict comes back later (so
+    sends pipeline), and ``finish`` returns once every chunk of the request has its final
+    verdict. The receiver's ``Transfer`` is the authority on the outcome. ``resent``
+    counts chunks sent a second time.
     """
 
     resent: int = 0

@@ -14,22 +14,27 @@ Control frames (``control.py``: u32 length | msgpack map with type ``t``)::
       finish   {request_id, num_chunks}
       abort    {request_id, reason}
     receiver -> sender
-      verdict  {slot, status, reason}  the receiver is done with that slot's bytes;
-                                       what became of its chunk (wire.Verdict: ok,
+      verdict  {slot, status, reason}  the receiver is done with the bytes of the
+                                       oldest chunk in that slot it had not answered;
+                                       what became of that chunk (wire.Verdict: ok,
                                        dropped, resend, failed)
 
-The ring: each sender connection owns up to ``slots`` reusable segments, one chunk in
-flight per slot. A send waits for a free slot while every slot is in flight or the
-bytes in flight would pass the sender's ``max_in_flight_bytes`` (backpressure: a
-receiver that falls behind holds its senders back, and nothing buffers without bound),
-then for its chunk's verdict. On "resend" it stages the caller's payload again (into
-whichever slot is free) as attempt 1. One copy: the sender copies the payload into its
-slot; the receiver verifies it and hands the sink a read-only view of the mapped
-segment, copying nothing itself.
+The receiver answers chunks in the order they came, in one write for all the frames
+that one read brought.
+
+The ring: each sender connection owns up to ``slots`` reusable segments. Chunks are
+placed in a slot's segment one after another (at page boundaries) while they fit, so
+small chunks share one; a slot is reused once every chunk in it is answered. A send
+waits for room while no slot can take its chunk or the bytes in flight would pass the
+sender's ``max_in_flight_bytes`` (backpressure: a receiver that falls behind holds its
+senders back, and nothing buffers without bound); its verdict comes later. On "resend"
+the sender stages the caller's payload again (wherever there is room) as attempt 1.
+One copy: the sender copies the payload into its slot; the receiver verifies it and
+hands the sink a read-only view of the mapped segment, copying nothing itself.
 
 Segment lifetime (nothing left in /dev/shm):
 - the sender creates a slot's segment at the slot's first use, and a larger one (new
-  generation, old name removed) when a chunk outgrows it;
+  generation, old name removed) when a chunk does not fit it while it is empty;
 - the receiver maps a segment at its first chunk and removes its name at once: the
   memory then lives only as long as the two mappings, even if both processes die;
 - when a connection ends, for any reason, both sides remove every ``<prefix>-*`` name
@@ -89,6 +94,11 @@ def read_verdict(fields: dict) -> tuple[int, wire.Verdict]:
     except (ValueError, wire.WireError) as exc:
         raise control.ControlError(f"bad verdict: {exc}") from None
     return slot, verdict
+
+
+# The verdict almost every chunk gets, one frame per slot: written and read without msgpack.
+OK_FRAMES = tuple(verdict_frame(slot, wire.OK) for slot in range(MAX_SLOTS))
+KNOWN_VERDICTS = {frame: (slot, wire.OK) for slot, frame in enumerate(OK_FRAMES)}
 
 
 class _Peer(asyncio.Protocol):
@@ -192,13 +202,14 @@ class _Peer(asyncio.Protocol):
         except (OSError, ValueError) as exc:
             verdict = table.fail(rid, f"shared-memory segment {segment!r} unusable: {exc}")
         finally:
-            self.verdicts.append(verdict_frame(slot, verdict))
+            ok = verdict is wire.OK
+            self.verdicts.append(OK_FRAMES[slot] if ok else verdict_frame(slot, verdict))
 
     def _view(self, slot: int, name: object, offset: int, length: int) -> memoryview:
-        if not (is_valid_name(name) and name.startswith(f"{self.prefix}-{slot}-")):
-            raise ValueError(f"segment name not of this connection's slot {slot}")
         segment = self.maps.get(slot)
         if segment is None or segment.name != name:
+            if not (is_valid_name(name) and name.startswith(f"{self.prefix}-{slot}-")):
+                raise ValueError(f"segment name not of this connection's slot {slot}")
             if segment is not None:
                 segment.close()
                 del self.maps[slot]

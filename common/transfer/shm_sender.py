@@ -1,17 +1,30 @@
 """Sending side of the shm backend (protocol and segment lifetime: ``shm.py``).
 
 Per receiver address: one control connection and its ring of ``slots`` segments. A
-``send`` waits for a free slot, copies the payload into it (the one copy) while hashing
-it, and writes one ``chunk`` frame; from the slot wait to the frame write nothing awaits,
-so a cancelled send either sent its whole frame or nothing, and frames never interleave.
-A slot is reused only after the receiver's ``verdict`` for it. A resend stages the
-caller's payload again and claims the checksum of the first staging: a payload that
-changed in between fails rather than passes.
+``send`` waits for room in the ring, copies the payload there (the one copy) while
+hashing it, and queues one ``chunk`` frame; from the wait to the queueing nothing
+awaits, so a cancelled send either queued its whole frame or nothing, and frames never
+interleave. A slot is reused only once the receiver's ``verdict`` for every chunk placed
+in it came back. A resend stages the caller's payload again and claims the checksum of
+the first staging: a payload that changed in between fails rather than passes.
+
+Per-chunk costs are what limit small payloads (a 48 KiB chunk copies in ~3 µs), so:
+- frames are corked until the event loop's next turn, or until the chunks they announce
+  reach ``_FLUSH_BYTES``: a run of small sends costs one write here, one wake-up and one
+  batch of verdicts on the receiver;
+- small chunks share a segment, one after another, so a request of small chunks takes a
+  slot or two, not one each;
+- verdicts are read in the connection's protocol callback, straight into the ring.
+For large chunks the cost is memory traffic: a chunk of ``_WARM_BYTES`` or more lets the
+verdicts that have come free their slots before the next chunk picks one, which is then
+the slot just emptied, its segment still in cache (otherwise chunks go round as many
+segments as the in-flight budget holds: 63 MiB for 9 MiB chunks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 
@@ -21,13 +34,16 @@ import xxhash
 from common.transfer import control, wire
 from common.transfer.base import TransferError
 from common.transfer.pooled import InFlight, PooledSender
-from common.transfer.shm import MAX_SLOTS, VERSION, parse_shm_address, read_verdict
+from common.transfer.shm import KNOWN_VERDICTS, MAX_SLOTS, VERSION, parse_shm_address, read_verdict
 from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix, segment_name, unlink_prefix
 
 log = structlog.get_logger("pdserve.transfer")
 
-_ALIGN = 1 << 20
+_GROW = 1 << 20  # segments are made in whole MiB
+_PLACE = 4096  # chunks sharing a segment start on page boundaries
 _PIECE = 256 << 10
+_FLUSH_BYTES = 512 << 10
+_WARM_BYTES = 4 << 20
 
 
 def stage(destination: memoryview, source: memoryview) -> int:
@@ -50,55 +66,75 @@ def stage(destination: memoryview, source: memoryview) -> int:
 class _Ring:
     """One connection's slots. ``error`` is set once the connection is gone.
 
-    Free slots are reused most recently released first, so that only as many segments
-    grow large as large chunks are in flight together.
+    One slot is open: chunks are placed in its segment one after another while they fit.
+    A chunk that does not fit opens a free slot, the most recently emptied first (so only
+    as many segments grow large as large chunks are in flight together), and the slot it
+    leaves is freed once its last chunk is answered. An open slot that empties starts
+    over at its beginning; one too small for the next chunk, and empty, is grown.
     """
 
     def __init__(self, directory: str, slots: int, min_bytes: int, budget: int) -> None:
         self.directory, self.prefix, self.min_bytes = directory, new_prefix(), min_bytes
         self.segments: list[Segment | None] = [None] * slots
         self.generations = [0] * slots
-        self.sizes = [0] * slots
+        self.fill = [0] * slots  # where the slot's next chunk would start
+        # The chunks placed in each slot and not answered yet, in placing order (the
+        # order of their verdicts).
+        self.waiting = [collections.deque[InFlight]() for _ in range(slots)]
         self.free = list(range(slots - 1, -1, -1))
-        self.budget, self.in_flight = budget, 0
+        self.open: int | None = None
+        self.budget, self.in_flight, self.chunks = budget, 0, 0
         self.changed = asyncio.Event()
         self.error: str | None = None
         self.created = 0
-        self.waiting: dict[int, InFlight] = {}  # slot -> the chunk written there
 
-    async def acquire(self, nbytes: int) -> int:
-        """A free slot, once ``nbytes`` more fit in the budget (or nothing is in flight)."""
-        while self.error is None and not (
-            self.free and (not self.in_flight or self.in_flight + nbytes <= self.budget)
-        ):
-            self.changed.clear()
-            await self.changed.wait()
+    def _room(self, nbytes: int) -> bool:
+        """Whether a chunk of ``nbytes`` can be placed now."""
+        if self.in_flight and self.in_flight + nbytes > self.budget:
+            return False
+        slot = self.open
+        if slot is None or not self.waiting[slot]:
+            return slot is not None or bool(self.free)
+        segment = self.segments[slot]
+        return bool(self.free) or segment.size - self.fill[slot] >= nbytes
+
+    async def place(self, attempt: InFlight, before_waiting) -> tuple[int, Segment, int]:
+        """``(slot, segment, offset)`` where ``attempt``'s payload goes, once it fits in
+        the budget (or nothing is in flight) and in a slot; ``before_waiting()`` is
+        called before waiting for that. ``attempt`` then waits for its verdict here.
+
+        Raises TransferError once the connection is gone, OSError if a segment cannot
+        be made.
+        """
+        nbytes = attempt.view.nbytes
+        if self.error is None and not self._room(nbytes):
+            before_waiting()
+            while self.error is None and not self._room(nbytes):
+                self.changed.clear()
+                await self.changed.wait()
         if self.error is not None:
             raise TransferError(self.error)
-        slot = self.free.pop()
-        self.sizes[slot] = nbytes
+        slot = self.open
+        if slot is not None and self.waiting[slot]:
+            segment = self.segments[slot]
+            if segment.size - self.fill[slot] < nbytes:
+                slot = self.free[-1]
+        elif slot is None:
+            slot = self.free[-1]
+        segment = self._segment(slot, self.fill[slot] + nbytes)
+        if slot != self.open:
+            self.free.pop()
+            self.open = slot
+        offset = self.fill[slot]
+        self.fill[slot] = -(-(offset + nbytes) // _PLACE) * _PLACE
+        self.waiting[slot].append(attempt)
         self.in_flight += nbytes
-        return slot
+        self.chunks += 1
+        return slot, segment, offset
 
-    def release(self, slot: int, verdict: wire.Verdict | None = None) -> None:
-        """Free ``slot``; hand the chunk written there its ``verdict``."""
-        if slot >= len(self.segments) or slot in self.free:
-            raise control.ControlError(f"verdict for slot {slot}, which is not in flight")
-        self.free.append(slot)
-        self.in_flight -= self.sizes[slot]
-        self.changed.set()
-        attempt = self.waiting.pop(slot, None)
-        if attempt is not None:
-            attempt.answered(verdict)
-
-    async def drained(self) -> None:
-        """Return once every slot is released (or the connection is gone)."""
-        while self.error is None and len(self.free) < len(self.segments):
-            self.changed.clear()
-            await self.changed.wait()
-
-    def place(self, slot: int, nbytes: int) -> Segment:
-        """The slot's segment, replaced by a larger one if ``nbytes`` does not fit."""
+    def _segment(self, slot: int, nbytes: int) -> Segment:
+        """The slot's segment, replaced by a larger one (it is empty then) if ``nbytes``
+        do not fit."""
         segment = self.segments[slot]
         if segment is not None and segment.size >= nbytes:
             return segment
@@ -107,18 +143,39 @@ class _Ring:
             segment.close()
             self.segments[slot] = None
         self.generations[slot] += 1
-        size = max(self.min_bytes, -(-nbytes // _ALIGN) * _ALIGN)
+        size = max(self.min_bytes, -(-nbytes // _GROW) * _GROW)
         name = segment_name(self.prefix, slot, self.generations[slot])
         segment = self.segments[slot] = Segment.create(self.directory, name, size)
         self.created += 1
         return segment
 
+    def release(self, slot: int, verdict: wire.Verdict) -> None:
+        """Hand the oldest chunk waiting in ``slot`` its ``verdict``; free the slot once
+        none waits there."""
+        if slot >= len(self.segments) or not self.waiting[slot]:
+            raise control.ControlError(f"verdict for slot {slot}, which has no chunk in flight")
+        attempt = self.waiting[slot].popleft()
+        self.in_flight -= attempt.view.nbytes
+        self.chunks -= 1
+        if not self.waiting[slot]:
+            self.fill[slot] = 0
+            if slot != self.open:
+                self.free.append(slot)
+        self.changed.set()
+        attempt.answered(verdict)
+
+    async def drained(self) -> None:
+        """Return once every chunk is answered (or the connection is gone)."""
+        while self.error is None and self.chunks:
+            self.changed.clear()
+            await self.changed.wait()
+
     def destroy(self, reason: str) -> None:
         self.error = self.error or reason
         self.changed.set()
-        waiting, self.waiting = self.waiting, {}
-        for attempt in waiting.values():
-            attempt.lost(self.error)
+        for waiting in self.waiting:
+            while waiting:
+                waiting.popleft().lost(self.error)
         for segment in self.segments:
             if segment is not None:
                 segment.close()
@@ -126,22 +183,92 @@ class _Ring:
         unlink_prefix(self.directory, self.prefix)
 
 
-class _Connection:
-    def __init__(self, reader, writer, ring: _Ring) -> None:
-        self.reader, self.writer, self.ring = reader, writer, ring
-        self.task: asyncio.Task | None = None
+class _Connection(asyncio.Protocol):
+    """The control connection to one receiver, and its ring.
+
+    ``write`` corks frames (see the module's docstring); ``flush`` writes them now.
+    Verdicts go to the ring as they are read. ``on_lost(reason)`` is called once, when
+    the connection ends.
+    """
+
+    def __init__(self, ring: _Ring, on_lost) -> None:
+        self.ring, self.on_lost = ring, on_lost
+        self.transport: asyncio.Transport | None = None
+        self.parser = control.FrameParser(KNOWN_VERDICTS)
+        self.corked: list[bytes] = []
+        self.corked_bytes = 0  # payload bytes the corked frames announce
+        self.flushing: asyncio.Handle | None = None
+        self.resumed: asyncio.Future | None = None  # while the transport is paused
+        self.reason: str | None = None
+        self.closed = asyncio.get_running_loop().create_future()
 
     def usable(self) -> bool:
-        return self.ring.error is None and not self.writer.is_closing()
+        return self.ring.error is None and not self.closed.done()
+
+    def write(self, frame: bytes, announced: int = 0) -> None:
+        self.corked.append(frame)
+        self.corked_bytes += announced
+        if self.corked_bytes >= _FLUSH_BYTES:
+            self.flush()
+        elif self.flushing is None:
+            self.flushing = asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self.flushing is not None:
+            self.flushing.cancel()
+            self.flushing = None
+        if self.corked and not self.transport.is_closing():
+            self.transport.write(b"".join(self.corked))
+        self.corked.clear()
+        self.corked_bytes = 0
+
+    async def drain(self) -> None:
+        """Return once the transport takes more (frames are small, but a receiver that
+        stops reading must not make them pile up here)."""
+        if self.resumed is not None:
+            await asyncio.shield(self.resumed)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for frame in self.parser.feed(data):
+                self.ring.release(*(frame if isinstance(frame, tuple) else read_verdict(frame)))
+        except control.ControlError as exc:
+            log.warning("kv_transfer.protocol_error", backend="shm", error=str(exc))
+            self.reason = self.reason or f"receiver protocol error: {exc}"
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def pause_writing(self) -> None:
+        self.resumed = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        resumed, self.resumed = self.resumed, None
+        if resumed is not None and not resumed.done():
+            resumed.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.flushing is not None:
+            self.flushing.cancel()
+        self.resume_writing()
+        self.closed.set_result(None)
+        lost = "receiver connection lost" + (f" ({type(exc).__name__})" if exc else "")
+        self.on_lost(self.reason or lost)
 
 
 class ShmSender(PooledSender):
     """KVSender over shared memory, for receivers on this host.
 
-    Per receiver: up to ``slots`` chunks and ``max_in_flight_bytes`` in flight (a larger
-    chunk goes alone), in as many segments, each at least ``min_segment_bytes`` and
-    grown to the largest chunk sent through it. ``segments_created`` counts segments
-    made so far.
+    Per receiver: up to ``slots`` segments and ``max_in_flight_bytes`` in flight (a
+    larger chunk goes alone), each segment at least ``min_segment_bytes`` and grown to
+    the largest chunk sent through it. ``segments_created`` counts segments made so far.
     """
 
     def __init__(
@@ -149,7 +276,7 @@ class ShmSender(PooledSender):
         *,
         slots: int = 16,
         max_in_flight_bytes: int = 64 << 20,
-        min_segment_bytes: int = 1 << 20,
+        min_segment_bytes: int = 4 << 20,
         directory: str = SHM_DIR,
         connect_timeout_s: float = 5.0,
     ) -> None:
@@ -177,16 +304,13 @@ class ShmSender(PooledSender):
         chunk, view, address = attempt.chunk, attempt.view, attempt.address
         request_id = chunk.request_id
         conn = await self._connection(address)
-        ring = conn.ring
-        slot = await ring.acquire(view.nbytes)
         try:
-            segment = ring.place(slot, view.nbytes)
+            slot, segment, offset = await conn.ring.place(attempt, conn.flush)
         except OSError as exc:
-            ring.release(slot)
             raise TransferError(
                 f"cannot stage {view.nbytes} bytes in shared memory: {exc}", request_id
             ) from exc
-        staged = stage(segment.view, view)
+        staged = stage(segment.view[offset:], view)
         if attempt.claimed is None:
             attempt.claimed = staged
         frame = control.pack(
@@ -198,16 +322,22 @@ class ShmSender(PooledSender):
             attempt=chunk.attempt,
             slot=slot,
             segment=segment.name,
-            offset=0,
+            offset=offset,
             length=view.nbytes,
         )
-        ring.waiting[slot] = attempt
-        await self._write(address, conn, request_id, frame)
+        await self._write(address, conn, request_id, frame, view.nbytes)
+        if view.nbytes >= _WARM_BYTES:
+            # The verdicts that came are read on the loop's next turn, after this task
+            # has run on: two turns.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
 
     async def _write_end(self, address, message) -> None:
         kind = "finish" if isinstance(message, wire.Finish) else "abort"
         frame = control.pack(kind, **message._asdict())
-        await self._write(address, await self._connection(address), message.request_id, frame)
+        conn = await self._connection(address)
+        await self._write(address, conn, message.request_id, frame)
+        conn.flush()  # the sender's finish waits for the verdicts it brings back
 
     async def close(self) -> None:
         """Close every connection once the receiver has taken what was sent on it (at
@@ -217,63 +347,47 @@ class ShmSender(PooledSender):
         pool, self._pool = self._pool, {}
         for conn in pool.values():
             self._created_before += conn.ring.created
+            conn.flush()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(conn.ring.drained(), self._connect_timeout_s)
-            conn.writer.close()
-            with contextlib.suppress(OSError):
-                await conn.writer.wait_closed()
-            if conn.task is not None:
-                conn.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await conn.task
             conn.ring.destroy("sender closed")
+            conn.transport.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(conn.closed), self._connect_timeout_s)
+            conn.transport.abort()
 
-    async def _write(self, address: str, conn: _Connection, rid: str, frame: bytes) -> None:
+    async def _write(
+        self, address: str, conn: _Connection, rid: str, frame: bytes, announced: int = 0
+    ) -> None:
         if not conn.usable():
             self._drop(address, conn)
             raise TransferError(f"connection to {address} broke: {conn.ring.error}", rid)
-        conn.writer.write(frame)
-        try:
-            await conn.writer.drain()
-        except OSError as exc:
-            self._drop(address, conn)
-            raise TransferError(f"connection to {address} broke: {exc!r}", rid) from exc
+        conn.write(frame, announced)
+        await conn.drain()
 
     async def _dial(self, address: str) -> _Connection:
         host, port = parse_shm_address(address)
         if port == 0:
             raise ValueError(f"cannot connect to port 0: {address!r}")
+        ring = _Ring(self._directory, self._slots, self._min_bytes, self._budget)
+        conn = _Connection(ring, lambda reason: self._drop(address, conn, reason))
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                reader, writer = await asyncio.open_connection(host, port)
+                await loop.create_connection(lambda: conn, host, port)
         except OSError as exc:  # TimeoutError is an OSError
+            ring.destroy("not connected")
             raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(
-            reader, writer, _Ring(self._directory, self._slots, self._min_bytes, self._budget)
-        )
         # The prefix goes out before any segment exists, so the receiver can always
         # remove what this connection leaves behind.
-        writer.write(control.pack("hello", v=VERSION, prefix=conn.ring.prefix))
-        conn.task = asyncio.create_task(self._read_verdicts(address, conn))
+        conn.write(control.pack("hello", v=VERSION, prefix=ring.prefix))
+        conn.flush()
         return conn
-
-    async def _read_verdicts(self, address: str, conn: _Connection) -> None:
-        try:
-            while True:
-                conn.ring.release(*read_verdict(await control.read(conn.reader)))
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            reason = f"receiver connection lost ({type(exc).__name__})"
-        except control.ControlError as exc:
-            log.warning("kv_transfer.protocol_error", backend="shm", error=str(exc))
-            reason = f"receiver protocol error: {exc}"
-        self._drop(address, conn, reason)
 
     def _drop(self, address: str, conn: _Connection, reason: str = "connection dropped") -> None:
         if self._pool.get(address) is conn:
             del self._pool[address]
             self._created_before += conn.ring.created
-        conn.writer.transport.abort()
+        if conn.transport is not None:
+            conn.transport.abort()
         conn.ring.destroy(reason)

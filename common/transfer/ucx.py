@@ -6,16 +6,25 @@ own TCP and shared-memory transports (CPU-only hosts included). The sender is in
 Address: ``ucx://host:port``, the port of a ucxx listener. The listener binds every
 interface (ucxx offers no bind address); ``host`` is only what the receiver advertises.
 
-Each message is sent on the sender's endpoint as tagged messages, in order: its head
-(the ``wire.py`` prefix and msgpack header, one message) then, for a chunk with bytes,
-its payload. The receiver keeps a head receive posted (into a buffer of the largest
-head the spec allows; the prefix says how much arrived), and on each head posts the
-payload's receive, of the size the prefix announced, straight into a buffer reused for
-the connection (grown, never shrunk), then the next head's. A payload nobody wants is
+Messages go on the sender's endpoint in runs, a run to a tagged message: its length
+(u32, little-endian), then ``wire.py`` messages back to back, each its prefix, its
+msgpack header and, when its payload is at most ``INLINE_BYTES``, its payload. A payload
+larger than that follows its run as a tagged message of its own, and ends the run. The
+sender adds each message to the endpoint's run and posts the run at the event loop's
+next turn, once it holds ``RUN_BYTES``, or at once with a FINISH, an ABORT or a large
+payload: a request of small chunks costs a few UCX messages, not two a chunk (each one
+costs hundreds of µs inside ucxx). The receiver keeps a run's receive posted (into one
+of two buffers, used by turns, as large as a run can be); on each run it posts the
+receive of a payload that follows, of the size its prefix announced, straight into one
+of two buffers it uses by turns for the connection (grown, never shrunk), then the next
+run's. Once such a payload is in, the next run has usually come too (the sender does not
+wait for one send to end before posting the next): its own payload's receive is posted
+before this one is verified, so that a payload is always on its way while the receiver
+works; an unmatched payload would wait in UCX until then. A payload nobody wants is
 received into one byte and its truncation ignored. Verdicts go back on the same
 endpoint, in chunk order, batched as the tcp receiver does (``frame_reader.py``), a
-batch to a tagged message: its length (u32, little-endian) then its VERDICT messages
-(prefix and header each) back to back. The sender keeps a receive posted for them.
+batch to a tagged message framed as a run: its length then its VERDICT messages. The
+sender keeps a receive posted for them.
 
 Configuration: ``UCX_*`` environment variables (``UCX_TLS=tcp,self,sm``, device
 choices...) as read by UCX when ucxx first starts in the process; ucxx keeps one
@@ -30,8 +39,10 @@ when the receiver's endpoint fails.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import struct
+from typing import NamedTuple
 
 import structlog
 
@@ -46,8 +57,12 @@ log = structlog.get_logger("pdserve.transfer")
 
 SCHEME = "ucx://"
 PACKAGE = "ucxx-cu12"
-_HEAD_BYTES = wire.PREFIX.size + wire.MAX_HEADER_BYTES
 BATCH_LENGTH = struct.Struct("<I")
+INLINE_BYTES = 1 << 20  # payloads up to this travel inside their run
+RUN_BYTES = 4 << 20  # a run is posted once this full; larger only with a single message
+_RUN_BUFFER_BYTES = BATCH_LENGTH.size + max(
+    RUN_BYTES, wire.PREFIX.size + wire.MAX_HEADER_BYTES + INLINE_BYTES
+)
 
 
 def load_ucxx():
@@ -157,10 +172,12 @@ class UcxReceiver(TableReceiver):
 
     async def _read_messages(self, ep, carried: set[str]) -> None:
         table, truncated = self.table, self._ucxx.exceptions.UCXMessageTruncatedError
-        head, payload = bytearray(_HEAD_BYTES), bytearray()
+        runs = [bytearray(_RUN_BUFFER_BYTES), bytearray(_RUN_BUFFER_BYTES)]  # by turns
+        payloads = [bytearray(), bytearray()]  # by turns too
         answering = self._answering
         verdicts: list[bytes] = []  # encoded, not sent yet
         held = 0  # payload bytes they answer for
+        run_turn = payload_turn = 0
 
         def flush() -> None:
             # One tagged message for the batch, posted now, in order (tasks start in
@@ -174,42 +191,76 @@ class UcxReceiver(TableReceiver):
             answer.add_done_callback(answering.discard)
             answer.add_done_callback(_consume)
 
-        next_head = asyncio.ensure_future(ep.recv(head))
+        def take() -> None:
+            """Queue the messages of the run just received, with the receive of a
+            payload that follows them posted, then the next run's (tags match in
+            posting order). The other run buffer is free by then: of the run it held,
+            only a last message whose payload came on its own may not be applied yet.
+            A message that breaks the spec queues its error after those before it."""
+            nonlocal next_run, run_turn, payload_turn
+            try:
+                for kind, raw, size, inline in split_run(runs[run_turn]):
+                    message = _decode_header(table, kind, raw)
+                    rid = message.request_id
+                    wanted = isinstance(message, wire.Chunk) and table.is_live(rid)
+                    verdict = None
+                    if wanted and size > self.max_payload:
+                        limit = self.max_payload
+                        reason = f"chunk of {size} bytes exceeds the {limit}-byte limit"
+                        verdict = table.fail(rid, reason)
+                        wanted = False
+                    view, body = inline, None
+                    if inline is None:  # it follows, received into a buffer of its own
+                        view = memoryview(b"")
+                        if wanted:
+                            payload_turn ^= 1
+                            if len(payloads[payload_turn]) < size:
+                                # New, not resized: a view may be held.
+                                payloads[payload_turn] = bytearray(size)
+                            view = memoryview(payloads[payload_turn])[:size]
+                        body = asyncio.ensure_future(ep.recv(view if wanted else bytearray(1)))
+                    waiting.append(_Incoming(message, size, wanted, verdict, view, body))
+            except wire.WireError as exc:
+                waiting.append(exc)
+                return
+            run_turn ^= 1
+            next_run = asyncio.ensure_future(ep.recv(runs[run_turn]))
+
+        # What came and is not applied yet, in order; an error is raised when reached.
+        waiting: collections.deque[_Incoming | Exception] = collections.deque()
+        next_run = asyncio.ensure_future(ep.recv(runs[0]))
+        item = None
         try:
             while True:
-                await next_head
-                kind, header_len, size = wire.decode_prefix(head[: wire.PREFIX.size])
-                if kind is wire.Kind.VERDICT:
-                    raise wire.WireError("VERDICT goes from receiver to sender, not back")
-                message = _decode_header(table, kind, head[wire.PREFIX.size :][:header_len])
-                rid = message.request_id
-                if len(carried) > 4096:
-                    carried -= {r for r in carried if not table.is_live(r)}
-                carried.add(rid)
-                wanted = isinstance(message, wire.Chunk) and table.is_live(rid)
-                verdict = None
-                if wanted and size > self.max_payload:
-                    limit = self.max_payload
-                    reason = f"chunk of {size} bytes exceeds the {limit}-byte limit"
-                    verdict = table.fail(rid, reason)
-                    wanted = False
-                view = memoryview(b"")
-                if wanted and size:
-                    if len(payload) < size:
-                        payload = bytearray(size)  # new, not resized: a view may be held
-                    view = memoryview(payload)[:size]
-                # The payload's receive is posted before the next head's (tags match in
-                # posting order), and the next head is then already waiting.
-                body = None
-                if size:
-                    body = asyncio.ensure_future(ep.recv(view if wanted else bytearray(1)))
-                next_head = asyncio.ensure_future(ep.recv(head))
-                if body is not None:
+                if not waiting:
+                    await next_run
+                    take()
+                item = waiting.popleft()
+                if isinstance(item, Exception):
+                    raise item
+                message, size, wanted, verdict, view, body = item
+                if body is not None:  # the last of its run: nothing else is waiting
                     try:
                         await body
                     except truncated:
                         if wanted:
                             raise
+                    # The next run has usually come while this payload did: its
+                    # payload's receive is then posted (into the other buffer) before
+                    # this one is verified. Never waited for: the sender may send
+                    # nothing more until it hears back.
+                    if not next_run.done():
+                        await asyncio.sleep(0)  # a completion may be queued behind us
+                    if next_run.done():
+                        try:
+                            next_run.result()
+                        except Exception as exc:
+                            waiting.append(exc)  # after this message, which is whole
+                        else:
+                            take()
+                if len(carried) > 4096:
+                    carried.difference_update({r for r in carried if not table.is_live(r)})
+                carried.add(message.request_id)
                 if verdicts and not isinstance(message, wire.Chunk):
                     flush()  # first: the sender's finish waits for them
                 applied = _dispatch(table, message, wanted, view, carried)
@@ -224,8 +275,49 @@ class UcxReceiver(TableReceiver):
                     ):
                         flush()
         finally:
-            next_head.cancel()
-            next_head.add_done_callback(_consume)
+            left = (m for m in (item, *waiting) if isinstance(m, _Incoming))
+            for posted in (next_run, *(m.body for m in left)):
+                if posted is not None:
+                    posted.cancel()
+                    posted.add_done_callback(_consume)
+
+
+def split_run(buffer: bytearray) -> list[tuple[wire.Kind, memoryview, int, memoryview | None]]:
+    """The messages of the run at the start of ``buffer``, as ``(kind, header, payload
+    length, payload)``; ``payload`` is None for one that follows on its own (the last
+    message's only). WireError if the run does not follow the spec."""
+    (length,) = BATCH_LENGTH.unpack_from(buffer)
+    end = BATCH_LENGTH.size + length
+    if length == 0 or end > len(buffer):
+        limit = len(buffer) - BATCH_LENGTH.size
+        raise wire.WireError(f"a run of {length} bytes, outside (0, {limit}]")
+    view, offset, messages = memoryview(buffer), BATCH_LENGTH.size, []
+    while offset < end:
+        if messages and messages[-1][3] is None:
+            raise wire.WireError("a message after one whose payload follows on its own")
+        if end - offset < wire.PREFIX.size:
+            raise wire.WireError("a run that ends inside a message")
+        kind, header_len, size = wire.decode_prefix(view[offset : offset + wire.PREFIX.size])
+        if kind is wire.Kind.VERDICT:
+            raise wire.WireError("VERDICT goes from receiver to sender, not back")
+        start = offset + wire.PREFIX.size
+        offset = start + header_len
+        payload = None
+        if size <= INLINE_BYTES:
+            payload, offset = view[offset : offset + size], offset + size
+        if offset > end:
+            raise wire.WireError("a run that ends inside a message")
+        messages.append((kind, view[start : start + header_len], size, payload))
+    return messages
+
+
+class _Incoming(NamedTuple):
+    message: wire.Message
+    size: int  # of its payload
+    wanted: bool  # its payload is received (else into one byte, and dropped)
+    verdict: wire.Verdict | None  # given before its payload came
+    view: memoryview  # where its payload is received
+    body: asyncio.Future | None  # the payload's receive
 
 
 def _consume(task: asyncio.Future) -> None:

@@ -1,9 +1,16 @@
 """Sending side of the ucx backend (protocol and configuration: ``ucx.py``).
 
-One endpoint per receiver address and a lock per endpoint, so the tagged messages of
-two calls never interleave. A call cancelled or failing part-way through a message
-aborts the endpoint: the receiver then fails the transfers it carried. A task per
-endpoint receives the verdicts, which come back in the order the chunks went out.
+One endpoint per receiver address and its run of messages not posted yet (framing:
+``ucx.py``). A call adds its whole message to the run, with nothing awaited in between,
+so the messages of two calls never interleave and a cancelled call added all of its
+message or none of it; a run and the large payload that ends it are posted together, in
+order. Sends are not waited for: ``send`` returns once its chunk is in the run (or
+posted), so that the caller hashes the next chunk while this one travels and the
+receiver always has the next payload to take; per endpoint, at most
+``max_in_flight_bytes`` is posted and not sent yet. A send that fails aborts the
+endpoint: the chunks waiting for their verdicts there are lost, and the receiver fails
+the transfers it carried. A task per endpoint receives the verdicts, which come back in
+the order the chunks went out.
 
 Connecting to an address where nothing listens any more takes the whole
 ``connect_timeout_s``: ucxx does not report the refused connection, it waits for the
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 
 import structlog
 
@@ -22,19 +30,40 @@ from common.transfer import wire
 from common.transfer.base import TransferError
 from common.transfer.frame_reader import VERDICT_BATCH
 from common.transfer.pooled import InFlight, PooledSender
-from common.transfer.ucx import BATCH_LENGTH, load_ucxx, parse_ucx_address
+from common.transfer.ucx import (
+    BATCH_LENGTH,
+    INLINE_BYTES,
+    RUN_BYTES,
+    load_ucxx,
+    parse_ucx_address,
+)
 
 log = structlog.get_logger("pdserve.transfer")
 
 
 class _Connection:
-    __slots__ = ("ep", "lock", "broken", "verdicts", "task")
+    __slots__ = (
+        "ep",
+        "broken",
+        "verdicts",
+        "task",
+        "run",
+        "run_bytes",
+        "posting",
+        "sending",
+        "sent",
+    )
 
     def __init__(self, ep) -> None:
-        self.ep, self.lock, self.broken = ep, asyncio.Lock(), False
+        self.ep, self.broken = ep, False
         # The chunks sent and not answered yet, in send order.
         self.verdicts: collections.deque[InFlight] = collections.deque()
         self.task: asyncio.Task | None = None
+        self.run: list = []  # the parts of the messages not posted yet
+        self.run_bytes = 0
+        self.posting: asyncio.Handle | None = None  # the run's posting at the next turn
+        self.sending = 0  # bytes posted and not sent yet
+        self.sent = asyncio.Event()  # set when a send ends
 
     def usable(self) -> bool:
         return not (self.broken or self.ep.closed)
@@ -46,14 +75,18 @@ class _Connection:
 
 class UcxSender(PooledSender):
     """KVSender over UCX, one endpoint per receiver address. Raises BackendUnavailable
-    if ucxx cannot be imported."""
+    if ucxx cannot be imported. Per receiver, at most ``max_in_flight_bytes`` of payload
+    is posted and not sent yet (a larger chunk goes alone)."""
 
-    def __init__(self, *, connect_timeout_s: float = 5.0) -> None:
-        if connect_timeout_s <= 0:
-            raise ValueError("connect_timeout_s must be > 0")
+    def __init__(
+        self, *, connect_timeout_s: float = 5.0, max_in_flight_bytes: int = 64 << 20
+    ) -> None:
+        if connect_timeout_s <= 0 or max_in_flight_bytes <= 0:
+            raise ValueError("connect_timeout_s and max_in_flight_bytes must be > 0")
         self._ucxx = load_ucxx()
         super().__init__()
         self._connect_timeout_s = connect_timeout_s
+        self._budget = max_in_flight_bytes
 
     @property
     def connections(self) -> int:
@@ -74,12 +107,17 @@ class UcxSender(PooledSender):
         self._closed = True
         await self._stop_resending()
         pool, self._pool = self._pool, {}
-        for conn in pool.values():
-            conn.broken = True
+        for address, conn in pool.items():
+            self._post_run(address, conn)
             try:
                 async with asyncio.timeout(2.0):
-                    await conn.ep.close()  # flushes what is queued, then tells the peer
+                    while conn.sending and conn.usable():  # what was posted goes first
+                        conn.sent.clear()
+                        await conn.sent.wait()
+                    conn.broken = True
+                    await conn.ep.close()  # then tells the peer
             except (TimeoutError, self._ucxx.exceptions.UCXError):
+                conn.broken = True
                 conn.ep.abort()
             if conn.task is not None:
                 conn.task.cancel()
@@ -90,27 +128,65 @@ class UcxSender(PooledSender):
     async def _write(
         self, address: str, rid: str, head: bytes, payload=None, attempt: InFlight | None = None
     ) -> None:
-        """Send one message; a chunk's ``attempt`` then waits for its verdict."""
-        parts = [head] if payload is None or not payload.nbytes else [head, payload]
+        """Add one message to the connection's run, once the bytes posted to ``address``
+        and not sent yet leave room for its payload (or there are none); a chunk's
+        ``attempt`` then waits for its verdict."""
+        nbytes = 0 if payload is None else payload.nbytes
+        inline = payload is not None and nbytes <= INLINE_BYTES
         for _ in range(3):  # another call may break the connection while we queue for it
             conn = await self._connection(address)
-            async with conn.lock:
-                if not conn.usable():
-                    self._drop(address, conn)
-                    continue
-                if attempt is not None:
-                    conn.verdicts.append(attempt)
-                try:
-                    # Both posted at once, in order (tasks start in creation order).
-                    await asyncio.gather(*(conn.ep.send(part) for part in parts))
-                except BaseException as exc:
-                    # Part of a message may be out.
-                    self._drop(address, conn, f"connection to {address} broke: {exc!r}")
-                    if isinstance(exc, self._ucxx.exceptions.UCXError):
-                        raise TransferError(f"connection to {address} broke: {exc!r}", rid) from exc
-                    raise
+            if conn.usable() and conn.sending and conn.sending + nbytes > self._budget:
+                self._post_run(address, conn)
+                while conn.usable() and conn.sending and conn.sending + nbytes > self._budget:
+                    conn.sent.clear()
+                    await conn.sent.wait()
+            if not conn.usable():
+                self._drop(address, conn)
+                continue
+            if attempt is not None:
+                conn.verdicts.append(attempt)
+            size = len(head) + (nbytes if inline else 0)
+            if conn.run and conn.run_bytes + size > RUN_BYTES:
+                self._post_run(address, conn)
+            conn.run.append(head)
+            if inline and nbytes:
+                conn.run.append(payload)  # copied once, when the run is joined
+            conn.run_bytes += size
+            if not inline:  # a FINISH or an ABORT (the sender waits), or a large payload
+                self._post_run(address, conn, payload)
+            elif conn.run_bytes >= RUN_BYTES:
+                self._post_run(address, conn)
+            elif conn.posting is None:
+                loop = asyncio.get_running_loop()
+                conn.posting = loop.call_soon(self._post_run, address, conn)
             return
         raise TransferError(f"connection to {address} kept breaking", rid)
+
+    def _post_run(self, address: str, conn: _Connection, payload=None) -> None:
+        """Post the connection's run, then ``payload`` (its last message's), if any."""
+        if conn.posting is not None:
+            conn.posting.cancel()
+            conn.posting = None
+        run, size = conn.run, conn.run_bytes
+        conn.run, conn.run_bytes = [], 0
+        if conn.broken or not run:
+            return
+        parts = [b"".join([BATCH_LENGTH.pack(size), *run])]
+        if payload is not None:
+            parts.append(payload)
+        nbytes = sum(memoryview(part).nbytes for part in parts)
+        conn.sending += nbytes
+        # Posted in order: tasks start in creation order.
+        sending = asyncio.gather(*(conn.ep.send(part) for part in parts))
+        sending.add_done_callback(functools.partial(self._sent, address, conn, nbytes))
+
+    def _sent(self, address: str, conn: _Connection, nbytes: int, sending: asyncio.Future) -> None:
+        conn.sending -= nbytes
+        conn.sent.set()
+        exc = None if sending.cancelled() else sending.exception()
+        if (sending.cancelled() or exc is not None) and not conn.broken:
+            # Part of a message may be out.
+            self._drop(address, conn, f"connection to {address} broke: {exc!r}")
 
     async def _read_verdicts(self, address: str, conn: _Connection) -> None:
         buffer = bytearray(BATCH_LENGTH.size + VERDICT_BATCH * wire.MAX_VERDICT_BYTES)
@@ -152,6 +228,8 @@ class UcxSender(PooledSender):
 
     def _drop(self, address: str, conn: _Connection, reason: str = "connection dropped") -> None:
         conn.broken = True
+        conn.sent.set()  # wakes the calls waiting for room: they find it broken
+        self._post_run(address, conn)  # only forgets it: the connection is broken
         if self._pool.get(address) is conn:
             del self._pool[address]
         if not conn.ep.closed:

@@ -119,6 +119,15 @@ def _is_uint(value: object, limit: int = _U64_MAX) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
 
 
+_PLAIN_INT = frozenset({int})
+
+
+def _are_uints(values: list) -> bool:
+    if set(map(type, values)) <= _PLAIN_INT:  # what msgpack gives: checked at C speed
+        return not values or (min(values) >= 0 and max(values) <= _U64_MAX)
+    return all(_is_uint(v) for v in values)
+
+
 def validate(message: Message) -> None:
     """Raise WireError unless every field of ``message`` has its spec'd type and range."""
     if isinstance(message, Verdict):
@@ -134,7 +143,7 @@ def validate(message: Message) -> None:
         if not _is_uint(message.layer):
             raise WireError(f"layer must be an integer >= 0, got {message.layer!r}", rid)
         blocks = message.block_ids
-        if not isinstance(blocks, list) or not all(_is_uint(b) for b in blocks):
+        if not isinstance(blocks, list) or not _are_uints(blocks):
             raise WireError(f"block_ids must be a list of integers >= 0, got {blocks!r}", rid)
         if not _is_uint(message.checksum):
             raise WireError(f"checksum must be a u64, got {message.checksum!r}", rid)
