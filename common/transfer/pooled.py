@@ -228,3 +228,30 @@ def byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("payload must be C-contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class StreamSender(PooledSender):
+    """A pooled sender that writes every message as a head plus an optional payload
+    through ``_write(address, request_id, head, payload, attempt)`` (tcp, ucx): the
+    chunk and end messages are built here once for both."""
+
+    @property
+    def connections(self) -> int:
+        """Pooled connections that are still usable (the peer has not closed them)."""
+        return sum(conn.usable() for conn in self._pool.values())
+
+    async def _write(self, address: str, request_id: str, head: bytes,
+                     payload: memoryview | None = None,
+                     attempt: InFlight | None = None) -> None:
+        raise NotImplementedError
+
+    async def _post(self, attempt: InFlight) -> None:
+        view = attempt.view
+        if attempt.claimed is None:
+            attempt.claimed = wire.checksum(view)
+        chunk = attempt.chunk._replace(checksum=attempt.claimed)
+        head = wire.encode(chunk, view.nbytes, checked=True)
+        await self._write(attempt.address, chunk.request_id, head, view, attempt)
+
+    async def _write_end(self, address: str, message: wire.Finish | wire.Abort) -> None:
+        await self._write(address, message.request_id, wire.encode(message), None)

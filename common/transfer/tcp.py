@@ -26,7 +26,7 @@ import structlog
 from common.transfer import wire
 from common.transfer.base import ChunkSink, TransferError
 from common.transfer.frame_reader import FrameReader
-from common.transfer.pooled import InFlight, PooledSender
+from common.transfer.pooled import InFlight, StreamSender
 from common.transfer.table import TableReceiver, TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
@@ -149,7 +149,7 @@ class _Connection:
             self.verdicts.popleft().lost(reason)
 
 
-class TcpSender(PooledSender):
+class TcpSender(StreamSender):
     """KVSender over TCP.
 
     Payloads are written in ``write_slice_bytes`` slices, each drained into the kernel
@@ -187,22 +187,6 @@ class TcpSender(PooledSender):
                 with contextlib.suppress(asyncio.CancelledError):
                     await conn.task
             conn.fail_waiting("sender closed")
-
-    @property
-    def connections(self) -> int:
-        """Pooled connections that are still usable (the peer has not closed them)."""
-        return sum(conn.usable() for conn in self._pool.values())
-
-    async def _post(self, attempt: InFlight) -> None:
-        view = attempt.view
-        if attempt.claimed is None:
-            attempt.claimed = wire.checksum(view)
-        chunk = attempt.chunk._replace(checksum=attempt.claimed)
-        head = wire.encode(chunk, view.nbytes, checked=True)
-        await self._write(attempt.address, chunk.request_id, head, view, attempt)
-
-    async def _write_end(self, address, message) -> None:
-        await self._write(address, message.request_id, wire.encode(message), None)
 
     async def _write(
         self,

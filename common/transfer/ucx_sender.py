@@ -29,7 +29,7 @@ import structlog
 from common.transfer import wire
 from common.transfer.base import TransferError
 from common.transfer.frame_reader import VERDICT_BATCH
-from common.transfer.pooled import InFlight, PooledSender
+from common.transfer.pooled import InFlight, StreamSender
 from common.transfer.ucx import (
     BATCH_LENGTH,
     INLINE_BYTES,
@@ -73,7 +73,7 @@ class _Connection:
             self.verdicts.popleft().lost(reason)
 
 
-class UcxSender(PooledSender):
+class UcxSender(StreamSender):
     """KVSender over UCX, one endpoint per receiver address. Raises BackendUnavailable
     if ucxx cannot be imported. Per receiver, at most ``max_in_flight_bytes`` of payload
     is posted and not sent yet (a larger chunk goes alone)."""
@@ -87,21 +87,6 @@ class UcxSender(PooledSender):
         super().__init__()
         self._connect_timeout_s = connect_timeout_s
         self._budget = max_in_flight_bytes
-
-    @property
-    def connections(self) -> int:
-        return sum(conn.usable() for conn in self._pool.values())
-
-    async def _post(self, attempt: InFlight) -> None:
-        view = attempt.view
-        if attempt.claimed is None:
-            attempt.claimed = wire.checksum(view)
-        chunk = attempt.chunk._replace(checksum=attempt.claimed)
-        head = wire.encode(chunk, view.nbytes, checked=True)
-        await self._write(attempt.address, chunk.request_id, head, view, attempt)
-
-    async def _write_end(self, address, message) -> None:
-        await self._write(address, message.request_id, wire.encode(message))
 
     async def close(self) -> None:
         self._closed = True
