@@ -39,8 +39,9 @@ from bench.sim.profiles import LLAMA70B_H100X4  # noqa: E402
 from bench.sim.simulator import Simulator, load_trace, percentile  # noqa: E402
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig  # noqa: E402
 from services.conductor.cost_model import CostModel  # noqa: E402
-from services.conductor.policy import Decision, LeastLoaded, Policy, RoundRobin, account, decide  # noqa: E402
+from services.conductor.policy import Decision, LeastLoaded, Picker, RoundRobin, account, decide  # noqa: E402
 from services.conductor.prefix_index import PrefixIndex  # noqa: E402
+from services.conductor.routing_policy import PolicyRequest  # noqa: E402
 
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 SLO_TTFT_S, SLO_TBT_S = 30.0, 0.1
@@ -48,7 +49,7 @@ PREFILL, DECODE = 8, 8
 PROFILE = LLAMA70B_H100X4
 
 
-class RandomPick(Policy):
+class RandomPick(Picker):
     name = "random"
 
     def __init__(self, seed: int) -> None:
@@ -58,7 +59,7 @@ class RandomPick(Policy):
         return self.rng.choice(sorted(candidates, key=lambda w: w.worker_id))
 
 
-class PerRole(Policy):
+class PerRole(Picker):
     """One policy instance per role. ``decide`` asks one policy for the decode and then the
     prefill worker; a single ``RoundRobin`` counter stepped twice per request with 8 + 8
     workers would send every prompt to the odd-numbered half of the prefill pool."""
@@ -75,7 +76,7 @@ class PerRole(Policy):
         return self._by_role[role].pick(candidates, prompt_tokens)
 
 
-def baseline(policy: Policy):
+def baseline(policy: Picker):
     def route(views, req):
         d = decide(views, policy, model="sim", prompt_tokens=req.prompt)
         account(d, req.prompt)
@@ -103,10 +104,10 @@ def ours(index: PrefixIndex, cost: CostModel, *, admission: bool):
         PROFILE.kv_bytes_per_token, PROFILE.link_bandwidth, PROFILE.pool_bandwidth))
 
     def route(views, req):
-        return policy.decide(views, prompt_tokens=req.prompt, block_hashes=req.hashes,
-                             block_size=PROFILE.block_size, slo_ttft_s=SLO_TTFT_S,
-                             slo_tbt_s=SLO_TBT_S, output_tokens=req.output,
-                             admission=admission)
+        return policy.decide(views, PolicyRequest(
+            prompt_tokens=req.prompt, block_hashes=req.hashes, block_size=PROFILE.block_size,
+            slo_ttft_s=SLO_TTFT_S, slo_tbt_s=SLO_TBT_S, output_tokens=req.output,
+            admission=admission))
     return route
 
 

@@ -16,6 +16,7 @@ from services.conductor.cost_model import Calibration, CostModel
 from services.conductor.policy import Decision, NoWorkers
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import Registry, WorkerView
+from services.conductor.routing_policy import PolicyRequest
 
 CAL = Calibration(prefill_fixed_s=0.01, prefill_per_token_s=1e-4, prefill_per_pair_s=1e-9,
                   decode_fixed_s=0.02, decode_per_seq_s=1e-3, decode_per_ctx_token_s=1e-7)
@@ -41,7 +42,8 @@ def policy(index=None):
 
 
 def route(pol, ws, hashes=CHAIN, prompt=PROMPT, **kw):
-    return pol.decide(ws, prompt_tokens=prompt, block_hashes=hashes, block_size=BS, **kw)
+    return pol.decide(ws, PolicyRequest(prompt_tokens=prompt, block_hashes=hashes,
+                                        block_size=BS, **kw))
 
 
 # -- the prefix index ---------------------------------------------------------------------

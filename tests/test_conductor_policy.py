@@ -92,3 +92,91 @@ def test_round_robin_keeps_separate_turns_for_decode_and_prefill():
     picks = [decide(ws, rr, model="m", prompt_tokens=1000) for _ in range(4)]
     assert [d.prefill.worker_id for d in picks] == ["p0", "p1", "p2", "p3"]
     assert [d.decode.worker_id for d in picks] == ["d0", "d1", "d0", "d1"]
+
+
+# -- one policy interface, reached the same way through the router ------------------------
+
+def _router(name="cache_aware", policy=None, **config):
+    from common.cost_profile import CostProfile
+    from services.conductor.router import Router, RouterConfig
+
+    profile = CostProfile(name="t", prefill_fixed_s=0.01, prefill_per_token_s=1e-4,
+                          prefill_per_pair_s=1e-9, decode_fixed_s=0.02, decode_per_seq_s=1e-3,
+                          decode_per_ctx_token_s=1e-7, kv_bytes_per_token=1000, block_size=64,
+                          link_bandwidth=1e9)
+    return Router(RouterConfig(policy=name, **config), profile, policy=policy)
+
+
+def test_router_drives_a_policy_of_its_own_through_the_interface():
+    from services.conductor.router import RouteRequest
+    from services.conductor.routing_policy import Decision, PolicyRequest, RoutingPolicy
+
+    class LastDecoder(RoutingPolicy):
+        name = "last_decoder"
+
+        def __init__(self):
+            self.seen = []
+
+        def decide(self, workers, request):
+            self.seen.append(request)
+            decoders = [w for w in workers if w.role == "decode"]
+            return Decision(decoders[-1], None, "mine")
+
+    mine = LastDecoder()
+    router = _router(policy=mine, slo_ttft_s=2.0, slo_tbt_s=0.1, planned_output_tokens=50)
+    ws = [view("d1", "decode"), view("d2", "decode"), view("p1", "prefill")]
+    d = router.route(ws, RouteRequest("m", 300, [7, 8], frozenset({"p9"}), slo_tbt_s=0.5,
+                                      max_tokens=80))
+    assert (d.decode.worker_id, d.prefill, d.reason) == ("d2", None, "mine")
+    assert router.name == "last_decoder"
+    # defaults resolved by the router: the request's own TBT SLO, the configured TTFT
+    # SLO, output capped at planned_output_tokens, the workers' block size.
+    assert mine.seen == [PolicyRequest(prompt_tokens=300, block_hashes=[7, 8], block_size=16,
+                                       model="m", exclude=frozenset({"p9"}), slo_ttft_s=2.0,
+                                       slo_tbt_s=0.5, output_tokens=50, admission=True)]
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "round_robin", "least_loaded"])
+def test_every_configured_policy_is_one_routing_policy_called_the_same_way(name):
+    from services.conductor.router import RouteRequest
+    from services.conductor.routing_policy import PolicyRequest, RoutingPolicy
+
+    router = _router(name)
+    assert isinstance(router.policy, RoutingPolicy) and router.name == name
+    calls = []
+    real = router.policy.decide
+
+    def spy(workers, request):
+        calls.append(request)
+        return real(workers, request)
+    router.policy.decide = spy
+    ws = [view("d1", "decode"), view("p1", "prefill")]
+    d = router.route(ws, RouteRequest("m", 1000))
+    assert calls == [PolicyRequest(prompt_tokens=1000, block_size=16, model="m")]
+    assert d.decode.worker_id == "d1"
+    # the policy accounted its own decision where the prompt is prefilled
+    at = d.prefill or d.decode
+    assert d.decode.pending_requests == 1
+    assert (at.pending_requests, at.pending_tokens) == (1, 1000)
+
+
+def test_static_disaggregation_is_the_baselines_rule_plus_accounting():
+    from services.conductor.policy import StaticDisaggregation
+    from services.conductor.routing_policy import PolicyRequest
+
+    pol = StaticDisaggregation(LeastLoaded(), disagg_threshold=500)
+    assert pol.name == "least_loaded"
+    ws = [view("d1", "decode"), view("d2", "decode", running=1), view("p1", "prefill")]
+    short = pol.decide(ws, PolicyRequest(400, model="m"))
+    assert (short.decode.worker_id, short.prefill, short.reason) == \
+        ("d1", None, "short prompt (400 < 500)")
+    assert (ws[0].pending_requests, ws[0].pending_tokens) == (1, 400)
+    long = pol.decide(ws, PolicyRequest(600, model="m", exclude=frozenset({"d2"})))
+    assert (long.decode.worker_id, long.prefill.worker_id) == ("d1", "p1")
+    assert (ws[2].pending_requests, ws[2].pending_tokens) == (1, 600)
+    with pytest.raises(NoWorkers):
+        pol.decide(ws, PolicyRequest(600, model="other"))
+    with pytest.raises(ValueError):
+        pol.decide(ws, PolicyRequest(0, model="m"))
+    with pytest.raises(ValueError):
+        StaticDisaggregation(RoundRobin(), disagg_threshold=-1)

@@ -20,6 +20,7 @@ from services.conductor.cost_model import Calibration, CostModel
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import WorkerView
 from services.conductor.router import Router, RouterConfig, RouteRequest
+from services.conductor.routing_policy import PolicyRequest
 from services.conductor.server import Conductor, ConductorSettings
 from tests.cluster import free_port
 
@@ -124,11 +125,11 @@ async def test_live_conductor_chooses_what_the_policy_object_chooses(profile_pat
             slo = rng.choice([(None, None), (1500.0, None), (None, 30.0)])
             got.append(await live.route(n, hashes, output=output, ttft_ms=slo[0],
                                         tbt_ms=slo[1]))
-            want.append(outcome(policy.decide(
-                list(views.values()), prompt_tokens=n, block_hashes=hashes, block_size=64,
+            want.append(outcome(policy.decide(list(views.values()), PolicyRequest(
+                prompt_tokens=n, block_hashes=hashes, block_size=64,
                 slo_ttft_s=4.0 if slo[0] is None else slo[0] / 1e3,
                 slo_tbt_s=0.08 if slo[1] is None else slo[1] / 1e3,
-                output_tokens=output, model="sim")))
+                output_tokens=output, model="sim"))))
     assert got == want
     kinds = {("rejected" if g[0] == "rejected" else "remote" if g[1] else "local")
              for g in got}

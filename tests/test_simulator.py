@@ -15,6 +15,7 @@ from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Reje
 from services.conductor.cost_model import Calibration, CostModel
 from services.conductor.policy import Decision
 from services.conductor.prefix_index import PrefixIndex
+from services.conductor.routing_policy import PolicyRequest
 
 # prefill(n, c) = 0.1 + 1e-3 n + 1e-6 n (n/2 + c); step(B, K) = 0.01 + 1e-3 B + 1e-5 K;
 # 1000 B of KV per token over 1 MB/s: 1 s per 1000-token prompt.
@@ -110,9 +111,9 @@ def run_ours(trace, admission=False):
     decisions = []
 
     def route(views, req):
-        d = pol.decide(views, prompt_tokens=req.prompt, block_hashes=req.hashes,
-                       block_size=prof.block_size, output_tokens=req.output,
-                       slo_ttft_s=2.0, slo_tbt_s=0.1, admission=admission)
+        d = pol.decide(views, PolicyRequest(
+            prompt_tokens=req.prompt, block_hashes=req.hashes, block_size=prof.block_size,
+            output_tokens=req.output, slo_ttft_s=2.0, slo_tbt_s=0.1, admission=admission))
         decisions.append(d.reason)
         return d
     reqs = load_trace(trace, speed=4.0)

@@ -41,16 +41,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from services.conductor.cost_model import CostModel, pool_fetch_time, transfer_time
-from services.conductor.policy import Decision, NoWorkers
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import WorkerView
+from services.conductor.routing_policy import (
+    Decision,
+    PolicyRequest,
+    Rejection,
+    RoutingPolicy,
+    candidates,
+)
 
 POOL_PREFIX = "pool:"
-
-
-class Rejection(NamedTuple):
-    reason: str
-    retry_after_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ class _Ledger:
         self.stamp, self.kv_blocks, self.kv_tokens, self.local = stamp, 0, 0, 0
 
 
-class CacheAwarePolicy:
+class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
 
     def __init__(self, index: PrefixIndex, cost: CostModel, config: PolicyConfig) -> None:
@@ -100,23 +101,18 @@ class CacheAwarePolicy:
             led = self._ledgers[w.worker_id] = _Ledger(w.last_seen)
         return led
 
-    def decide(self, workers: list[WorkerView], *, prompt_tokens: int, block_hashes: list[int],
-               block_size: int, slo_ttft_s: float = math.inf, slo_tbt_s: float = math.inf,
-               exclude: frozenset[str] = frozenset(), output_tokens: int = 0,
-               model: str = "", admission: bool = True) -> Decision | Rejection:
-        """Route one request and account it; see the module docstring.
-
-        ``block_hashes`` is the prompt's chain in blocks of ``block_size`` tokens (the
-        index's block size, not the workers' paging block). Raises ``NoWorkers`` when no
-        live decode or unified worker is left, ``ValueError`` on bad sizes."""
+    def decide(self, workers: list[WorkerView], request: PolicyRequest) -> Decision | Rejection:
+        """Route one request and account it; see the module docstring. Raises
+        ``NoWorkers`` when no live decode or unified worker is left, ``ValueError`` on
+        bad sizes."""
+        r = request
+        prompt_tokens, block_hashes, block_size = r.prompt_tokens, r.block_hashes, r.block_size
+        slo_ttft_s, slo_tbt_s = r.slo_ttft_s, r.slo_tbt_s
+        output_tokens, admission = r.output_tokens, r.admission
         if prompt_tokens <= 0 or block_size <= 0 or output_tokens < 0:
             raise ValueError(f"bad request sizes: prompt {prompt_tokens}, block {block_size}, "
                              f"output {output_tokens}")
-        usable = [w for w in workers if w.alive and w.worker_id not in exclude
-                  and (not model or w.model == model)]
-        decoders = [w for w in usable if w.role in ("decode", "unified")]
-        if not decoders:
-            raise NoWorkers("no live decode or unified worker")
+        usable, decoders = candidates(workers, request)
         decode, tbt, fits = self._pick_decode(decoders, prompt_tokens, output_tokens)
         admit = admission and (math.isfinite(slo_ttft_s) or math.isfinite(slo_tbt_s))
         if admit and not fits:

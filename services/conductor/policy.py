@@ -1,12 +1,15 @@
-"""Routing policies: pure objects, state in, decision out, no I/O.
+"""The baseline routing policies: a worker picker under a static disaggregation rule.
 
-``decide`` picks a decode worker and either a prefill worker or local prefill. The
-policy object only ranks candidates; the disaggregation rule is shared:
+``StaticDisaggregation`` is the ``RoutingPolicy`` (``routing_policy.py``) of the
+baselines: its picker (round-robin, least-loaded) only ranks candidates, and the rule
+that decides where the prompt is prefilled is shared (``decide``):
 
 * a unified (colocated) decode worker always prefills itself;
 * a prompt with fewer uncached tokens than ``disagg_threshold`` prefills on its decode
   worker, where moving the KV would cost more than computing it;
 * with no live prefill worker of the same model fingerprint, decode prefills itself.
+
+The baselines never reject and ignore SLOs, the prefix index and the cost model.
 """
 
 from __future__ import annotations
@@ -14,22 +17,18 @@ from __future__ import annotations
 import collections
 import itertools
 from abc import ABC, abstractmethod
-from typing import NamedTuple
 
 from services.conductor.registry import WorkerView
+from services.conductor.routing_policy import (
+    Decision,
+    NoWorkers,  # noqa: F401 (raised by decide; importers of this module catch it)
+    PolicyRequest,
+    RoutingPolicy,
+    candidates,
+)
 
 
-class NoWorkers(RuntimeError):
-    """No live worker can serve this request."""
-
-
-class Decision(NamedTuple):
-    decode: WorkerView
-    prefill: WorkerView | None
-    reason: str
-
-
-class Policy(ABC):
+class Picker(ABC):
     name: str
 
     @abstractmethod
@@ -37,7 +36,7 @@ class Policy(ABC):
         """Choose one of ``candidates`` (never empty)."""
 
 
-class RoundRobin(Policy):
+class RoundRobin(Picker):
     """Each role's workers in turn (decode and prefill picks keep separate turns)."""
 
     name = "round_robin"
@@ -50,7 +49,7 @@ class RoundRobin(Policy):
         return ordered[next(self._counters[ordered[0].role]) % len(ordered)]
 
 
-class LeastLoaded(Policy):
+class LeastLoaded(Picker):
     """Fewest requests (running + waiting + routed since the last heartbeat), then
     fewest queued prefill tokens, then the most free KV blocks."""
 
@@ -61,24 +60,43 @@ class LeastLoaded(Policy):
             w.load, w.queued_prefill_tokens + w.pending_tokens, -w.free_blocks, w.worker_id))
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded)}
+PICKERS = {p.name: p for p in (RoundRobin, LeastLoaded)}
 
 
-def make_policy(name: str) -> Policy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}")
-    return POLICIES[name]()
+def make_picker(name: str) -> Picker:
+    if name not in PICKERS:
+        raise ValueError(f"unknown worker picker {name!r}; choose from {sorted(PICKERS)}")
+    return PICKERS[name]()
 
 
-def decide(workers: list[WorkerView], policy: Policy, *, model: str, prompt_tokens: int,
+class StaticDisaggregation(RoutingPolicy):
+    """A baseline: ``picker`` chooses the workers, ``decide``'s static rule where the
+    prompt is prefilled; every decision is accounted with ``account``."""
+
+    def __init__(self, picker: Picker, disagg_threshold: int = 256) -> None:
+        if disagg_threshold < 0:
+            raise ValueError(f"disagg_threshold must be >= 0, got {disagg_threshold}")
+        self.picker = picker
+        self.name = picker.name
+        self.disagg_threshold = disagg_threshold
+
+    def decide(self, workers: list[WorkerView], request: PolicyRequest) -> Decision:
+        if request.prompt_tokens <= 0:
+            raise ValueError(f"bad request: prompt_tokens {request.prompt_tokens}")
+        d = decide(workers, self.picker, model=request.model,
+                   prompt_tokens=request.prompt_tokens,
+                   disagg_threshold=self.disagg_threshold, exclude=request.exclude)
+        account(d, request.prompt_tokens)
+        return d
+
+
+def decide(workers: list[WorkerView], picker: Picker, *, model: str, prompt_tokens: int,
            cached_tokens: int = 0, disagg_threshold: int = 256,
            exclude: frozenset[str] = frozenset()) -> Decision:
-    usable = [w for w in workers if w.alive and w.worker_id not in exclude
-              and (not model or w.model == model)]
-    decoders = [w for w in usable if w.role in ("decode", "unified")]
-    if not decoders:
-        raise NoWorkers("no live decode or unified worker")
-    decode = policy.pick(decoders, prompt_tokens)
+    """The static disaggregation rule (module docstring); accounts nothing."""
+    usable, decoders = candidates(workers, PolicyRequest(prompt_tokens, model=model,
+                                                         exclude=exclude))
+    decode = picker.pick(decoders, prompt_tokens)
     if decode.role == "unified":
         return Decision(decode, None, "colocated")
     uncached = prompt_tokens - cached_tokens
@@ -88,7 +106,7 @@ def decide(workers: list[WorkerView], policy: Policy, *, model: str, prompt_toke
                   and w.fingerprint == decode.fingerprint]
     if not prefillers:
         return Decision(decode, None, "no prefill worker")
-    return Decision(decode, policy.pick(prefillers, prompt_tokens), "disaggregated")
+    return Decision(decode, picker.pick(prefillers, prompt_tokens), "disaggregated")
 
 
 def account(decision: Decision, prompt_tokens: int) -> None:

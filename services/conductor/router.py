@@ -2,17 +2,21 @@
 index, under which SLOs. The conductor process feeds it heartbeats and asks it for
 decisions; tests and the simulator drive the same object with the same inputs.
 
-    Route(model, prompt_len, block hashes, SLOs, max_tokens)
-        │ policy "cache_aware": CacheAwarePolicy (predicted TTFT/TBT, conditional
-        │                       disaggregation, SLO admission) -> Decision | Rejection
-        │ "round_robin" / "least_loaded": ``decide`` with the static disaggregation
-        │                       threshold; never rejects
+    RouteRequest(model, prompt_len, block hashes, SLOs, max_tokens)
+        │ defaults resolved into a PolicyRequest
+        ▼
+    RoutingPolicy.decide (routing_policy.py), one object chosen at start by name:
+        "cache_aware": CacheAwarePolicy (predicted TTFT/TBT, conditional
+                       disaggregation, SLO admission)
+        "round_robin" / "least_loaded": StaticDisaggregation over that picker, with
+                       the static disaggregation threshold; never rejects
         ▼
     Decision (decode worker, prefill worker or local, reason) | Rejection (reason, retry)
 
 SLOs: a request's own (``RouteRequest.slo_*``) else the configured defaults; infinite
 means none. Admission only rejects against a finite SLO. ``max_tokens`` is an upper
 bound; the policy plans KV and TBT for ``min(max_tokens, planned_output_tokens)``.
+The prefix index's block size is the live workers' (the profile's when none is live).
 
 Online fit: ``observe`` feeds the step samples a heartbeat carries into the cost model
 (prefill steps and decode steps; a malformed sample is skipped and counted).
@@ -26,13 +30,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from common.cost_profile import CostProfile
-from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
+from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig
 from services.conductor.cost_model import Calibration, CostModel
-from services.conductor.policy import POLICIES, Decision, account, decide, make_policy
+from services.conductor.policy import PICKERS, StaticDisaggregation, make_picker
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import WorkerView
+from services.conductor.routing_policy import Decision, PolicyRequest, Rejection, RoutingPolicy
 
-ROUTING_POLICIES = ("cache_aware", *sorted(POLICIES))
+ROUTING_POLICIES = ("cache_aware", *sorted(PICKERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,24 +70,34 @@ class RouteRequest(NamedTuple):
     max_tokens: int = 0  # 0: unknown
 
 
+def make_policy(config: RouterConfig, profile: CostProfile, index: PrefixIndex,
+                cost: CostModel) -> RoutingPolicy:
+    """The policy ``config.policy`` names, reading ``index`` and ``cost``."""
+    if config.policy == "cache_aware":
+        return CacheAwarePolicy(index, cost, PolicyConfig(
+            profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
+            config.max_decode_stall_s))
+    return StaticDisaggregation(make_picker(config.policy), config.disagg_threshold)
+
+
 class Router:
+    """Routes requests through one ``RoutingPolicy``: the one ``config.policy`` names,
+    or ``policy`` when given (a policy of one's own; ``config.policy`` is then unused)."""
+
     def __init__(self, config: RouterConfig, profile: CostProfile,
-                 index: PrefixIndex | None = None) -> None:
+                 index: PrefixIndex | None = None, *,
+                 policy: RoutingPolicy | None = None) -> None:
         self.config = config
         self.profile = profile
         self.index = PrefixIndex() if index is None else index
         self.cost = CostModel(Calibration(*profile.coefficients()))
         self.bad_samples = 0
-        if config.policy == "cache_aware":
-            self.policy = CacheAwarePolicy(self.index, self.cost, PolicyConfig(
-                profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
-                config.max_decode_stall_s))
-        else:
-            self.policy = make_policy(config.policy)
+        self.policy = (make_policy(config, profile, self.index, self.cost)
+                       if policy is None else policy)
 
     @property
     def name(self) -> str:
-        return self.config.policy
+        return self.policy.name
 
     def route(self, workers: list[WorkerView], req: RouteRequest) -> Decision | Rejection:
         """Decide for one request and account it against the chosen workers. Raises
@@ -92,20 +107,14 @@ class Router:
             raise ValueError(f"bad request: prompt_len {req.prompt_len}, "
                              f"max_tokens {req.max_tokens}")
         cfg = self.config
-        if not isinstance(self.policy, CacheAwarePolicy):
-            d = decide(workers, self.policy, model=req.model, prompt_tokens=req.prompt_len,
-                       disagg_threshold=cfg.disagg_threshold, exclude=req.exclude)
-            account(d, req.prompt_len)
-            return d
         block_size = next((w.block_size for w in workers if w.alive), self.profile.block_size)
         output = min(req.max_tokens, cfg.planned_output_tokens) if req.max_tokens else 0
-        return self.policy.decide(
-            workers, prompt_tokens=req.prompt_len, block_hashes=req.block_hashes,
-            block_size=block_size,
+        return self.policy.decide(workers, PolicyRequest(
+            prompt_tokens=req.prompt_len, block_hashes=req.block_hashes,
+            block_size=block_size, model=req.model, exclude=req.exclude,
             slo_ttft_s=cfg.slo_ttft_s if req.slo_ttft_s is None else req.slo_ttft_s,
             slo_tbt_s=cfg.slo_tbt_s if req.slo_tbt_s is None else req.slo_tbt_s,
-            exclude=req.exclude, output_tokens=output, model=req.model,
-            admission=cfg.admission)
+            output_tokens=output, admission=cfg.admission))
 
     def observe(self, prefill_steps: list[dict], decode_steps: list[dict]) -> int:
         """Fit the cost model on a heartbeat's step samples; returns how many were used."""
