@@ -34,7 +34,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.cost_profile import CostProfile, save_profile  # noqa: E402
+from common.cost_profile import (  # noqa: E402
+    CostProfile,
+    cost,
+    decode_terms,
+    prefill_terms,
+    save_profile,
+)
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
 from services.engine.sampling_params import SamplingParams  # noqa: E402
@@ -137,8 +143,8 @@ def main() -> None:
         k, s = time_decode(engine, batch, length, args.repeats + 2, rng)
         decode.append((batch, k, s))
         print(f"decode  B={batch:>3} K={k:>6}: {s * 1e3:8.1f} ms", flush=True)
-    p = fit([(1.0, n, n * (n / 2 + c)) for n, c, _ in prefill], [s for *_, s in prefill])
-    d = fit([(1.0, b, k) for b, k, _ in decode], [s for *_, s in decode])
+    p = fit([prefill_terms(n, c) for n, c, _ in prefill], [s for *_, s in prefill])
+    d = fit([decode_terms(b, k) for b, k, _ in decode], [s for *_, s in decode])
     cfg = engine.model_config
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * \
         engine.kv_cache.k.element_size()
@@ -151,9 +157,10 @@ def main() -> None:
         notes=(f"bench/calibrate.py: {args.model}, {args.threads} torch thread(s), "
                f"{engine.config.dtype}; medians of {args.repeats}+ steps; link and pool "
                "bandwidth as given (pool: bench/pool_bandwidth.py)"),
-        fit={"prefill": [[n, c, s, profile_err(s, p, (1.0, n, n * (n / 2 + c)))]
+        fit={"prefill": [[n, c, s, profile_err(s, p, prefill_terms(n, c))]
                          for n, c, s in prefill],
-             "decode": [[b, k, s, profile_err(s, d, (1.0, b, k))] for b, k, s in decode],
+             "decode": [[b, k, s, profile_err(s, d, decode_terms(b, k))]
+                        for b, k, s in decode],
              "columns": "prefill [n, c, seconds, fit error]; decode [B, K, seconds, error]"})
     save_profile(profile, args.out)
     print(f"prefill(n, c) = {p[0] * 1e3:.2f} ms + {p[1] * 1e6:.1f} us*n + "
@@ -165,8 +172,7 @@ def main() -> None:
 
 
 def profile_err(measured: float, coef: list[float], x: tuple[float, ...]) -> float:
-    predicted = sum(c * xi for c, xi in zip(coef, x, strict=True))
-    return round(predicted / measured - 1, 4)
+    return round(cost(coef, x) / measured - 1, 4)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
 """Cost profiles: what prefill, one decode step and moving KV cost on one kind of worker.
 
 The conductor starts its cost model from a profile (its calibration, refitted online
-from what workers report); the simulated executor sleeps what a profile says. The terms
-are those of ``services/conductor/cost_model.py``::
+from what workers report); the simulated executor sleeps what a profile says. The cost
+formula is written once, here, as its terms (``prefill_terms``, ``prefill_step_terms``,
+``decode_terms``); a cost is the dot product of coefficients and terms (``cost``), and
+the conductor's cost model fits the same terms::
 
     prefill(n uncached tokens, c cached prefix) = a + b*n + d*n*(n/2 + c)
     decode step(B sequences, K context tokens)  = e + f*B + g*K
+
+``b`` is the per-token matmul cost, ``d`` the cost of one (query, key) pair of causal
+attention (n new queries see c cached keys and on average n/2 new ones), ``e`` the
+weight read of one step, ``f`` the per-sequence cost, ``g`` the per-context-token KV
+read. An engine step that prefills several chunks pays ``a`` once.
 
 On disk a profile is one JSON object (``deploy/profiles/<name>.json``) with every field
 below; ``pool_bandwidth`` and ``kv_capacity_tokens`` default to 0, and ``notes`` (how
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,39 @@ from typing import Any
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "profiles"
 COEFFICIENTS = ("prefill_fixed_s", "prefill_per_token_s", "prefill_per_pair_s",
                 "decode_fixed_s", "decode_per_seq_s", "decode_per_ctx_token_s")
+
+
+Terms = tuple[float, float, float]
+
+
+def prefill_terms(n: float, c: float) -> Terms:
+    """The prefill cost's terms for ``n`` new tokens after ``c`` cached ones:
+    (fixed, tokens, attention pairs)."""
+    return (1.0, n, n * (n / 2 + c))
+
+
+def prefill_step_terms(chunks: Iterable[tuple[float, float]]) -> Terms:
+    """The terms of one engine step that prefills several chunks, each ``(n, c)``: its
+    fixed cost counts once, the token and pair terms of the chunks add up."""
+    tokens = pairs = 0.0
+    for n, c in chunks:
+        _, t, p = prefill_terms(n, c)
+        tokens += t
+        pairs += p
+    return (1.0, tokens, pairs)
+
+
+def decode_terms(batch: float, context_tokens: float) -> Terms:
+    """The decode step cost's terms for ``batch`` sequences holding ``context_tokens``:
+    (fixed, sequences, context tokens)."""
+    return (1.0, batch, context_tokens)
+
+
+def cost(coefficients: Terms, terms: Terms) -> float:
+    """Seconds: coefficients (a, b, d) or (e, f, g) times their terms."""
+    a, b, d = coefficients
+    x, y, z = terms
+    return a * x + b * y + d * z
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +110,32 @@ class CostProfile:
         """The six cost terms in ``COEFFICIENTS`` order (``Calibration``'s order)."""
         return tuple(getattr(self, name) for name in COEFFICIENTS)
 
+    @property
+    def prefill_coefficients(self) -> Terms:
+        return (self.prefill_fixed_s, self.prefill_per_token_s, self.prefill_per_pair_s)
+
+    @property
+    def decode_coefficients(self) -> Terms:
+        return (self.decode_fixed_s, self.decode_per_seq_s, self.decode_per_ctx_token_s)
+
     def prefill_s(self, n: int, c: int = 0) -> float:
         """Seconds to prefill ``n`` new tokens after ``c`` cached ones (0 for n <= 0)."""
         if n <= 0:
             return 0.0
-        return self.prefill_fixed_s + self.prefill_per_token_s * n + \
-            self.prefill_per_pair_s * n * (n / 2 + c)
+        return cost(self.prefill_coefficients, prefill_terms(n, c))
+
+    def prefill_step_s(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Seconds of one engine step prefilling ``chunks``, each ``(n, c)`` (0 for none)."""
+        chunks = list(chunks)
+        if not chunks:
+            return 0.0
+        return cost(self.prefill_coefficients, prefill_step_terms(chunks))
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """Seconds of one decode step (0 for an empty batch)."""
         if batch <= 0:
             return 0.0
-        return self.decode_fixed_s + self.decode_per_seq_s * batch + \
-            self.decode_per_ctx_token_s * context_tokens
+        return cost(self.decode_coefficients, decode_terms(batch, context_tokens))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

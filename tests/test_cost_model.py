@@ -107,3 +107,37 @@ def test_observations_that_do_not_span_all_terms_still_solve():
         m.observe_prefill(4096, 0, true_prefill(TRUE, 4096, 0))
     assert m.predict_prefill(4096, 0) == pytest.approx(true_prefill(TRUE, 4096, 0), rel=5e-3)
     assert m.predict_decode(8, 1000) == pytest.approx(true_decode(PRIOR, 8, 1000))
+
+
+def test_one_formula_behind_profile_model_and_fit():
+    from common.cost_profile import (
+        CostProfile,
+        cost,
+        decode_terms,
+        prefill_step_terms,
+        prefill_terms,
+    )
+
+    prof = CostProfile("t", *(getattr(TRUE, f) for f in TRUE.__slots__),
+                       kv_bytes_per_token=1, block_size=16, link_bandwidth=1.0)
+    model = CostModel(Calibration(*prof.coefficients()))
+    assert prefill_terms(100, 30) == (1.0, 100, 100 * (50 + 30))
+    assert decode_terms(8, 5000) == (1.0, 8, 5000)
+    for n, c in [(1, 0), (100, 30), (512, 7680), (8192, 0), (3, 100_000)]:
+        want = true_prefill(TRUE, n, c)
+        terms = cost(prof.prefill_coefficients, prefill_terms(n, c))
+        assert terms == pytest.approx(want, rel=1e-12)
+        assert prof.prefill_s(n, c) == terms == model.predict_prefill(n, c)
+        assert prof.prefill_step_s([(n, c)]) == pytest.approx(want, rel=1e-12)
+    for b, k in [(1, 0), (8, 5000), (64, 384_000)]:
+        want = true_decode(TRUE, b, k)
+        assert prof.decode_step_s(b, k) == model.predict_decode(b, k) == pytest.approx(want)
+    # a step prefilling several chunks pays the fixed cost once
+    chunks = [(100, 0), (50, 200), (7, 9)]
+    assert prefill_step_terms(chunks) == (1.0, 157, sum(prefill_terms(n, c)[2]
+                                                         for n, c in chunks))
+    assert prof.prefill_step_s(chunks) == pytest.approx(
+        sum(true_prefill(TRUE, n, c) for n, c in chunks) - 2 * TRUE.prefill_fixed_s)
+    assert prof.prefill_step_s([]) == 0.0 and prof.prefill_s(0, 5) == 0.0
+    # the queue of r equal prompts is r of them, by the same formula
+    assert model.prefill_queue_time(4, 4000) == pytest.approx(4 * prof.prefill_s(1000, 0))

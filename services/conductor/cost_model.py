@@ -1,14 +1,11 @@
 """An online-fitted cost model of one model on one kind of worker.
 
-Two linear models, each a sum of physically motivated terms::
+Two linear models, each a sum of physically motivated terms, the formula of
+``common/cost_profile.py`` (its ``prefill_terms``, ``prefill_step_terms``,
+``decode_terms``; written only there)::
 
     prefill(n uncached tokens, c cached prefix)  = a + b*n + d*n*(n/2 + c)
     decode step(B sequences, K context tokens)   = e + f*B + g*K
-
-``b`` is the per-token matmul cost, ``d`` the cost of one (query, key) pair of causal
-attention (n new queries see c cached keys and on average n/2 new ones), ``e`` the
-weight read of one step, ``f`` the per-sequence cost and ``g`` the per-context-token
-KV read.
 
 Fitting. The calibration coefficients are the prior. Each observation is rescaled by
 what the prior predicts for it, so the fit minimises *relative* error (a 20 ms prefill
@@ -26,6 +23,13 @@ negative (a fitted coefficient below zero is clamped to zero).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from common.cost_profile import (
+    cost,
+    decode_terms,
+    prefill_step_terms,
+    prefill_terms,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,41 +152,34 @@ class CostModel:
             (c.decode_fixed_s, c.decode_per_seq_s, c.decode_per_ctx_token_s),
             forgetting, prior_weight)
 
-    @staticmethod
-    def _prefill_x(n: float, c: float) -> tuple[float, float, float]:
-        return (1.0, n, n * (n / 2 + c))
-
     def observe_prefill(self, n: int, c: int, seconds: float) -> None:
         _check(uncached=n, cached=c)
         if n > 0:
-            self._prefill.observe(self._prefill_x(n, c), seconds)
+            self._prefill.observe(prefill_terms(n, c), seconds)
 
     def observe_prefill_step(self, chunks: list[tuple[int, int]], seconds: float) -> None:
         """One engine step that prefilled several prompt chunks at once, each ``(n, c)``:
         its fixed cost counts once, the token and pair terms of the chunks add up."""
-        tokens = pairs = 0.0
         for n, c in chunks:
             _check(uncached=n, cached=c)
-            tokens += n
-            pairs += n * (n / 2 + c)
-        if tokens > 0:
-            self._prefill.observe((1.0, tokens, pairs), seconds)
+        x = prefill_step_terms(chunks)
+        if x[1] > 0:
+            self._prefill.observe(x, seconds)
 
     def observe_decode(self, batch: int, context_tokens: int, seconds: float) -> None:
         _check(batch=batch, context_tokens=context_tokens)
         if batch > 0:
-            self._decode.observe((1.0, batch, context_tokens), seconds)
+            self._decode.observe(decode_terms(batch, context_tokens), seconds)
 
     # The three predictors below run per candidate per routing decision: no kwargs
-    # checks or tuple building on their path.
+    # checks on their path, and nothing built but the terms' one small tuple.
     def predict_prefill(self, n: int, c: int = 0) -> float:
         """Seconds to prefill ``n`` uncached tokens after a cached prefix of ``c``."""
         if n < 0 or c < 0:
             _check(uncached=n, cached=c)
         if n <= 0:
             return 0.0
-        a, b, d = self._prefill.theta()
-        return a + b * n + d * n * (n / 2 + c)
+        return cost(self._prefill.theta(), prefill_terms(n, c))
 
     def predict_decode(self, batch: int, context_tokens: int) -> float:
         """Seconds of one decode step of ``batch`` sequences holding ``context_tokens``."""
@@ -190,8 +187,7 @@ class CostModel:
             _check(batch=batch, context_tokens=context_tokens)
         if batch <= 0:
             return 0.0
-        e, f, g = self._decode.theta()
-        return e + f * batch + g * context_tokens
+        return cost(self._decode.theta(), decode_terms(batch, context_tokens))
 
     def prefill_queue_time(self, requests: int, tokens: int) -> float:
         """Seconds to drain a FIFO of ``requests`` prompts totalling ``tokens`` uncached
@@ -202,8 +198,7 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         r = max(1, requests)
-        a, b, d = self._prefill.theta()
-        return r * a + b * tokens + d * tokens * tokens / (2 * r)
+        return r * cost(self._prefill.theta(), prefill_terms(tokens / r, 0))
 
     def coefficients(self) -> Calibration:
         """The current fit, as a calibration (for logging, or to seed another model)."""
