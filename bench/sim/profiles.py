@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.cost_profile import cost, decode_terms, prefill_terms
 from services.conductor.cost_model import Calibration
 
 
@@ -62,16 +63,16 @@ class Profile:
         if n <= 0:
             return 0.0
         k = self.cost
-        return k.prefill_fixed_s + k.prefill_per_token_s * n + k.prefill_per_pair_s * n * (
-            n / 2 + c)
+        return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
+                    prefill_terms(n, c))
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """True seconds of one decode step."""
         if batch <= 0:
             return 0.0
         k = self.cost
-        return k.decode_fixed_s + k.decode_per_seq_s * batch + \
-            k.decode_per_ctx_token_s * context_tokens
+        return cost((k.decode_fixed_s, k.decode_per_seq_s, k.decode_per_ctx_token_s),
+                    decode_terms(batch, context_tokens))
 
 
 LLAMA70B_H100X4 = Profile(
