@@ -187,13 +187,13 @@ class KVReceiver(ABC):
 
 
 class KVSender(ABC):
-    """Sends KV chunks to receivers, pooling one connection per address.
+    """Sends KV chunks to receivers, keeping one connection per address.
 
     Messages to one address arrive in the order their calls started writing; concurrent
     calls never interleave bytes of two messages. A connection that breaks is dropped
-    from the pool and the next call reconnects. A call cancelled mid-write drops its
-    connection too, so the receiver fails that message's transfer; one cancelled while
-    waiting for its chunk's verdict leaves the connection as it is.
+    and the next call reconnects. A call cancelled mid-write drops its connection too,
+    so the receiver fails that message's transfer; one cancelled while waiting for its
+    chunk's verdict leaves the connection as it is.
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
     ValueError for a malformed address or argument. Returning from ``send`` means the
@@ -241,7 +241,7 @@ class KVSender(ABC):
 
     @abstractmethod
     async def close(self) -> None:
-        """Close every pooled connection. Idempotent; later calls raise TransferError."""
+        """Close every connection it keeps. Idempotent; later calls raise TransferError."""
 
 
 BACKENDS = ("tcp", "shm", "ucx", "auto")

@@ -5,7 +5,7 @@ Messages are framed as in ``wire.py``. Sockets ask for 4 MiB send and receive bu
 (the kernel may cap them at net.core.wmem_max / rmem_max) and set TCP_NODELAY; the
 listening socket gets its buffers before ``listen`` so the TCP window can scale.
 
-Sender (asyncio streams): one pooled connection per address, a lock per connection so
+Sender (asyncio streams): one connection per address, kept while it works, a lock per connection so
 that messages never interleave, and each payload slice drained into the kernel before the
 next is written, so at most one slice plus the socket buffers are in flight per
 connection; a task per connection reads the receiver's verdicts. Receiver: a server
@@ -25,8 +25,8 @@ import structlog
 
 from common.transfer import wire
 from common.transfer.base import ChunkSink, TransferError
+from common.transfer.connections import InFlight, StreamSender
 from common.transfer.frame_reader import FrameReader
-from common.transfer.pooled import InFlight, StreamSender
 from common.transfer.table import TableReceiver, TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
@@ -175,11 +175,11 @@ class TcpSender(StreamSender):
     async def close(self) -> None:
         self._closed = True
         await self._stop_resending()
-        pool, self._pool = self._pool, {}
-        for conn in pool.values():
+        conns, self._conns = self._conns, {}
+        for conn in conns.values():
             conn.broken = True
             conn.writer.close()  # flushes what is buffered, then FIN
-        for conn in pool.values():
+        for conn in conns.values():
             with contextlib.suppress(OSError):
                 await conn.writer.wait_closed()
             if conn.task is not None:
@@ -285,7 +285,7 @@ class TcpSender(StreamSender):
 
     def _drop(self, address: str, conn: _Connection, reason: str = "connection dropped") -> None:
         conn.broken = True
-        if self._pool.get(address) is conn:
-            del self._pool[address]
+        if self._conns.get(address) is conn:
+            del self._conns[address]
         conn.writer.transport.abort()
         conn.fail_waiting(reason)

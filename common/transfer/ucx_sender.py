@@ -28,8 +28,8 @@ import structlog
 
 from common.transfer import wire
 from common.transfer.base import TransferError
+from common.transfer.connections import InFlight, StreamSender
 from common.transfer.frame_reader import VERDICT_BATCH
-from common.transfer.pooled import InFlight, StreamSender
 from common.transfer.ucx import (
     BATCH_LENGTH,
     INLINE_BYTES,
@@ -91,8 +91,8 @@ class UcxSender(StreamSender):
     async def close(self) -> None:
         self._closed = True
         await self._stop_resending()
-        pool, self._pool = self._pool, {}
-        for address, conn in pool.items():
+        conns, self._conns = self._conns, {}
+        for address, conn in conns.items():
             self._post_run(address, conn)
             try:
                 async with asyncio.timeout(2.0):
@@ -215,8 +215,8 @@ class UcxSender(StreamSender):
         conn.broken = True
         conn.sent.set()  # wakes the calls waiting for room: they find it broken
         self._post_run(address, conn)  # only forgets it: the connection is broken
-        if self._pool.get(address) is conn:
-            del self._pool[address]
+        if self._conns.get(address) is conn:
+            del self._conns[address]
         if not conn.ep.closed:
             conn.ep.abort()
         conn.fail_waiting(reason)
