@@ -31,10 +31,11 @@ import socket
 import structlog
 import xxhash
 
+from common.address import dial_target
 from common.transfer import control, wire
 from common.transfer.base import TransferError
 from common.transfer.connections import ConnectionSender, InFlight
-from common.transfer.shm import KNOWN_VERDICTS, MAX_SLOTS, VERSION, parse_shm_address, read_verdict
+from common.transfer.shm import KNOWN_VERDICTS, MAX_SLOTS, SCHEME, VERSION, read_verdict
 from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix, segment_name, unlink_prefix
 
 log = structlog.get_logger("pdserve.transfer")
@@ -366,7 +367,7 @@ class ShmSender(ConnectionSender):
         await conn.drain()
 
     async def _dial(self, address: str) -> _Connection:
-        host, port = parse_shm_address(address)
+        host, port = dial_target(address, SCHEME)
         if port == 0:
             raise ValueError(f"cannot connect to port 0: {address!r}")
         ring = _Ring(self._directory, self._slots, self._min_bytes, self._budget)

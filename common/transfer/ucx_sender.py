@@ -26,17 +26,12 @@ import functools
 
 import structlog
 
+from common.address import dial_target
 from common.transfer import wire
 from common.transfer.base import TransferError
 from common.transfer.connections import InFlight, StreamSender
 from common.transfer.frame_reader import VERDICT_BATCH
-from common.transfer.ucx import (
-    BATCH_LENGTH,
-    INLINE_BYTES,
-    RUN_BYTES,
-    load_ucxx,
-    parse_ucx_address,
-)
+from common.transfer.ucx import BATCH_LENGTH, INLINE_BYTES, RUN_BYTES, SCHEME, load_ucxx
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -197,7 +192,7 @@ class UcxSender(StreamSender):
         self._drop(address, conn, reason)
 
     async def _dial(self, address: str) -> _Connection:
-        host, port = parse_ucx_address(address)
+        host, port = dial_target(address, SCHEME)
         if port == 0:
             raise ValueError(f"cannot connect to port 0: {address!r}")
         try:
