@@ -4,7 +4,9 @@ each incoming message does to them.
 A backend only parses its wire and calls ``on_chunk`` / ``on_finish`` / ``on_abort`` /
 ``fail``; checksum verification, the sink call, state changes and each chunk's verdict
 (``wire.Verdict``, which the backend sends back) happen here, so every backend ends
-transfers for the same reasons with the same error strings.
+transfers for the same reasons with the same error strings. ``TableReceiver`` is the
+receiver around the table: its checks, start, serving and close, the same for every
+backend, which adds only its wire.
 """
 
 from __future__ import annotations
