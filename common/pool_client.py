@@ -54,6 +54,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from common.address import parse_address, with_host
 from common.pool_transfer import BlockInbox, send_blocks
 from common.protocol import (
     GetStats,
@@ -79,7 +80,6 @@ _EXISTS_BATCH = 65536  # keys per PoolExists: no bytes move, only the envelope l
 
 TRANSPORTS = ("data_plane", "zmq")
 TRANSFER_BACKENDS = ("auto", "tcp", "shm", "ucx")
-_WILDCARDS = ("0.0.0.0", "*", "::", "[::]", "")
 
 
 class PoolClient:
@@ -418,24 +418,20 @@ def _quiet_task(coro) -> asyncio.Task:
     return task
 
 
-def _split(address: str) -> tuple[str, str, str]:
-    """``"scheme://host:port"`` -> (scheme, host, port); ("", "", "") for anything else."""
-    scheme, sep, rest = address.partition("://")
-    host, colon, port = rest.rpartition(":")
-    return (scheme, host, port) if sep and colon else ("", "", "")
-
-
 def _route_host(control_addr: str) -> str:
     """The local address this host reaches ``control_addr``'s host from: where a pool
     there can send to. 127.0.0.1 for loopback, ipc, or a host that does not resolve."""
-    scheme, host, port = _split(control_addr)
-    host = host.strip("[]")
-    if scheme != "tcp" or host in ("127.0.0.1", "localhost", "::1", *_WILDCARDS):
+    try:
+        control = parse_address(control_addr, "tcp")
+    except ValueError:
+        return "127.0.0.1"
+    host = control.host
+    if host in ("127.0.0.1", "localhost", "::1") or control.is_wildcard:
         return "127.0.0.1"
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, int(port or 9)))  # UDP: picks a route, sends nothing
+            s.connect((host, control.port))  # UDP: picks a route, sends nothing
             return s.getsockname()[0]
     except (OSError, ValueError):
         return "127.0.0.1"
@@ -444,12 +440,14 @@ def _route_host(control_addr: str) -> str:
 def _reachable(advert: Mapping, control_addr: str) -> dict:
     """``advert`` with each wildcard endpoint host (the pool listens on every interface)
     replaced by the host of the control address we reach the pool by."""
-    _, control_host, _ = _split(control_addr)
+    try:
+        control_host = parse_address(control_addr).host
+    except ValueError:  # ipc: no host to put in their place
+        control_host = ""
     endpoints = {}
     for kind, address in advert["endpoints"].items():
-        scheme, host, port = _split(address)
-        if scheme and host in _WILDCARDS and control_host not in _WILDCARDS:
-            address = f"{scheme}://{control_host}:{port}"
+        with contextlib.suppress(ValueError):  # not host:port: left as it is
+            address = with_host(address, control_host)
         endpoints[kind] = address
     return {"host_id": advert["host_id"], "endpoints": endpoints}
 

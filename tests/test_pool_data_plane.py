@@ -25,7 +25,7 @@ def _ucx_works() -> bool:
     if "ucx" not in available_backends():
         return False
     try:
-        from common.transfer.ucx import UcxReceiver  # noqa: F401
+        from common.transfer.ucx_receiver import UcxReceiver  # noqa: F401
     except ImportError:
         return False
     return True

@@ -18,6 +18,7 @@ import pytest
 import structlog
 import xxhash
 
+from common.address import dial_target
 from common.transfer import (
     BackendUnavailable,
     MultiReceiver,
@@ -379,7 +380,7 @@ async def test_ucx_run_applies_the_messages_before_a_malformed_one(serve):
         wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.CHUNK, 0, len(bad), 0) + bad,
     ])
     ucxx = load_ucxx()
-    ep = await ucxx.create_endpoint(*ucx.parse_ucx_address(rx.address))
+    ep = await ucxx.create_endpoint(*dial_target(rx.address, "ucx"))
     try:
         await ep.send(ucx.BATCH_LENGTH.pack(len(run)) + run)
         await done.wait()
@@ -493,7 +494,8 @@ def test_ucx_without_ucxx_names_the_missing_package(monkeypatch):
 
 
 def test_new_backends_import_without_torch_or_numpy():
-    modules = ["shm", "shm_sender", "ucx", "ucx_sender", "multi", "negotiate"]
+    modules = ["shm", "shm_sender", "shm_receiver", "ucx", "ucx_sender", "ucx_receiver",
+               "multi", "negotiate", "factory", "backends"]
     code = "import sys;" + "".join(f"import common.transfer.{m};" for m in modules)
     code += "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30, cwd=ROOT)

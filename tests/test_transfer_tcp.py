@@ -16,7 +16,8 @@ import pytest
 import xxhash
 
 from common.transfer import TransferError, TransferState, make_receiver, make_sender, wire
-from common.transfer.tcp import TcpReceiver, TcpSender
+from common.transfer.tcp_receiver import TcpReceiver
+from common.transfer.tcp_sender import TcpSender
 
 
 class Sink:
@@ -503,7 +504,7 @@ def test_works_under_uvloop():
 
 def test_data_plane_imports_without_torch_or_numpy():
     code = (
-        "import sys, common.transfer, common.transfer.tcp;"
+        "import sys, common.transfer, common.transfer.tcp_sender, common.transfer.tcp_receiver;"
         "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
     )
     root = Path(__file__).resolve().parents[1]

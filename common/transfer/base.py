@@ -187,13 +187,13 @@ class KVReceiver(ABC):
 
 
 class KVSender(ABC):
-    """Sends KV chunks to receivers, pooling one connection per address.
+    """Sends KV chunks to receivers, keeping one connection per address.
 
     Messages to one address arrive in the order their calls started writing; concurrent
     calls never interleave bytes of two messages. A connection that breaks is dropped
-    from the pool and the next call reconnects. A call cancelled mid-write drops its
-    connection too, so the receiver fails that message's transfer; one cancelled while
-    waiting for its chunk's verdict leaves the connection as it is.
+    and the next call reconnects. A call cancelled mid-write drops its connection too,
+    so the receiver fails that message's transfer; one cancelled while waiting for its
+    chunk's verdict leaves the connection as it is.
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
     ValueError for a malformed address or argument. Returning from ``send`` means the
@@ -241,59 +241,4 @@ class KVSender(ABC):
 
     @abstractmethod
     async def close(self) -> None:
-        """Close every pooled connection. Idempotent; later calls raise TransferError."""
-
-
-BACKENDS = ("tcp", "shm", "ucx", "auto")
-"""Kinds ``make_receiver`` and ``make_sender`` build: one backend each (``tcp.py``,
-``shm.py``, ``ucx.py``), or ``auto``: every backend available here at once, with the
-sender picking per peer (``multi.py``, ``negotiate.py``)."""
-
-
-def make_receiver(
-    kind: str = "tcp", *, host: str = "127.0.0.1", port: int = 0, sink: ChunkSink
-) -> KVReceiver:
-    """Build an unstarted receiver of backend ``kind``; port 0 picks a free port.
-
-    For ``auto``, ``port`` is the tcp backend's and the others pick free ports. Raises
-    ValueError for an unknown kind, BackendUnavailable (a TransferError and an
-    ImportError) for ``ucx`` when ucxx cannot be imported.
-    """
-    if kind == "tcp":
-        from common.transfer.tcp import TcpReceiver
-
-        return TcpReceiver(host, port, sink=sink)
-    if kind == "shm":
-        from common.transfer.shm import ShmReceiver
-
-        return ShmReceiver(host, port, sink=sink)
-    if kind == "ucx":
-        from common.transfer.ucx import UcxReceiver
-
-        return UcxReceiver(host, port, sink=sink)
-    if kind == "auto":
-        from common.transfer.multi import MultiReceiver
-
-        return MultiReceiver(host=host, port=port, sink=sink)
-    raise ValueError(f"unknown transfer backend {kind!r}; known: {BACKENDS}")
-
-
-def make_sender(kind: str = "tcp") -> KVSender:
-    """Build a sender of backend ``kind`` (errors as for ``make_receiver``)."""
-    if kind == "tcp":
-        from common.transfer.tcp import TcpSender
-
-        return TcpSender()
-    if kind == "shm":
-        from common.transfer.shm_sender import ShmSender
-
-        return ShmSender()
-    if kind == "ucx":
-        from common.transfer.ucx_sender import UcxSender
-
-        return UcxSender()
-    if kind == "auto":
-        from common.transfer.multi import MultiSender
-
-        return MultiSender()
-    raise ValueError(f"unknown transfer backend {kind!r}; known: {BACKENDS}")
+        """Close every connection it keeps. Idempotent; later calls raise TransferError."""

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 
 import structlog
 
+from common.transfer.backends import backend_receiver, backend_sender
 from common.transfer.base import ChunkSink, KVReceiver, KVSender, Transfer, TransferError
 from common.transfer.negotiate import (
     PREFERENCE,
@@ -29,28 +30,13 @@ from common.transfer.negotiate import (
     scheme_of,
 )
 from common.transfer.table import TransferTable
-from common.transfer.tcp import TcpReceiver
 
 log = structlog.get_logger("pdserve.transfer")
 
 
-def _receiver(kind: str, host: str, port: int, sink: ChunkSink, table: TransferTable) -> KVReceiver:
-    if kind == "tcp":
-        receiver = TcpReceiver(host, port, sink=sink)
-        # tcp.py predates shared tables and builds its own; this one replaces it before
-        # start, while nothing refers to the old one.
-        receiver.table = table
-        return receiver
-    if kind == "shm":
-        from common.transfer.shm import ShmReceiver
-
-        # Its peers are on this host by definition: the control channel stays on loopback.
-        return ShmReceiver("127.0.0.1", port, table=table)
-    if kind == "ucx":
-        from common.transfer.ucx import UcxReceiver
-
-        return UcxReceiver(host, port, table=table)
-    raise ValueError(f"unknown transfer backend {kind!r}; known: {PREFERENCE}")
+def _receiver(kind: str, host: str, port: int, table: TransferTable) -> KVReceiver:
+    # shm's peers are on this host by definition: its control channel stays on loopback.
+    return backend_receiver(kind, "127.0.0.1" if kind == "shm" else host, port, table=table)
 
 
 class MultiReceiver(KVReceiver):
@@ -82,7 +68,7 @@ class MultiReceiver(KVReceiver):
         self._receivers: dict[str, KVReceiver] = {}
         for kind in kinds:
             try:
-                self._receivers[kind] = _receiver(kind, host, ports.get(kind, 0), sink, self._table)
+                self._receivers[kind] = _receiver(kind, host, ports.get(kind, 0), self._table)
             except BackendUnavailable as exc:
                 if strict:
                     raise
@@ -188,11 +174,9 @@ class MultiSender(KVSender):
             raise TransferError("sender is closed")
         sender = self._senders.get(kind)
         if sender is None:
-            from common.transfer.base import make_sender
-
             if kind not in self.backends:
                 raise BackendUnavailable(kind, f"not among this sender's {self.backends}")
-            sender = self._senders[kind] = make_sender(kind)
+            sender = self._senders[kind] = backend_sender(kind)
         return sender
 
     async def send(self, address, request_id, layer, block_ids, payload) -> None:

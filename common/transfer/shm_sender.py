@@ -31,10 +31,11 @@ import socket
 import structlog
 import xxhash
 
+from common.address import dial_target
 from common.transfer import control, wire
 from common.transfer.base import TransferError
-from common.transfer.pooled import InFlight, PooledSender
-from common.transfer.shm import KNOWN_VERDICTS, MAX_SLOTS, VERSION, parse_shm_address, read_verdict
+from common.transfer.connections import ConnectionSender, InFlight
+from common.transfer.shm import KNOWN_VERDICTS, MAX_SLOTS, SCHEME, VERSION, read_verdict
 from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix, segment_name, unlink_prefix
 
 log = structlog.get_logger("pdserve.transfer")
@@ -263,7 +264,7 @@ class _Connection(asyncio.Protocol):
         self.on_lost(self.reason or lost)
 
 
-class ShmSender(PooledSender):
+class ShmSender(ConnectionSender):
     """KVSender over shared memory, for receivers on this host.
 
     Per receiver: up to ``slots`` segments and ``max_in_flight_bytes`` in flight (a
@@ -294,11 +295,11 @@ class ShmSender(PooledSender):
 
     @property
     def segments_created(self) -> int:
-        return self._created_before + sum(c.ring.created for c in self._pool.values())
+        return self._created_before + sum(c.ring.created for c in self._conns.values())
 
     @property
     def connections(self) -> int:
-        return sum(conn.usable() for conn in self._pool.values())
+        return sum(conn.usable() for conn in self._conns.values())
 
     async def _post(self, attempt: InFlight) -> None:
         chunk, view, address = attempt.chunk, attempt.view, attempt.address
@@ -344,8 +345,8 @@ class ShmSender(PooledSender):
         most ``connect_timeout_s`` each), then remove every segment."""
         self._closed = True
         await self._stop_resending()
-        pool, self._pool = self._pool, {}
-        for conn in pool.values():
+        conns, self._conns = self._conns, {}
+        for conn in conns.values():
             self._created_before += conn.ring.created
             conn.flush()
             with contextlib.suppress(TimeoutError):
@@ -366,7 +367,7 @@ class ShmSender(PooledSender):
         await conn.drain()
 
     async def _dial(self, address: str) -> _Connection:
-        host, port = parse_shm_address(address)
+        host, port = dial_target(address, SCHEME)
         if port == 0:
             raise ValueError(f"cannot connect to port 0: {address!r}")
         ring = _Ring(self._directory, self._slots, self._min_bytes, self._budget)
@@ -385,8 +386,8 @@ class ShmSender(PooledSender):
         return conn
 
     def _drop(self, address: str, conn: _Connection, reason: str = "connection dropped") -> None:
-        if self._pool.get(address) is conn:
-            del self._pool[address]
+        if self._conns.get(address) is conn:
+            del self._conns[address]
             self._created_before += conn.ring.created
         if conn.transport is not None:
             conn.transport.abort()

@@ -4,7 +4,9 @@ each incoming message does to them.
 A backend only parses its wire and calls ``on_chunk`` / ``on_finish`` / ``on_abort`` /
 ``fail``; checksum verification, the sink call, state changes and each chunk's verdict
 (``wire.Verdict``, which the backend sends back) happen here, so every backend ends
-transfers for the same reasons with the same error strings.
+transfers for the same reasons with the same error strings. ``TableReceiver`` is the
+receiver around the table: its checks, start, serving and close, the same for every
+backend, which adds only its wire.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import OrderedDict
 
 import structlog
 
+from common.address import format_address
 from common.transfer.base import ChunkSink, KVReceiver, Transfer, TransferState
 from common.transfer.wire import DROPPED, MAX_ATTEMPTS, OK, Status, Verdict, checksum
 
@@ -193,17 +196,75 @@ class TransferTable:
 
 
 class TableReceiver(KVReceiver):
-    """What every backend's receiver shares: its transfers live in ``self.table``.
+    """What every backend's receiver shares: its constructor's checks, its transfers in
+    ``self.table``, the sender connections it serves, and start / idempotent close.
 
-    A subclass sets ``self.table`` and, once listening, ``self._address``, and says
-    whether it is serving (started and not closed) through ``_serving``.
+    Give ``sink``, or a ``table`` shared with other receivers (``multi.py``), not both.
+    A backend sets ``SCHEME`` and implements its wire: ``_listen`` binds and begins
+    serving and returns the port it got; ``_stop`` stops listening and ends every
+    connection (the table's transfers are cancelled by then). Each sender connection is
+    registered with ``_track`` while it lasts and removed with ``_untrack``.
     """
 
-    table: TransferTable
-    _address: str | None = None
+    SCHEME: str
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        sink: ChunkSink | None,
+        table: TransferTable | None,
+        max_payload_bytes: int,
+    ) -> None:
+        if (sink is None) == (table is None):
+            raise TypeError("give exactly one of sink and table")
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {port!r}")
+        if max_payload_bytes <= 0:
+            raise ValueError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
+        self._host, self._port = host, port
+        self.table = table if table is not None else TransferTable(sink)
+        self.max_payload = max_payload_bytes
+        # Sender connection -> what its backend keeps with it (ucx: its task).
+        self._connections: dict[object, object] = {}
+        self._address: str | None = None
+        self._listening = False
+        self._closed = False
+
+    async def _listen(self) -> int:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def connections(self) -> int:
+        """Sender connections open right now."""
+        return len(self._connections)
+
+    def _track(self, connection: object, kept: object = None) -> None:
+        self._connections[connection] = kept
+
+    def _untrack(self, connection: object) -> None:
+        self._connections.pop(connection, None)
 
     def _serving(self) -> bool:
-        raise NotImplementedError
+        return self._listening and not self._closed
+
+    async def start(self) -> None:
+        if self._listening or self._closed:
+            raise RuntimeError("receiver already started" if self._listening else "receiver closed")
+        port = await self._listen()
+        self._listening = True
+        self._address = format_address(self.SCHEME, self._host, port)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.table.cancel_all("receiver closed")
+        await self._stop()
 
     @property
     def address(self) -> str:

@@ -1,7 +1,7 @@
 """The ucx backend: UCX through ``ucxx`` (the optional extra ``pdserve[ucx]``, package
 ``ucxx-cu12``). UCX picks the transport itself: RDMA where the hardware has it, else its
 own TCP and shared-memory transports (CPU-only hosts included). The sender is in
-``ucx_sender.py``.
+``ucx_sender.py``, the receiver in ``ucx_receiver.py``.
 
 Address: ``ucx://host:port``, the port of a ucxx listener. The listener binds every
 interface (ucxx offers no bind address); ``host`` is only what the receiver advertises.
@@ -38,29 +38,18 @@ when the receiver's endpoint fails.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import os
 import struct
-from typing import NamedTuple
-
-import structlog
 
 from common.transfer import wire
-from common.transfer.base import ChunkSink
-from common.transfer.frame_reader import VERDICT_BATCH, VERDICT_BATCH_BYTES
 from common.transfer.negotiate import BackendUnavailable
-from common.transfer.table import TableReceiver, TransferTable
-from common.transfer.tcp import format_address, parse_address
 
-log = structlog.get_logger("pdserve.transfer")
-
-SCHEME = "ucx://"
+SCHEME = "ucx"
 PACKAGE = "ucxx-cu12"
 BATCH_LENGTH = struct.Struct("<I")
 INLINE_BYTES = 1 << 20  # payloads up to this travel inside their run
 RUN_BYTES = 4 << 20  # a run is posted once this full; larger only with a single message
-_RUN_BUFFER_BYTES = BATCH_LENGTH.size + max(
+RUN_BUFFER_BYTES = BATCH_LENGTH.size + max(
     RUN_BYTES, wire.PREFIX.size + wire.MAX_HEADER_BYTES + INLINE_BYTES
 )
 
@@ -79,207 +68,6 @@ def load_ucxx():
             PACKAGE,
         ) from exc
     return ucxx
-
-
-def parse_ucx_address(address: str) -> tuple[str, int]:
-    """``"ucx://host:port"`` -> ``(host, port)``; ValueError if malformed."""
-    if not isinstance(address, str) or not address.startswith(SCHEME):
-        raise ValueError(f"not a ucx address (ucx://host:port): {address!r}")
-    try:
-        return parse_address("tcp://" + address[len(SCHEME) :])
-    except ValueError:
-        raise ValueError(f"not a ucx address (ucx://host:port): {address!r}") from None
-
-
-class UcxReceiver(TableReceiver):
-    """KVReceiver over UCX. Give ``sink`` or a ``table`` shared with other receivers
-    (``multi.py``), not both. Raises BackendUnavailable if ucxx cannot be imported."""
-
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        sink: ChunkSink | None = None,
-        table: TransferTable | None = None,
-        max_payload_bytes: int = 1 << 30,
-    ) -> None:
-        if (sink is None) == (table is None):
-            raise TypeError("give exactly one of sink and table")
-        if not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {port!r}")
-        if max_payload_bytes <= 0:
-            raise ValueError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
-        self._ucxx = load_ucxx()
-        self._host, self._port = host, port
-        self.table = table if table is not None else TransferTable(sink)
-        self.max_payload = max_payload_bytes
-        self._listener = None
-        self._endpoints: dict[object, asyncio.Task] = {}
-        self._answering: set[asyncio.Future] = set()  # verdict batches being sent
-        self._address: str | None = None
-        self._closed = False
-
-    @property
-    def connections(self) -> int:
-        return len(self._endpoints)
-
-    def _serving(self) -> bool:
-        return self._listener is not None and not self._closed
-
-    async def start(self) -> None:
-        if self._listener is not None or self._closed:
-            raise RuntimeError("receiver already started" if self._listener else "receiver closed")
-        self._listener = self._ucxx.create_listener(self._serve, port=self._port)
-        port = self._listener.port
-        self._address = format_address(self._host, port).replace("tcp://", SCHEME, 1)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.table.cancel_all("receiver closed")
-        if self._answering:  # verdicts given deserve to arrive (a sender's finish waits)
-            await asyncio.wait(self._answering, timeout=1.0)
-        for ep in list(self._endpoints):
-            ep.abort()  # fails the endpoint's pending receive; its task then ends
-        await asyncio.gather(*self._endpoints.values(), return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
-
-    async def _serve(self, ep) -> None:
-        if self._closed:
-            ep.abort()
-            return
-        self._endpoints[ep] = asyncio.current_task()
-        carried: set[str] = set()
-        reason = "sender connection lost"
-        try:
-            await self._read_messages(ep, carried)
-        except self._ucxx.exceptions.UCXError:
-            pass
-        except wire.WireError as exc:
-            log.warning("kv_transfer.protocol_error", backend="ucx", error=str(exc))
-            reason = f"sender protocol error: {exc}"
-        except Exception as exc:  # ucxx raises a few non-UCX errors on a closed endpoint
-            log.warning("kv_transfer.endpoint_failed", backend="ucx", error=repr(exc))
-        finally:
-            for rid in carried:
-                self.table.fail(rid, reason)
-            del self._endpoints[ep]
-            if not ep.closed:
-                ep.abort()
-
-    async def _read_messages(self, ep, carried: set[str]) -> None:
-        table, truncated = self.table, self._ucxx.exceptions.UCXMessageTruncatedError
-        runs = [bytearray(_RUN_BUFFER_BYTES), bytearray(_RUN_BUFFER_BYTES)]  # by turns
-        payloads = [bytearray(), bytearray()]  # by turns too
-        answering = self._answering
-        verdicts: list[bytes] = []  # encoded, not sent yet
-        held = 0  # payload bytes they answer for
-        run_turn = payload_turn = 0
-
-        def flush() -> None:
-            # One tagged message for the batch, posted now, in order (tasks start in
-            # creation order).
-            nonlocal held
-            batch = b"".join(verdicts)
-            answer = asyncio.ensure_future(ep.send(BATCH_LENGTH.pack(len(batch)) + batch))
-            verdicts.clear()
-            held = 0
-            answering.add(answer)
-            answer.add_done_callback(answering.discard)
-            answer.add_done_callback(_consume)
-
-        def take() -> None:
-            """Queue the messages of the run just received, with the receive of a
-            payload that follows them posted, then the next run's (tags match in
-            posting order). The other run buffer is free by then: of the run it held,
-            only a last message whose payload came on its own may not be applied yet.
-            A message that breaks the spec queues its error after those before it."""
-            nonlocal next_run, run_turn, payload_turn
-            try:
-                for kind, raw, size, inline in split_run(runs[run_turn]):
-                    message = _decode_header(table, kind, raw)
-                    rid = message.request_id
-                    wanted = isinstance(message, wire.Chunk) and table.is_live(rid)
-                    verdict = None
-                    if wanted and size > self.max_payload:
-                        limit = self.max_payload
-                        reason = f"chunk of {size} bytes exceeds the {limit}-byte limit"
-                        verdict = table.fail(rid, reason)
-                        wanted = False
-                    view, body = inline, None
-                    if inline is None:  # it follows, received into a buffer of its own
-                        view = memoryview(b"")
-                        if wanted:
-                            payload_turn ^= 1
-                            if len(payloads[payload_turn]) < size:
-                                # New, not resized: a view may be held.
-                                payloads[payload_turn] = bytearray(size)
-                            view = memoryview(payloads[payload_turn])[:size]
-                        body = asyncio.ensure_future(ep.recv(view if wanted else bytearray(1)))
-                    waiting.append(_Incoming(message, size, wanted, verdict, view, body))
-            except wire.WireError as exc:
-                waiting.append(exc)
-                return
-            run_turn ^= 1
-            next_run = asyncio.ensure_future(ep.recv(runs[run_turn]))
-
-        # What came and is not applied yet, in order; an error is raised when reached.
-        waiting: collections.deque[_Incoming | Exception] = collections.deque()
-        next_run = asyncio.ensure_future(ep.recv(runs[0]))
-        item = None
-        try:
-            while True:
-                if not waiting:
-                    await next_run
-                    take()
-                item = waiting.popleft()
-                if isinstance(item, Exception):
-                    raise item
-                message, size, wanted, verdict, view, body = item
-                if body is not None:  # the last of its run: nothing else is waiting
-                    try:
-                        await body
-                    except truncated:
-                        if wanted:
-                            raise
-                    # The next run has usually come while this payload did: its
-                    # payload's receive is then posted (into the other buffer) before
-                    # this one is verified. Never waited for: the sender may send
-                    # nothing more until it hears back.
-                    if not next_run.done():
-                        await asyncio.sleep(0)  # a completion may be queued behind us
-                    if next_run.done():
-                        try:
-                            next_run.result()
-                        except Exception as exc:
-                            waiting.append(exc)  # after this message, which is whole
-                        else:
-                            take()
-                if len(carried) > 4096:
-                    carried.difference_update({r for r in carried if not table.is_live(r)})
-                carried.add(message.request_id)
-                if verdicts and not isinstance(message, wire.Chunk):
-                    flush()  # first: the sender's finish waits for them
-                applied = _dispatch(table, message, wanted, view, carried)
-                verdict = verdict or applied
-                if verdict is not None:
-                    verdicts.append(wire.encode_verdict(verdict))
-                    held += size
-                    if (
-                        wire.is_urgent(verdict, message)
-                        or len(verdicts) >= VERDICT_BATCH
-                        or held >= VERDICT_BATCH_BYTES
-                    ):
-                        flush()
-        finally:
-            left = (m for m in (item, *waiting) if isinstance(m, _Incoming))
-            for posted in (next_run, *(m.body for m in left)):
-                if posted is not None:
-                    posted.cancel()
-                    posted.add_done_callback(_consume)
 
 
 def split_run(buffer: bytearray) -> list[tuple[wire.Kind, memoryview, int, memoryview | None]]:
@@ -309,45 +97,3 @@ def split_run(buffer: bytearray) -> list[tuple[wire.Kind, memoryview, int, memor
             raise wire.WireError("a run that ends inside a message")
         messages.append((kind, view[start : start + header_len], size, payload))
     return messages
-
-
-class _Incoming(NamedTuple):
-    message: wire.Message
-    size: int  # of its payload
-    wanted: bool  # its payload is received (else into one byte, and dropped)
-    verdict: wire.Verdict | None  # given before its payload came
-    view: memoryview  # where its payload is received
-    body: asyncio.Future | None  # the payload's receive
-
-
-def _consume(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: the endpoint's failure is handled by _serve
-
-
-def _decode_header(table: TransferTable, kind: wire.Kind, raw: bytearray) -> wire.Message:
-    try:
-        return wire.decode_header(kind, raw)
-    except wire.WireError as exc:
-        if exc.request_id is not None:
-            table.fail(exc.request_id, f"malformed message: {exc}")
-        raise
-
-
-def _dispatch(
-    table: TransferTable, message, wanted: bool, view: memoryview, carried
-) -> wire.Verdict | None:
-    """Apply one message; a chunk's verdict (DROPPED when it was not ``wanted``)."""
-    rid = message.request_id
-    if isinstance(message, wire.Chunk):
-        if wanted:
-            return table.on_chunk(
-                rid, message.layer, message.block_ids, view, message.checksum, message.attempt
-            )
-        table.drop(rid, "chunk")
-        return wire.DROPPED
-    if isinstance(message, wire.Finish):
-        table.on_finish(rid, message.num_chunks)
-    else:
-        table.on_abort(rid, message.reason)
-    carried.discard(rid)

@@ -26,17 +26,12 @@ import functools
 
 import structlog
 
+from common.address import dial_target
 from common.transfer import wire
 from common.transfer.base import TransferError
+from common.transfer.connections import InFlight, StreamSender
 from common.transfer.frame_reader import VERDICT_BATCH
-from common.transfer.pooled import InFlight, StreamSender
-from common.transfer.ucx import (
-    BATCH_LENGTH,
-    INLINE_BYTES,
-    RUN_BYTES,
-    load_ucxx,
-    parse_ucx_address,
-)
+from common.transfer.ucx import BATCH_LENGTH, INLINE_BYTES, RUN_BYTES, SCHEME, load_ucxx
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -91,8 +86,8 @@ class UcxSender(StreamSender):
     async def close(self) -> None:
         self._closed = True
         await self._stop_resending()
-        pool, self._pool = self._pool, {}
-        for address, conn in pool.items():
+        conns, self._conns = self._conns, {}
+        for address, conn in conns.items():
             self._post_run(address, conn)
             try:
                 async with asyncio.timeout(2.0):
@@ -197,7 +192,7 @@ class UcxSender(StreamSender):
         self._drop(address, conn, reason)
 
     async def _dial(self, address: str) -> _Connection:
-        host, port = parse_ucx_address(address)
+        host, port = dial_target(address, SCHEME)
         if port == 0:
             raise ValueError(f"cannot connect to port 0: {address!r}")
         try:
@@ -215,8 +210,8 @@ class UcxSender(StreamSender):
         conn.broken = True
         conn.sent.set()  # wakes the calls waiting for room: they find it broken
         self._post_run(address, conn)  # only forgets it: the connection is broken
-        if self._pool.get(address) is conn:
-            del self._pool[address]
+        if self._conns.get(address) is conn:
+            del self._conns[address]
         if not conn.ep.closed:
             conn.ep.abort()
         conn.fail_waiting(reason)

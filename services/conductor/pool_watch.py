@@ -41,12 +41,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit
 
 import structlog
 import zmq
 import zmq.asyncio
 
+from common.address import parse_address, with_host
 from common.pool_client import discover_pools
 from common.protocol import KVEvent, Resync
 from common.zmq_io import RemoteError, RpcClient, RpcTimeout, Subscriber
@@ -276,12 +276,7 @@ def reachable(events_addr: str, control_addr: str) -> str:
     the host of ``control_addr``, the address the instance was reached at."""
     if not events_addr.startswith("tcp://"):
         return events_addr
-    host = urlsplit(events_addr).hostname or ""
-    if host not in ("0.0.0.0", "*", "::", ""):
+    try:
+        return with_host(events_addr, parse_address(control_addr, "tcp").host)
+    except ValueError:  # either one not tcp://host:port: nothing to replace it with
         return events_addr
-    control = urlsplit(control_addr)
-    port = events_addr.rsplit(":", 1)[1]
-    if not control_addr.startswith("tcp://") or not control.hostname:
-        return events_addr
-    ctl_host = f"[{control.hostname}]" if ":" in control.hostname else control.hostname
-    return f"tcp://{ctl_host}:{port}"

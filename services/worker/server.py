@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 import zmq.asyncio
 
+from common.address import format_address, parse_address
 from common.logging import configure_logging
 from common.protocol import (
     Abort,
@@ -71,20 +72,19 @@ def build_engine(s: WorkerSettings) -> EngineCore:
         num_threads=s.num_threads or None))
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
-
-
 def advertise(addr: str, host: str = "") -> str:
     """``addr`` (``scheme://host:port``) as peers should dial it: with ``host`` when
     given, else with this machine's address in place of a wildcard bind. Addresses
     without a network host (shm, ipc) are returned as they are."""
-    scheme, sep, rest = addr.partition("://")
-    bound, colon, port = rest.rpartition(":")
-    if not sep or not colon or scheme not in ("tcp", "ucx"):
+    try:
+        parsed = parse_address(addr)
+    except ValueError:
         return addr
-    if not host and bound in WILDCARD_HOSTS:
+    if parsed.scheme not in ("tcp", "ucx"):
+        return addr
+    if not host and parsed.is_wildcard:
         host = socket.gethostbyname(socket.gethostname())
-    return f"{scheme}://{host}:{port}" if host else addr
+    return format_address(parsed.scheme, host, parsed.port) if host else addr
 
 
 def pin_cpus(spec: str) -> None:

@@ -92,19 +92,19 @@ class InFlight:
             self.request.settle()
 
 
-class PooledSender(KVSender):
+class ConnectionSender(KVSender):
     """A sender keeping one connection per receiver address.
 
     The subclass implements ``_dial(address)``, ``_drop(address, conn)``, ``_post``
     (write one attempt of a chunk, return the future of its verdict) and ``_write_end``
-    (write a FINISH or ABORT); its connections, in ``_pool`` by address, answer
+    (write a FINISH or ABORT); its connections, in ``_conns`` by address, answer
     ``usable()``; its ``close`` sets ``_closed`` and calls ``_stop_resending``.
     Concurrent callers for one address share a single dial; a broken connection is
     dropped and replaced on the next call.
     """
 
     def __init__(self) -> None:
-        self._pool: dict[str, Any] = {}
+        self._conns: dict[str, Any] = {}
         self._dialing: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._requests: dict[str, _Request] = {}
@@ -129,18 +129,18 @@ class PooledSender(KVSender):
         raise NotImplementedError
 
     async def _connection(self, address: str) -> Any:
-        conn = self._pool.get(address)
+        conn = self._conns.get(address)
         if conn is not None and conn.usable():
             return conn
         async with self._dialing.setdefault(address, asyncio.Lock()):
-            conn = self._pool.get(address)
+            conn = self._conns.get(address)
             if conn is not None and conn.usable():
                 return conn
             if conn is not None:
                 self._drop(address, conn)
             if self._closed:
                 raise TransferError("sender is closed")
-            conn = self._pool[address] = await self._dial(address)
+            conn = self._conns[address] = await self._dial(address)
             return conn
 
     async def send(self, address, request_id, layer, block_ids, payload) -> None:
@@ -230,15 +230,15 @@ def byte_view(payload: bytes | bytearray | memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class StreamSender(PooledSender):
-    """A pooled sender that writes every message as a head plus an optional payload
+class StreamSender(ConnectionSender):
+    """A connection sender that writes every message as a head plus an optional payload
     through ``_write(address, request_id, head, payload, attempt)`` (tcp, ucx): the
     chunk and end messages are built here once for both."""
 
     @property
     def connections(self) -> int:
-        """Pooled connections that are still usable (the peer has not closed them)."""
-        return sum(conn.usable() for conn in self._pool.values())
+        """Connections kept that are still usable (the peer has not closed them)."""
+        return sum(conn.usable() for conn in self._conns.values())
 
     async def _write(self, address: str, request_id: str, head: bytes,
                      payload: memoryview | None = None,

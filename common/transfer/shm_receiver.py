@@ -1,0 +1,182 @@
+"""Receiving side of the shm backend (protocol and segment lifetime: ``shm.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import structlog
+
+from common.transfer import control, wire
+from common.transfer.base import ChunkSink
+from common.transfer.shm import CHUNK_EXTRA, MAX_SLOTS, OK_FRAMES, SCHEME, VERSION, verdict_frame
+from common.transfer.shm_segment import SHM_DIR, Segment, is_valid_name, unlink_prefix
+from common.transfer.table import TableReceiver, TransferTable
+
+log = structlog.get_logger("pdserve.transfer")
+
+
+class _Peer(asyncio.Protocol):
+    """One sender connection on the receiving side: parses its frames in batches, maps
+    its slots, and remembers the request ids it carried messages for (to fail them if it
+    dies). Verdicts for a batch of chunks go back in one write."""
+
+    def __init__(self, receiver: ShmReceiver) -> None:
+        self.rx = receiver
+        self.transport: asyncio.Transport | None = None
+        self.parser = control.FrameParser()
+        self.prefix: str | None = None
+        self.maps: dict[int, Segment] = {}
+        self.carried: set[str] = set()
+        self.verdicts: list[bytes] = []
+        self.reason = "sender connection lost"
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rx._track(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for fields in self.parser.feed(data):
+                if self.prefix is None:
+                    self.hello(fields)
+                else:
+                    self.handle(fields)
+        except control.ControlError as exc:
+            log.warning("kv_transfer.protocol_error", backend="shm", error=str(exc))
+            if exc.request_id is not None:
+                self.rx.table.fail(exc.request_id, f"malformed message: {exc}")
+            self.reason = f"sender protocol error: {exc}"
+            self.transport.abort()
+        finally:
+            self.answer()
+
+    def answer(self) -> None:
+        """Write the verdicts given so far."""
+        if self.verdicts and not self.transport.is_closing():
+            self.transport.write(b"".join(self.verdicts))
+        self.verdicts.clear()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.end(self.reason)
+        self.rx._untrack(self)
+        self.closed.set_result(None)
+
+    def hello(self, fields: dict) -> None:
+        if fields.get("t") != "hello" or set(fields) != {"t", "v", "prefix"}:
+            raise control.ControlError(f"first frame must be hello, got {fields.get('t')!r}")
+        if fields["v"] != VERSION:
+            raise control.ControlError(f"unsupported version {fields['v']!r} (speaks {VERSION})")
+        if not is_valid_name(fields["prefix"]) or fields["prefix"].count("-") != 2:
+            raise control.ControlError(f"bad segment prefix {fields['prefix']!r}")
+        self.prefix = fields["prefix"]
+
+    def handle(self, fields: dict) -> None:
+        table, kind = self.rx.table, fields["t"]
+        if kind == "chunk":
+            self.chunk(fields)
+            return
+        self.answer()  # the sender's finish waits for them; ending the transfer takes longer
+        if kind == "finish":
+            msg = control.message(fields, wire.Finish)
+            table.on_finish(msg.request_id, msg.num_chunks)
+        elif kind == "abort":
+            msg = control.message(fields, wire.Abort)
+            table.on_abort(msg.request_id, msg.reason)
+        else:
+            raise control.ControlError(f"unknown frame type {kind!r}")
+        self.carried.discard(msg.request_id)
+
+    def chunk(self, fields: dict) -> None:
+        msg = control.message(fields, wire.Chunk, CHUNK_EXTRA)
+        slot = control.uint(fields, "slot", MAX_SLOTS - 1)
+        offset, length = control.uint(fields, "offset"), control.uint(fields, "length")
+        segment, rid, table = fields["segment"], msg.request_id, self.rx.table
+        if len(self.carried) > 4096:
+            self.carried = {r for r in self.carried if table.is_live(r)}
+        self.carried.add(rid)
+        verdict = wire.DROPPED
+        try:
+            if not table.is_live(rid):
+                table.drop(rid, "chunk")
+            elif length > self.rx.max_payload:
+                limit = self.rx.max_payload
+                verdict = table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
+            else:
+                view = self._view(slot, segment, offset, length)
+                verdict = table.on_chunk(
+                    rid, msg.layer, msg.block_ids, view, msg.checksum, msg.attempt
+                )
+        except (OSError, ValueError) as exc:
+            verdict = table.fail(rid, f"shared-memory segment {segment!r} unusable: {exc}")
+        finally:
+            ok = verdict is wire.OK
+            self.verdicts.append(OK_FRAMES[slot] if ok else verdict_frame(slot, verdict))
+
+    def _view(self, slot: int, name: object, offset: int, length: int) -> memoryview:
+        segment = self.maps.get(slot)
+        if segment is None or segment.name != name:
+            if not (is_valid_name(name) and name.startswith(f"{self.prefix}-{slot}-")):
+                raise ValueError(f"segment name not of this connection's slot {slot}")
+            if segment is not None:
+                segment.close()
+                del self.maps[slot]
+            segment = Segment.attach(self.rx.directory, name)
+            segment.unlink()  # mapped on both sides now: the name has served its purpose
+            self.maps[slot] = segment
+        if offset + length > segment.size:
+            raise ValueError(f"bytes [{offset}, {offset + length}) beyond its {segment.size}")
+        return segment.view[offset : offset + length]
+
+    def end(self, reason: str) -> None:
+        for rid in self.carried:
+            self.rx.table.fail(rid, reason)
+        self.carried.clear()
+        for segment in self.maps.values():
+            segment.close()
+        self.maps.clear()
+        if self.prefix is not None:
+            unlink_prefix(self.rx.directory, self.prefix)
+
+
+class ShmReceiver(TableReceiver):
+    """KVReceiver over shared memory. Give ``sink`` or a ``table`` shared with other
+    receivers (``multi.py``), not both. ``dropped`` counts messages for ids not live."""
+
+    SCHEME = SCHEME
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        sink: ChunkSink | None = None,
+        table: TransferTable | None = None,
+        directory: str = SHM_DIR,
+        max_payload_bytes: int = 1 << 30,
+    ) -> None:
+        super().__init__(host, port, sink=sink, table=table, max_payload_bytes=max_payload_bytes)
+        self.directory = directory
+        self._server: asyncio.Server | None = None
+
+    async def _listen(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Peer(self), self._host, self._port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        peers = list(self._connections)
+        for peer in peers:
+            peer.transport.abort()  # connection_lost unmaps and unlinks its segments
+        await asyncio.gather(*(peer.closed for peer in peers))
+        if self._server is not None:
+            await self._server.wait_closed()
