@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import dataclasses
 import os
-import signal
 import socket
 from typing import TYPE_CHECKING
 
 import structlog
 import zmq.asyncio
 
+from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.protocol import (
     Abort,
@@ -33,8 +33,9 @@ from common.protocol import (
     Resync,
     Stats,
 )
-from common.transfer import MultiReceiver, MultiSender
-from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_uvloop
+from common.service_main import run_service, until_stopped
+from common.transfer import MultiReceiver, MultiSender, TransferError
+from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
@@ -299,29 +300,27 @@ class Worker:
                               topic=b"kv")
 
 
-async def serve(settings: WorkerSettings) -> None:
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     engine = await asyncio.to_thread(build_engine, settings)
     worker = Worker(settings, engine)
     await worker.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await worker.close()
+    try:
+        await until_stopped(stop, worker._tasks)
+    finally:
+        await worker.close()
+
+
+def _load(argv, role: str | None) -> WorkerSettings:
+    settings = load_settings(WorkerSettings, role or "worker", argv)
+    return settings if role is None else dataclasses.replace(settings, role=role)
+
+
+def _prepare(settings: WorkerSettings) -> None:
+    configure_logging(settings.log_format, service=settings.role)
+    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
+    pin_cpus(settings.cpu_affinity)
 
 
 def main(argv=None, role: str | None = None) -> int:
-    from common.config import apply_ucx_settings, load_settings
-
-    settings = load_settings(WorkerSettings, role or "worker", argv)
-    if role is not None and settings.role != role:
-        import dataclasses
-
-        settings = dataclasses.replace(settings, role=role)
-    configure_logging(settings.log_format, service=role or settings.role)
-    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
-    pin_cpus(settings.cpu_affinity)
-    install_uvloop()
-    asyncio.run(serve(settings))
-    return 0
+    return run_service(role or "worker", lambda: _load(argv, role), serve, prepare=_prepare,
+                       startup_errors=(TransferError,))
