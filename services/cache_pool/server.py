@@ -70,7 +70,8 @@ from common.protocol import (
 from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
 from common.transfer.negotiate import check_advert
-from common.zmq_io import Publisher, RpcServer
+from common.zmq_io import Publisher
+from common.zmq_rpc import RpcServer
 from services.cache_pool import validate
 from services.cache_pool.events import EventOutbox
 from services.cache_pool.metrics import PoolMetrics

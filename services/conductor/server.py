@@ -46,7 +46,8 @@ from common.protocol import (
     Welcome,
 )
 from common.service_main import run_service, until_stopped
-from common.zmq_io import RpcClient, RpcServer, Subscriber
+from common.zmq_io import Subscriber
+from common.zmq_rpc import RpcClient, RpcServer
 from services.conductor.cache_policy import Rejection
 from services.conductor.policy import NoWorkers
 from services.conductor.pool_watch import PoolWatch

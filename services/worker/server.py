@@ -35,7 +35,8 @@ from common.protocol import (
 )
 from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
-from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout
+from common.zmq_io import Publisher
+from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
