@@ -43,7 +43,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.pool_link import PoolLink
 from services.worker.prefill_role import PrefillRole
 from services.worker.settings import WorkerSettings, parse_cpus
-from services.worker.streams import StreamSender
+from services.worker.token_streams import TokenStreams
 
 if TYPE_CHECKING:
     from services.engine.core import EngineCore
@@ -106,7 +106,7 @@ class Worker:
         self.ctx = zmq.asyncio.Context()
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
         self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
-        self.streams = StreamSender(self.ctx)
+        self.streams = TokenStreams(self.ctx)
         self.pool = PoolLink(self)
         self.prefill = PrefillRole(self) if settings.role == "prefill" else None
         self.decode = DecodeRole(self) if settings.role != "prefill" else None
