@@ -53,7 +53,8 @@ async def latency(cluster, n: int) -> dict:
     import zmq.asyncio
 
     from common.client import AsyncClient
-    from common.zmq_io import PullSocket, RpcClient
+    from common.zmq_io import PullSocket
+    from common.zmq_rpc import RpcClient
 
     ctx = zmq.asyncio.Context()
     conductor = RpcClient(ctx, cluster.conductor_addr, name="bench")

@@ -94,7 +94,7 @@ def _serve_conductor(addr: str, beats: str, ready) -> None:
     os.sched_setaffinity(0, {0})
     sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (the process's whole life)
     from common.logging import configure_logging
-    from common.zmq_io import install_uvloop
+    from common.service_main import install_uvloop
     from services.conductor.server import Conductor, ConductorSettings
 
     async def main():
@@ -119,7 +119,8 @@ async def _drive(addr: str, beats: str, seconds: float, window: int) -> dict:
     0.1 s (ten times the production rate), so in-flight counters reset as they would."""
     import zmq.asyncio
 
-    from common.zmq_io import Publisher, RemoteError, RpcClient
+    from common.zmq_io import Publisher
+    from common.zmq_rpc import RemoteError, RpcClient
 
     views, _, requests = build_state()
     ctx = zmq.asyncio.Context()

@@ -69,7 +69,7 @@ from common.protocol import (
 )
 from common.transfer import MultiReceiver, MultiSender, TransferError
 from common.transfer.negotiate import check_advert, default_host_id
-from common.zmq_io import RemoteError, RpcClient, RpcTimeout
+from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
 from services.cache_pool import placement
 from services.cache_pool.block import Buffer, check_block, check_key
 

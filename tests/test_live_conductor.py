@@ -14,7 +14,7 @@ from bench.sim.profiles import Profile
 from bench.sim.simulator import SimRequest, Simulator
 from common.cost_profile import CostProfile, save_profile
 from common.protocol import GetStats, Heartbeat, Hello, Route
-from common.zmq_io import RemoteError, RpcClient
+from common.zmq_rpc import RemoteError, RpcClient
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
 from services.conductor.cost_model import Calibration, CostModel
 from services.conductor.prefix_index import PrefixIndex

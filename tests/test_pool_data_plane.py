@@ -12,7 +12,7 @@ from common import protocol as p
 from common.pool_client import PoolClient
 from common.transfer import MultiSender, TransferError
 from common.transfer.negotiate import available_backends
-from common.zmq_io import RemoteError, RpcClient
+from common.zmq_rpc import RemoteError, RpcClient
 from services.cache_pool.server import CachePool
 from services.cache_pool.settings import PoolSettings
 from tests.cluster import free_port

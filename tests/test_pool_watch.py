@@ -224,7 +224,7 @@ async def test_watch_keeps_retrying_an_instance_that_is_not_up_yet(ctx):
 async def test_live_conductor_routes_on_blocks_spread_over_two_pool_instances(ctx, tmp_path):
     from common.cost_profile import CostProfile, save_profile
     from common.protocol import Hello, Route
-    from common.zmq_io import RpcClient
+    from common.zmq_rpc import RpcClient
 
     # prefill(n, c) = 0.05 + 1e-3 n + 1e-6 n (n/2 + c); 64-token blocks of 64 KB
     profile = save_profile(CostProfile(

@@ -11,17 +11,9 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as p
-from common.zmq_io import (
-    Publisher,
-    PullSocket,
-    PushSocket,
-    RemoteError,
-    RpcClient,
-    RpcServer,
-    RpcTimeout,
-    Subscriber,
-    install_uvloop,
-)
+from common.service_main import install_uvloop
+from common.zmq_io import Publisher, PullSocket, PushSocket, Subscriber
+from common.zmq_rpc import RemoteError, RpcClient, RpcServer, RpcTimeout
 
 ANY_PORT = "tcp://127.0.0.1:*"
 pytestmark = pytest.mark.timeout(20)

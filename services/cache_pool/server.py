@@ -39,10 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import inspect
-import signal
-import sys
 import uuid
 
 import structlog
@@ -50,6 +47,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import start_http_server
 
+from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.pool_transfer import BlockInbox, send_blocks
 from common.protocol import (
@@ -69,9 +67,11 @@ from common.protocol import (
     Resync,
     Stats,
 )
+from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
 from common.transfer.negotiate import check_advert
-from common.zmq_io import Publisher, RpcServer, install_uvloop
+from common.zmq_io import Publisher
+from common.zmq_rpc import RpcServer
 from services.cache_pool import validate
 from services.cache_pool.events import EventOutbox
 from services.cache_pool.metrics import PoolMetrics
@@ -418,31 +418,22 @@ class CachePool:
         self.outbox.announce(*self._held())
 
 
-async def serve(settings: PoolSettings) -> None:
+async def serve(settings: PoolSettings, stop: asyncio.Event) -> None:
     pool = CachePool(settings)
     await pool.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await pool.close()
+    try:
+        await until_stopped(stop, pool._tasks)
+    finally:
+        await pool.close()
+
+
+def _prepare(settings: PoolSettings) -> None:
+    configure_logging(settings.log_format, service=f"cache-pool:{settings.instance_id}")
+    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
 
 
 def main(argv=None) -> int:
-    from common.config import apply_ucx_settings, load_settings
-
-    try:
-        settings = load_settings(PoolSettings, "cache_pool", argv, prog="pdserve cache-pool")
-    except ValueError as exc:
-        print(f"pdserve cache-pool: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, service=f"cache-pool:{settings.instance_id}")
-    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
-    install_uvloop()
-    try:
-        asyncio.run(serve(settings))
-    except (ValueError, OSError, zmq.ZMQError, TransferError) as exc:  # startup: tiers, binds
-        log.error("cache pool failed", error=str(exc))
-        return 1
-    return 0
+    return run_service(
+        "cache-pool",
+        lambda: load_settings(PoolSettings, "cache_pool", argv, prog="pdserve cache-pool"),
+        serve, prepare=_prepare, startup_errors=(TransferError,))

@@ -49,7 +49,8 @@ import zmq.asyncio
 from common.address import parse_address, with_host
 from common.pool_client import discover_pools
 from common.protocol import KVEvent, Resync
-from common.zmq_io import RemoteError, RpcClient, RpcTimeout, Subscriber
+from common.zmq_io import Subscriber
+from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
 from services.conductor.cache_policy import POOL_PREFIX
 from services.conductor.prefix_index import PrefixIndex
 

@@ -21,9 +21,7 @@ cache-pool instances' own event sockets (``services/conductor/pool_watch.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import signal
 import time
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ import structlog
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from common.config import load_settings
 from common.cost_profile import load_profile
 from common.logging import configure_logging
 from common.pool_client import parse_pool_addrs
@@ -46,7 +45,9 @@ from common.protocol import (
     Stats,
     Welcome,
 )
-from common.zmq_io import RpcClient, RpcServer, Subscriber, install_uvloop
+from common.service_main import run_service, until_stopped
+from common.zmq_io import Subscriber
+from common.zmq_rpc import RpcClient, RpcServer
 from services.conductor.cache_policy import Rejection
 from services.conductor.policy import NoWorkers
 from services.conductor.pool_watch import PoolWatch
@@ -272,22 +273,16 @@ def _view_from(values: dict) -> WorkerView:
         free_blocks=int(values.get("free_blocks", 0)))
 
 
-async def serve(settings: ConductorSettings) -> None:
+async def serve(settings: ConductorSettings, stop: asyncio.Event) -> None:
     conductor = Conductor(settings)
     await conductor.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await conductor.close()
+    try:
+        await until_stopped(stop, conductor._tasks)
+    finally:
+        await conductor.close()
 
 
 def main(argv=None) -> int:
-    from common.config import load_settings
-
-    settings = load_settings(ConductorSettings, "conductor", argv)
-    configure_logging(settings.log_format, service="conductor")
-    install_uvloop()
-    asyncio.run(serve(settings))
-    return 0
+    return run_service(
+        "conductor", lambda: load_settings(ConductorSettings, "conductor", argv), serve,
+        prepare=lambda s: configure_logging(s.log_format, service="conductor"))

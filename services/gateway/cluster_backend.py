@@ -29,7 +29,8 @@ import zmq.asyncio
 
 from common.block_hash import hash_blocks
 from common.protocol import Abort, Generate, GetStats, Route, Tokens
-from common.zmq_io import PullSocket, RemoteError, RpcClient, RpcTimeout
+from common.zmq_io import PullSocket
+from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
 from services.gateway.backend import (
     BackendOverloaded,
     BackendUnavailable,

@@ -6,15 +6,17 @@ child process (:mod:`services.gateway.model_info`) or from settings.
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass
 
 import structlog
 import uvicorn
 import zmq.asyncio
 
+from common.config import load_settings
 from common.logging import configure_logging
+from common.service_main import run_service, until_stopped
 from common.tokenizer import TextTokenizer
-from common.zmq_io import install_uvloop
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.model_info import describe_model
 from services.gateway.openai_api import create_app
@@ -41,7 +43,16 @@ class GatewaySettings:
     log_format: str = "json"
 
 
-async def serve(settings: GatewaySettings, *, ready: asyncio.Event | None = None) -> None:
+async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
+    http_sock = _bind_http(settings.http_host, settings.http_port)  # a port in use fails fast
+    try:
+        await _serve(settings, stop, http_sock)
+    finally:
+        http_sock.close()
+
+
+async def _serve(settings: GatewaySettings, stop: asyncio.Event,
+                 http_sock: socket.socket) -> None:
     name = settings.served_model_name or settings.model
     if settings.tokenizer_dir and settings.max_model_len:
         tok_dir, max_len = settings.tokenizer_dir, settings.max_model_len
@@ -63,23 +74,39 @@ async def serve(settings: GatewaySettings, *, ready: asyncio.Event | None = None
     server = uvicorn.Server(uvicorn.Config(app, host=settings.http_host,
                                            port=settings.http_port, log_level="warning",
                                            lifespan="off"))
+    http = asyncio.create_task(_run_http(server, http_sock, stop))
     log.info("gateway started", http=f"http://{settings.http_host}:{settings.http_port}",
              zmq=frontend.address, model=name, max_model_len=max_len)
-    if ready is not None:
-        ready.set()
     try:
-        await server.serve()
+        # The token and client receive loops: without them the gateway answers nothing.
+        await until_stopped(stop, [http, backend._task, frontend._loop_task])
     finally:
+        server.should_exit = True
+        await asyncio.gather(http, return_exceptions=True)
         await frontend.close()
         await backend.close()
         ctx.term()
 
 
-def main(argv=None) -> int:
-    from common.config import load_settings
+async def _run_http(server: uvicorn.Server, sock: socket.socket, stop: asyncio.Event) -> None:
+    await server.serve(sockets=[sock])
+    stop.set()  # uvicorn catches SIGINT/SIGTERM itself while it serves
 
-    settings = load_settings(GatewaySettings, "gateway", argv)
-    configure_logging(settings.log_format, service="gateway")
-    install_uvloop()
-    asyncio.run(serve(settings))
-    return 0
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, bound here because uvicorn turns a failed bind into
+    sys.exit (no message to the caller)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot bind http://{host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+def main(argv=None) -> int:
+    return run_service(
+        "gateway", lambda: load_settings(GatewaySettings, "gateway", argv), serve,
+        prepare=lambda s: configure_logging(s.log_format, service="gateway"))

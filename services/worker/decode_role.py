@@ -29,7 +29,7 @@ import structlog
 
 from common.protocol import Abort, Ack, Error, Generate, Prefill, Tokens
 from common.transfer import Transfer, TransferError
-from common.zmq_io import RemoteError, RpcTimeout
+from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.outputs import RemoteSlots
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import SequenceStatus

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import dataclasses
 import os
-import signal
 import socket
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ import structlog
 import zmq.asyncio
 
 from common.address import format_address, parse_address
+from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.protocol import (
     Abort,
@@ -34,15 +34,17 @@ from common.protocol import (
     Resync,
     Stats,
 )
-from common.transfer import MultiReceiver, MultiSender
-from common.zmq_io import Publisher, RpcClient, RpcServer, RpcTimeout, install_uvloop
+from common.service_main import run_service, until_stopped
+from common.transfer import MultiReceiver, MultiSender, TransferError
+from common.zmq_io import Publisher
+from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
 from services.worker.pool_link import PoolLink
 from services.worker.prefill_role import PrefillRole
 from services.worker.settings import WorkerSettings, parse_cpus
-from services.worker.streams import StreamSender
+from services.worker.token_streams import TokenStreams
 
 if TYPE_CHECKING:
     from services.engine.core import EngineCore
@@ -104,7 +106,7 @@ class Worker:
         self.ctx = zmq.asyncio.Context()
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
         self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
-        self.streams = StreamSender(self.ctx)
+        self.streams = TokenStreams(self.ctx)
         self.pool = PoolLink(self)
         self.prefill = PrefillRole(self) if settings.role == "prefill" else None
         self.decode = DecodeRole(self) if settings.role != "prefill" else None
@@ -299,29 +301,27 @@ class Worker:
                               topic=b"kv")
 
 
-async def serve(settings: WorkerSettings) -> None:
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     engine = await asyncio.to_thread(build_engine, settings)
     worker = Worker(settings, engine)
     await worker.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await worker.close()
+    try:
+        await until_stopped(stop, worker._tasks)
+    finally:
+        await worker.close()
+
+
+def _load(argv, role: str | None) -> WorkerSettings:
+    settings = load_settings(WorkerSettings, role or "worker", argv)
+    return settings if role is None else dataclasses.replace(settings, role=role)
+
+
+def _prepare(settings: WorkerSettings) -> None:
+    configure_logging(settings.log_format, service=settings.role)
+    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
+    pin_cpus(settings.cpu_affinity)
 
 
 def main(argv=None, role: str | None = None) -> int:
-    from common.config import apply_ucx_settings, load_settings
-
-    settings = load_settings(WorkerSettings, role or "worker", argv)
-    if role is not None and settings.role != role:
-        import dataclasses
-
-        settings = dataclasses.replace(settings, role=role)
-    configure_logging(settings.log_format, service=role or settings.role)
-    apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
-    pin_cpus(settings.cpu_affinity)
-    install_uvloop()
-    asyncio.run(serve(settings))
-    return 0
+    return run_service(role or "worker", lambda: _load(argv, role), serve, prepare=_prepare,
+                       startup_errors=(TransferError,))

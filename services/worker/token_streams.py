@@ -17,7 +17,10 @@ from common.zmq_io import PushSocket
 log = structlog.get_logger(__name__)
 
 
-class StreamSender:
+class TokenStreams:
+    """The worker's outgoing token streams, keyed by gateway address (``Generate`` and
+    ``Prefill`` name the address their tokens go to)."""
+
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self._ctx = ctx
         self._queues: dict[str, asyncio.Queue] = {}
