@@ -74,7 +74,7 @@ def time_prefill(engine: LLMEngine, n: int, c: int, repeats: int, rng) -> float:
         if step is None or len(step.prefill) != 1 or step.decode_batch:
             raise RuntimeError(f"expected one prefill chunk, the step did {step}")
         got_n, got_c = step.prefill[0]
-        if got_n < n or abs(got_c - c) > engine.block_pool.block_size:
+        if got_n < n or abs(got_c - c) > engine.block_manager.block_size:
             raise RuntimeError(f"prefill of ({n}, {c}) ran as ({got_n}, {got_c})")
         times.append(elapsed)
         while engine.has_unfinished_requests():
@@ -145,14 +145,12 @@ def main() -> None:
         print(f"decode  B={batch:>3} K={k:>6}: {s * 1e3:8.1f} ms", flush=True)
     p = fit([prefill_terms(n, c) for n, c, _ in prefill], [s for *_, s in prefill])
     d = fit([decode_terms(b, k) for b, k, _ in decode], [s for *_, s in decode])
-    cfg = engine.model_config
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * \
-        engine.kv_cache.k.element_size()
+    kv_bytes = engine.kv_store.block_nbytes // engine.block_manager.block_size
     profile = CostProfile(
         name=args.name, prefill_fixed_s=p[0], prefill_per_token_s=p[1],
         prefill_per_pair_s=p[2], decode_fixed_s=d[0], decode_per_seq_s=d[1],
         decode_per_ctx_token_s=d[2], kv_bytes_per_token=kv_bytes,
-        block_size=engine.block_pool.block_size, link_bandwidth=args.link_bandwidth,
+        block_size=engine.block_manager.block_size, link_bandwidth=args.link_bandwidth,
         pool_bandwidth=args.pool_bandwidth,
         notes=(f"bench/calibrate.py: {args.model}, {args.threads} torch thread(s), "
                f"{engine.config.dtype}; medians of {args.repeats}+ steps; link and pool "

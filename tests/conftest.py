@@ -25,9 +25,10 @@ def make_engine():
 
     engines = []
 
-    def build(model, **kw):
+    def build(model, hooks=None, **kw):
         kw.setdefault("dtype", "float64")
-        engine = LLMEngine(EngineConfig(model=str(model), **kw))
+        extra = {} if hooks is None else {"hooks": hooks}
+        engine = LLMEngine(EngineConfig(model=str(model), **kw), **extra)
         engines.append(engine)
         return engine
 
@@ -36,9 +37,9 @@ def make_engine():
         held = [r for r, s in engine.requests.items() if s.hold_blocks]
         for rid in held:
             engine.release(rid)
-        engine.block_pool.check_invariants()
+        engine.block_manager.check_invariants()
         assert not engine.requests, f"requests left behind: {list(engine.requests)}"
-        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ from services.worker.settings import WorkerSettings
 
 def fake_worker(rate: float, block_nbytes: int = 720 * 1024, **settings):
     engine = types.SimpleNamespace(
-        kv_cache=types.SimpleNamespace(block_nbytes=block_nbytes),
-        block_pool=types.SimpleNamespace(block_size=16, block_for_hash=lambda h: None),
+        kv_store=types.SimpleNamespace(block_nbytes=block_nbytes),
+        block_manager=types.SimpleNamespace(block_size=16, block_for_hash=lambda h: None),
         fingerprint="fp")
     return types.SimpleNamespace(
         settings=WorkerSettings(**settings), engine=engine,

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from common.client import Client
+from services.engine.sim import sim_token
 from services.engine.tokenizer_export import tokenizer_dir_for
 from services.engine.weights import DEFAULT_MODEL
-from services.worker.sim_engine import sim_token
 from tests.cluster import Cluster
 from tests.tiny_models import random_prompts
 

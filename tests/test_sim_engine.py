@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from common.cost_profile import CostProfile
+from services.engine.core import EngineHooks
 from services.engine.sampling_params import SamplingParams
+from services.engine.sim import SimEngine, sim_token
 from services.worker.engine_loop import EngineLoop
-from services.worker.sim_engine import SimEngine, sim_token
 
 PROFILE = CostProfile("t", prefill_fixed_s=0.01, prefill_per_token_s=1e-4,
                       prefill_per_pair_s=1e-7, decode_fixed_s=0.02, decode_per_seq_s=1e-3,
@@ -56,8 +57,9 @@ def test_steps_sleep_what_the_profile_says():
     assert (e.last_step.decode_batch, e.last_step.decode_context) == (2, 140)
     assert sum(slept) == pytest.approx(0.02 + 2e-3 + 140e-6)
     run(e)  # b ended at 2 tokens; a decodes alone over 101 tokens
-    assert e.simulated_s == pytest.approx(want + 0.02 + 2e-3 + 140e-6 + 0.02 + 1e-3 + 101e-6)
-    assert e.block_pool.num_free_blocks == 64 and not e.requests
+    assert e.executor.simulated_s == pytest.approx(
+        want + 0.02 + 2e-3 + 140e-6 + 0.02 + 1e-3 + 101e-6)
+    assert e.block_manager.num_free_blocks == 64 and not e.requests
 
 
 def test_tokens_are_predictable_and_a_resume_continues_them():
@@ -71,41 +73,40 @@ def test_tokens_are_predictable_and_a_resume_continues_them():
     e.add_request("c", prompt, SamplingParams(max_tokens=50, stop_token_ids=[full[3]]))
     got = run(e)["c"]
     assert got == full[:4]  # a stop token id ends it; there is no EOS
-    assert e.block_pool.num_free_blocks == 64
+    assert e.block_manager.num_free_blocks == 64
 
 
 def test_kv_handoff_between_two_engines_moves_the_bytes_and_the_stream():
-    prefill, _ = engine(time_scale=0, kv_layers=3)
-    decode, _ = engine(time_scale=0, kv_layers=3)
     prompt = list(range(100, 150))  # 3 full blocks + 2 tokens
     payloads: dict[int, bytes] = {}
 
     def on_layer(layer, seqs):
         (seq,) = seqs
-        payloads[layer] = bytes(prefill.kv_cache.export_layer_bytes(layer, seq.block_table))
-    prefill.layer_callback = on_layer
+        payloads[layer] = bytes(prefill.kv_store.export_layer_bytes(layer, seq.block_table))
+    prefill, _ = engine(time_scale=0, kv_layers=3, hooks=EngineHooks(on_layer=on_layer))
+    decode, _ = engine(time_scale=0, kv_layers=3)
     prefill.add_request("r", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
     first = run(prefill)["r"]
-    size = prefill.kv_cache.block_bytes
+    size = prefill.kv_store.block_bytes
     assert size == 64 * 16 // 3  # the profile's KV bytes per block, over the layers
     assert sorted(payloads) == [0, 1, 2] and all(len(p) == 4 * size for p in payloads.values())
-    held = prefill.kv_block_ids("r")
+    held = prefill.requests["r"].block_table
     slots = decode.reserve_remote_prefill("r", prompt, SamplingParams(max_tokens=6))
     assert len(slots.block_ids) == 4 and slots.num_cached_blocks == 0
     for layer, data in payloads.items():
-        decode.kv_cache.import_layer_bytes(layer, slots.block_ids, memoryview(data))
+        decode.kv_store.import_layer_bytes(layer, slots.block_ids, memoryview(data))
     out = decode.complete_remote_prefill("r", first[0])
     assert out.new_token_ids == first
     rest = run(decode)["r"]
     assert first + rest == chain(prompt, 6)
     for layer in range(3):  # the full blocks hold the pattern of their tokens on both sides
-        assert decode.kv_cache.export_layer_bytes(layer, slots.block_ids[:3]) == \
-            prefill.kv_cache.export_layer_bytes(layer, held[:3])
-        assert bytes(prefill.kv_cache.export_layer_bytes(layer, held[:1])) != bytes(size)
+        assert decode.kv_store.export_layer_bytes(layer, slots.block_ids[:3]) == \
+            prefill.kv_store.export_layer_bytes(layer, held[:3])
+        assert bytes(prefill.kv_store.export_layer_bytes(layer, held[:1])) != bytes(size)
     with pytest.raises(ValueError, match="payload of 10 bytes"):
-        decode.kv_cache.import_layer_bytes(0, [1], memoryview(b"0123456789"))
+        decode.kv_store.import_layer_bytes(0, [1], memoryview(b"0123456789"))
     prefill.release("r")
-    assert prefill.block_pool.num_free_blocks == decode.block_pool.num_free_blocks == 64
+    assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == 64
 
 
 def test_engine_loop_reports_prefill_and_decode_samples():
@@ -151,8 +152,30 @@ def test_profiles_bad_input_and_sim_worker_and_conductor_without_torch(tmp_path)
             "from services.worker.server import build_engine; "
             "from services.worker.settings import WorkerSettings; "
             "e = build_engine(WorkerSettings(executor='sim', sim_profile='llama70b-h100x4')); "
-            "print(type(e).__name__, e.block_pool.num_blocks, 'torch' in sys.modules)")
+            "print(type(e).__name__, e.block_manager.num_blocks, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["SimEngine", str(486_400 // 16), "False"]
+
+
+def test_the_simulated_engine_and_the_core_import_no_torch():
+    code = ("import sys, services.engine.sim, services.engine.core, "
+            "services.engine.kv_store, services.engine.executor; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]
+
+
+def test_hooks_given_at_construction_report_the_prefix_cache():
+    stored, removed = [], []
+    e, _ = engine(time_scale=0, num_blocks=4,
+                  hooks=EngineHooks(on_stored=stored.extend, on_removed=removed.extend))
+    e.add_request("a", list(range(1, 34)), SamplingParams(max_tokens=1))
+    run(e)
+    assert len(stored) == 2 and removed == []  # 33 tokens: two full blocks cached
+    e.add_request("b", list(range(50, 113)), SamplingParams(max_tokens=1))
+    run(e)  # 63 tokens need all four blocks: a's cached ones are evicted
+    assert removed == stored[1::-1]  # evicted tail first

@@ -1,61 +1,94 @@
-"""The model-free half of an engine: requests, scheduling and paged-KV bookkeeping.
+"""The engine: requests in, tokens out, one batched step at a time.
 
-``EngineCore`` owns the request lifecycle (see :mod:`services.engine.engine`); a subclass
-supplies the computation by implementing ``_execute``. ``LLMEngine`` runs the model;
-the simulated executor (``services/worker/sim_engine.py``) sleeps what a cost profile
-says. Both therefore admit, batch, preempt, cache prefixes and hand KV over alike.
+``EngineCore`` owns the request lifecycle, scheduling and the paged-KV bookkeeping; it
+is composed of an :class:`~services.engine.executor.Executor` (the computation) and a
+:class:`~services.engine.kv_store.KVStore` (the memory the KV blocks live in).
+``LLMEngine`` composes it with the model and its torch KV cache; ``SimEngine``
+(``services/engine/sim.py``) with a cost profile's sleep and a simulated store. Both
+therefore admit, batch, preempt, cache prefixes and hand KV over alike.
 
-Contract of ``_execute(scheduled, layer_hook)``: compute the scheduled tokens (calling
-``layer_hook(layer)`` after each layer's KV is written, when given) and return one
-``(sequence, token id, logprobs or None)`` per sequence that samples this step, i.e.
-whose scheduled tokens reach its last known token. It must not change the sequences:
-the core advances them after it returns.
+Lifecycle of a request::
+
+    add_request ──► waiting ──► running (prefill chunks, then one token per step) ──► finished
+                        ▲            │ blocks ran out
+                        └─preempted──┘ (recomputed later, from its cached prefix)
+
+For disaggregated serving the prompt's KV may come from another engine instead
+(see :mod:`services.engine.remote_prefill`)::
+
+    reserve_remote_prefill ──► waiting_for_kv ──(KV written into its blocks)──►
+        complete_remote_prefill ──► running
+
+Blocks move to and from the cache pool through ``pool_blocks``
+(:mod:`services.engine.pool_blocks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from dataclasses import dataclass
 
-from services.engine.block_pool import BlockPool
+from services.engine.block_manager import BlockManager, HashCallback
+from services.engine.executor import Executor, LayerHook
 from services.engine.kv_manager import KVCacheManager
+from services.engine.kv_store import KVStore
 from services.engine.outputs import RemoteSlots, RequestOutput, StepRecord
+from services.engine.pool_blocks import PoolBlocks
+from services.engine.remote_prefill import RemotePrefills
 from services.engine.sampling_params import SamplingParams
-from services.engine.sampling_state import SamplingState, check_stop
+from services.engine.sampling_state import SamplingState, TokenLogprobs, check_stop
 from services.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus
 
-Sampled = tuple[Sequence, int, Any]
+
+@dataclass(frozen=True, slots=True)
+class EngineHooks:
+    """Calls from the engine to its owner, all on the thread that steps the engine.
+
+    ``on_layer(layer, sequences)``: layer ``layer``'s KV is written, in the step that
+    completes the prompts of ``sequences`` (for streaming KV out while the next layer
+    computes). ``on_stored(hashes)`` / ``on_removed(hashes)``: blocks became findable in
+    the prefix cache / stopped being findable (see ``BlockManager``).
+    """
+
+    on_layer: Callable[[int, list[Sequence]], None] | None = None
+    on_stored: HashCallback | None = None
+    on_removed: HashCallback | None = None
+
+
+NO_HOOKS = EngineHooks()
+
+
+def _token_ids_only(prompt: str) -> list[int]:
+    raise ValueError("this engine takes token ids, not text")
 
 
 class EngineCore:
-    def _init_core(self, *, kv_cache: Any, num_blocks: int, block_size: int, fingerprint: str,
-                   max_model_len: int, vocab_size: int, eos_token_ids: Seq[int],
-                   scheduler: SchedulerConfig, enable_prefix_caching: bool = True,
-                   seeded_generators: bool = True) -> None:
-        self.kv_cache = kv_cache
+    def __init__(self, executor: Executor, kv_store: KVStore, *, fingerprint: str,
+                 max_model_len: int, vocab_size: int, eos_token_ids: Seq[int],
+                 scheduler: SchedulerConfig, enable_prefix_caching: bool = True,
+                 seeded_generators: bool = True, hooks: EngineHooks = NO_HOOKS,
+                 encode: Callable[[str], list[int]] = _token_ids_only) -> None:
+        self.executor = executor
+        self.kv_store = kv_store
         self.fingerprint = fingerprint
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.block_pool, fingerprint)
+        self.block_manager = BlockManager(kv_store.num_blocks, kv_store.block_size,
+                                          enable_prefix_caching, on_stored=hooks.on_stored,
+                                          on_removed=hooks.on_removed)
+        self.kv_manager = KVCacheManager(self.block_manager, fingerprint)
         self.scheduler = Scheduler(scheduler, self.kv_manager)
+        self.pool_blocks = PoolBlocks(self.block_manager, kv_store)
         self.requests: dict[str, Sequence] = {}
+        self._remote = RemotePrefills(self.kv_manager, self.scheduler, self.requests)
         self.last_step: StepRecord | None = None
+        self._on_layer = hooks.on_layer
+        self._encode = encode
         self._seeded_generators = seeded_generators
         self._counter = 0
-        # Called on the stepping thread as layer_callback(layer, sequences) once each
-        # layer's KV is written, for the sequences whose prompt completes this step.
-        self.layer_callback: Callable[[int, list[Sequence]], None] | None = None
-
-    def _execute(self, scheduled: list[ScheduledSeq],
-                 layer_hook: Callable[[int], None] | None) -> list[Sampled]:
-        raise NotImplementedError
-
-    def _encode(self, prompt: str) -> list[int]:
-        raise ValueError("this engine takes token ids, not text")
 
     # ---- requests -------------------------------------------------------------------
 
@@ -78,9 +111,9 @@ class EngineCore:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens including at least one generated")
-        if self.kv_manager.blocks_for(len(token_ids) + 1) > self.block_pool.num_blocks:
+        if self.kv_manager.blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
             raise ValueError(f"prompt of {len(token_ids)} tokens cannot fit in the KV cache "
-                             f"({self.block_pool.num_blocks} blocks)")
+                             f"({self.block_manager.num_blocks} blocks)")
         state = SamplingState.create(params, token_ids,
                                      seeded_generator=self._seeded_generators)
         return Sequence(request_id, token_ids, state, cache_salt=cache_salt)
@@ -89,7 +122,7 @@ class EngineCore:
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
                     hold_blocks: bool = False) -> str:
         """Queue a request; returns its id. ``hold_blocks`` keeps its KV after it ends
-        (for :meth:`export_kv`) until :meth:`release`. Bad input raises ``ValueError``."""
+        (for sending it elsewhere) until :meth:`release`. Bad input raises ``ValueError``."""
         seq = self._new_sequence(request_id, prompt, params, cache_salt)
         seq.hold_blocks = hold_blocks
         self.requests[seq.request_id] = seq
@@ -129,26 +162,30 @@ class EngineCore:
         """Run one batched step; report every request that gained a token.
 
         ``last_step`` then says what the step computed (None after an empty step)."""
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
             self.last_step = None
             return []
-        self.last_step = StepRecord.of(plan.scheduled)
-        hook = None
-        if self.layer_callback is not None:
-            completing = [seq for seq, n in plan.scheduled
-                          if not seq.output_token_ids
-                          and seq.num_computed_tokens + n == seq.num_prompt_tokens]
-            if completing:
-                callback = self.layer_callback
-                hook = lambda layer: callback(layer, completing)  # noqa: E731
-        sampled = self._execute(plan.scheduled, hook)
-        for seq, n in plan.scheduled:
+        self.last_step = StepRecord.of(scheduled)
+        sampled = self.executor.execute(scheduled, self._layer_hook(scheduled))
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.kv_manager.cache_full_blocks(seq)
         return [self._append_token(seq, token, lp) for seq, token, lp in sampled]
 
-    def _append_token(self, seq: Sequence, token: int, logprobs) -> RequestOutput:
+    def _layer_hook(self, scheduled: list[ScheduledSeq]) -> LayerHook | None:
+        """``on_layer`` bound to the prompts this step completes; None when there are none."""
+        on_layer = self._on_layer
+        if on_layer is None:
+            return None
+        completing = [seq for seq, n in scheduled if not seq.output_token_ids
+                      and seq.num_computed_tokens + n == seq.num_prompt_tokens]
+        if not completing:
+            return None
+        return lambda layer: on_layer(layer, completing)
+
+    def _append_token(self, seq: Sequence, token: int,
+                      logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.sampling.output_token_ids.append(token)
         seq.logprobs.append(logprobs)
         reason = check_stop(seq.sampling, token, self.eos_token_ids)
@@ -166,116 +203,21 @@ class EngineCore:
             out.finished, out.finish_reason = True, reason
         return out
 
-    # ---- KV in and out (disaggregated roles) ------------------------------------------
-
-    def kv_block_ids(self, request_id: str) -> list[int]:
-        """Blocks holding a request's computed tokens, in token order."""
-        seq = self.requests[request_id]
-        return seq.block_table[: self.kv_manager.blocks_for(seq.num_computed_tokens)]
-
-    def export_kv(self, request_id: str, layer: int | None = None):
-        """The computed KV of a request, all layers or one (see the KV cache's layout)."""
-        blocks = self.kv_block_ids(request_id)
-        if layer is None:
-            return self.kv_cache.export_blocks(blocks)
-        return self.kv_cache.export_layer(layer, blocks)
-
-    def import_kv(self, block_ids: Seq[int], buffer, layer: int | None = None) -> None:
-        if layer is None:
-            self.kv_cache.import_blocks(block_ids, buffer)
-        else:
-            self.kv_cache.import_layer(layer, block_ids, buffer)
+    # ---- KV from another engine (disaggregated decode) --------------------------------
 
     def reserve_remote_prefill(self, request_id: str, prompt: Seq[int],
                                params: SamplingParams | None = None, *,
                                cache_salt: str | None = None) -> RemoteSlots | None:
         """Reserve blocks for a prompt another engine will prefill; None if full now."""
         seq = self._new_sequence(request_id, prompt, params, cache_salt)
-        hits = self.kv_manager.match_prefix(seq)
-        start = len(hits) * self.block_pool.block_size
-        if not self.kv_manager.allocate_slots(seq, seq.num_prompt_tokens - start, hits):
-            return None
-        seq.num_cached_tokens = start
-        seq.num_computed_tokens = start
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        self.requests[seq.request_id] = seq
-        return RemoteSlots(list(seq.block_table), len(hits))
+        return self._remote.reserve(seq)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int,
-                                first_logprobs=None) -> RequestOutput:
+                                first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """The prompt's KV is in place and its first token known: start decoding."""
-        seq = self.requests.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.WAITING_FOR_KV:
-            raise ValueError(f"request {request_id!r} is not waiting for KV")
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.kv_manager.cache_full_blocks(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
+        seq = self._remote.complete(request_id)
         return self._append_token(seq, first_token_id, first_logprobs)
 
     def cancel_remote_prefill(self, request_id: str) -> None:
         """Give up waiting for KV and compute the prompt here instead."""
-        seq = self.requests.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.WAITING_FOR_KV:
-            raise ValueError(f"request {request_id!r} is not waiting for KV")
-        self.kv_manager.free(seq)
-        seq.num_computed_tokens = 0
-        self.scheduler.add(seq)
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    # ---- the cache pool ---------------------------------------------------------------
-
-    def _chunks(self, token_ids: Seq[int], n: int) -> list[list[int]]:
-        bs = self.block_pool.block_size
-        return [list(token_ids[i * bs:(i + 1) * bs]) for i in range(n)]
-
-    def cached_prefix_blocks(self, hashes: Seq[int], token_ids: Seq[int]) -> int:
-        """How many leading blocks of the chain ``hashes`` (over ``token_ids``) this
-        engine's prefix cache holds."""
-        hashes = list(hashes)
-        return len(self.block_pool.match_prefix(hashes, self._chunks(token_ids, len(hashes))))
-
-    def adopt_blocks(self, hashes: Seq[int], token_ids: Seq[int], start: int,
-                     blocks: Seq[Any]) -> int:
-        """Put KV blocks fetched from elsewhere (one ``export_block_bytes`` buffer each)
-        into the prefix cache as chain blocks ``start, start + 1, …`` of ``hashes`` over
-        ``token_ids``, as if computed here: the next request with this prefix hits them.
-
-        Blocks ``0 .. start-1`` must be cached here already (they are held meanwhile, so
-        adopting cannot evict them). Adopts fewer when free blocks run short, none when
-        the held prefix is shorter than ``start``. Returns how many were adopted; raises
-        ValueError, having adopted none, when a buffer is not one block of this layout."""
-        hashes = list(hashes)
-        if start < 0 or start + len(blocks) > len(hashes):
-            raise ValueError(f"blocks {start}..{start + len(blocks)} outside a chain of "
-                             f"{len(hashes)}")
-        size = self.kv_cache.block_nbytes
-        if any(memoryview(b).nbytes != size for b in blocks):
-            raise ValueError(f"every adopted block must be {size} bytes")
-        pool = self.block_pool
-        chunks = self._chunks(token_ids, start + len(blocks))
-        held = pool.match_prefix(hashes[:start], chunks[:start])
-        if len(held) < start:
-            return 0
-        pool.acquire(held)
-        ids = pool.allocate(min(len(blocks), pool.num_free_blocks))
-        try:
-            for i, block_id in enumerate(ids):
-                self.kv_cache.import_block_bytes(block_id, blocks[i])
-                pool.cache_block(block_id, hashes[start + i], chunks[start + i])
-        finally:
-            pool.free(list(reversed(held + ids)))  # tail first: evicted before the head
-        return len(ids)
-
-    def export_cached_blocks(self, hashes: Seq[int]) -> list[Any]:
-        """KV bytes (``export_block_bytes``) of the leading blocks of ``hashes`` that
-        are still in the prefix cache; stops at the first that is not."""
-        out = []
-        for h in hashes:
-            block_id = self.block_pool.block_for_hash(h)
-            if block_id is None:
-                break
-            out.append(self.kv_cache.export_block_bytes(block_id))
-        return out
+        self._remote.cancel(request_id)

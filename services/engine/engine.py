@@ -1,18 +1,7 @@
-"""The engine: requests in, tokens out, one batched model step at a time.
-
-Lifecycle of a request::
-
-    add_request ──► waiting ──► running (prefill chunks, then one token per step) ──► finished
-                        ▲            │ blocks ran out
-                        └─preempted──┘ (recomputed later, from its cached prefix)
-
-For disaggregated serving the prompt's KV may come from another engine instead::
-
-    reserve_remote_prefill ──► waiting_for_kv ──(import_kv …)──► complete_remote_prefill ──► running
-
-The prefill and decode services wrap this class; ``generate`` is the offline entry.
-The lifecycle itself lives in :class:`~services.engine.core.EngineCore`; this class adds
-the model, the tokenizer and the sampler.
+"""The model engine: ``EngineCore`` composed with the model, its torch KV cache and the
+sampler. ``LLMEngine(EngineConfig(...))`` is the offline entry (``generate``); the
+prefill and decode services drive the same object step by step (see
+:mod:`services.engine.core` for the request lifecycle).
 """
 
 from __future__ import annotations
@@ -25,7 +14,8 @@ import torch
 
 from services.engine.attention import TorchAttention
 from services.engine.config import EngineConfig
-from services.engine.core import EngineCore, Sampled
+from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
+from services.engine.executor import LayerHook, Sampled
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.model_runner import ModelRunner
@@ -37,9 +27,27 @@ from services.engine.tokenizer import Tokenizer
 from services.engine.weights import LoadedWeights, load_weights
 
 
+class ModelExecutor:
+    """The ``Executor`` that runs the model: a forward pass, then the sampler."""
+
+    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+        self.runner = runner
+        self.sampler = sampler
+
+    def execute(self, scheduled: list[ScheduledSeq],
+                layer_hook: LayerHook | None) -> list[Sampled]:
+        logits, sampling = self.runner.run(scheduled, layer_hook)
+        if not sampling:
+            return []
+        result = self.sampler.sample(logits, [s.sampling for s in sampling])
+        return [Sampled(*t) for t in
+                zip(sampling, result.token_ids, result.logprobs, strict=True)]
+
+
 class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig | None = None,
-                 weights: LoadedWeights | None = None) -> None:
+                 weights: LoadedWeights | None = None, *,
+                 hooks: EngineHooks = NO_HOOKS) -> None:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -61,31 +69,22 @@ class LLMEngine(EngineCore):
                                                         useful))
         kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size,
                            cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
-        self._init_core(
-            kv_cache=kv_cache, num_blocks=num_blocks, block_size=config.block_size,
+        executor = ModelExecutor(ModelRunner(self.model, kv_cache, self.device),
+                                 Sampler(tuple(cfg.eos_token_ids)))
+        super().__init__(
+            executor, kv_cache,
             fingerprint=cfg.fingerprint(self.weights.digest, config.dtype, config.block_size),
             max_model_len=max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=cfg.eos_token_ids,
             scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                       max_num_batched_tokens=config.max_num_batched_tokens,
                                       prefill_chunk_size=config.prefill_chunk_size),
-            enable_prefix_caching=config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.sampler = Sampler(self.eos_token_ids)
+            enable_prefix_caching=config.enable_prefix_caching, hooks=hooks,
+            encode=lambda text: self.tokenizer.encode(text))
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
         return Tokenizer(self.weights.tokenizer_dir, self.weights.gguf_file)
-
-    def _encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
-
-    def _execute(self, scheduled: list[ScheduledSeq], layer_hook) -> list[Sampled]:
-        logits, sampling = self.runner.run(scheduled, layer_hook)
-        if not sampling:
-            return []
-        result = self.sampler.sample(logits, [s.sampling for s in sampling])
-        return list(zip(sampling, result.token_ids, result.logprobs, strict=True))
 
     def generate(self, prompts: Iterable[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[Completion]:

@@ -1,15 +1,15 @@
-"""The paged KV cache tensors, and moving a sequence's KV out of and into them.
+"""The paged KV cache tensors: the torch implementation of the ``KVStore`` contract.
 
 Layout: K and V are each ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so a
 run of consecutive block ids in one layer is one contiguous span of memory.
 
-Export and import use one buffer layout, the same in every engine that shares a model
-fingerprint::
+Exports use one byte layout, the same in every engine that shares a model fingerprint::
 
-    buffer[layer, 0 = K | 1 = V, i, token_in_block, kv_head, head_dim]   for block_ids[i]
+    a layer's blocks   [0 = K | 1 = V, i, token_in_block, kv_head, head_dim]   for block_ids[i]
+    one block          [layer, 0 = K | 1 = V, token_in_block, kv_head, head_dim]
 
-A buffer exported from one engine's blocks can be imported into any block ids of
-another engine with the same model, dtype and block size.
+Bytes exported from one engine's blocks can be imported into any block ids of another
+engine with the same model, dtype and block size.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+
+from services.engine.kv_store import Buffer
 
 
 class KVCache:
@@ -40,14 +42,14 @@ class KVCache:
             raise ValueError(f"block ids out of range 0..{self.num_blocks - 1}")
         return ids
 
-    def export_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
+    def _export_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
         """One layer's K and V of ``block_ids`` as a new contiguous ``[2, n, ...]`` tensor."""
         ids = self._ids(block_ids)
         return torch.stack([self.k[layer].index_select(0, ids),
                             self.v[layer].index_select(0, ids)])
 
-    def import_layer(self, layer: int, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
-        """Write a buffer from :meth:`export_layer` into ``block_ids`` of this cache."""
+    def _import_layer(self, layer: int, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
+        """Write a buffer from :meth:`_export_layer` into ``block_ids`` of this cache."""
         ids = self._ids(block_ids)
         expected = (2, len(ids), *self.k.shape[2:])
         if tuple(buffer.shape) != expected or buffer.dtype != self.k.dtype:
@@ -57,13 +59,14 @@ class KVCache:
         self.v[layer].index_copy_(0, ids, buffer[1].to(self.v.device))
 
     def export_layer_bytes(self, layer: int, block_ids: Sequence[int]) -> memoryview:
-        """:meth:`export_layer` as raw bytes, in a new buffer the view keeps alive."""
-        return memoryview(self.export_layer(layer, block_ids).view(torch.uint8).numpy()).cast("B")
+        """:meth:`_export_layer` as raw bytes, in a new buffer the view keeps alive."""
+        return memoryview(self._export_layer(layer, block_ids).view(torch.uint8).numpy()).cast("B")
 
     def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
-                           payload: memoryview) -> None:
+                           payload: Buffer) -> None:
         """Write bytes from :meth:`export_layer_bytes` into ``block_ids``; ``ValueError``
         if their length does not fit that many blocks of this layout."""
+        payload = memoryview(payload)
         per_block = 2 * self.k[0, 0].numel() * self.k.element_size()
         if payload.nbytes != per_block * len(block_ids):
             raise ValueError(f"KV payload of {payload.nbytes} bytes for {len(block_ids)} "
@@ -72,7 +75,7 @@ class KVCache:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8)
         buf = raw.view(self.k.dtype).view(2, len(block_ids), *self.k.shape[2:])
-        self.import_layer(layer, block_ids, buf)
+        self._import_layer(layer, block_ids, buf)
 
     @property
     def block_nbytes(self) -> int:
@@ -81,12 +84,12 @@ class KVCache:
 
     def export_block_bytes(self, block_id: int) -> memoryview:
         """One block, all layers, as ``[layer, 0 = K | 1 = V, token, kv_head, head_dim]``
-        bytes (the layout of :meth:`export_blocks` for a single id)."""
+        bytes."""
         self._ids([block_id])
         both = torch.stack([self.k[:, block_id], self.v[:, block_id]], dim=1)
         return memoryview(both.view(torch.uint8).numpy()).cast("B")
 
-    def import_block_bytes(self, block_id: int, data) -> None:
+    def import_block_bytes(self, block_id: int, data: Buffer) -> None:
         """Write bytes from :meth:`export_block_bytes` into ``block_id``; ``ValueError``
         if they are not one block of this layout."""
         self._ids([block_id])
@@ -99,14 +102,3 @@ class KVCache:
         both = raw.view(self.k.dtype).view(self.num_layers, 2, *self.k.shape[2:])
         self.k[:, block_id].copy_(both[:, 0])
         self.v[:, block_id].copy_(both[:, 1])
-
-    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """All layers: ``[layers, 2, n, block_size, kv_heads, head_dim]``."""
-        return torch.stack([self.export_layer(i, block_ids) for i in range(self.num_layers)])
-
-    def import_blocks(self, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
-        if buffer.dim() != 6 or buffer.shape[0] != self.num_layers:
-            raise ValueError(f"KV buffer must have {self.num_layers} layers in dim 0, "
-                             f"got shape {tuple(buffer.shape)}")
-        for i in range(self.num_layers):
-            self.import_layer(i, block_ids, buffer[i])

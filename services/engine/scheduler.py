@@ -41,11 +41,6 @@ class ScheduledSeq(NamedTuple):
     num_new_tokens: int
 
 
-class SchedulerOutput(NamedTuple):
-    scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -69,10 +64,11 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> list[ScheduledSeq]:
+        """The next step's sequences and token counts; admitted sequences hold their blocks."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        preempted = False  # admit nobody new in a step that had to preempt
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -81,7 +77,7 @@ class Scheduler:
             while not self.kv.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -93,11 +89,10 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            hits = self.kv.match_prefix(seq)
-            start = len(hits) * self.kv.block_size
+            prefix = self.kv.match_prefix(seq)
+            start = prefix.num_blocks * self.kv.block_size
             n = min(seq.num_tokens - start, budget, self.chunk)
-            if not self.kv.allocate_slots(seq, n, hits):
-                seq.block_hashes = []
+            if not self.kv.allocate_slots(seq, n, prefix):
                 break
             self.waiting.popleft()
             if seq.num_preemptions == 0:
@@ -109,7 +104,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return SchedulerOutput(scheduled, preempted)
+        return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -162,7 +162,7 @@ class DecodeRole:
         if block_ids != want:
             raise TransferError(f"KV for blocks {block_ids[:4]}…, reserved {want[:4]}…")
         try:
-            self.worker.engine.kv_cache.import_layer_bytes(layer, block_ids, payload)
+            self.worker.engine.kv_store.import_layer_bytes(layer, block_ids, payload)
         except ValueError as exc:
             raise TransferError(str(exc)) from exc
         self.received_bytes += len(payload)

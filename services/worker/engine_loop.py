@@ -59,7 +59,6 @@ class EngineLoop:
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         self._prefill_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
         self._decode_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
-        self.last_error: str | None = None
         self.prefill_tokens_per_s = 0.0  # smoothed over prefill-only steps; 0: none yet
         self.load = self._snapshot()
 
@@ -135,7 +134,7 @@ class EngineLoop:
         queued += sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.running
                       if s.num_computed_tokens < s.num_prompt_tokens)
         return LoadSnapshot(len(sched.waiting), len(sched.running), queued,
-                            engine.block_pool.num_free_blocks, engine.block_pool.num_blocks,
+                            engine.block_manager.num_free_blocks, engine.block_manager.num_blocks,
                             len(engine.requests))
 
     def _run(self) -> None:
@@ -165,7 +164,6 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as exc:  # a broken step must not take the process down
                 log.exception("engine step failed")
-                self.last_error = str(exc)
                 outputs = self._fail_all(str(exc))
                 elapsed = time.perf_counter() - start
             else:

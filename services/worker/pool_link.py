@@ -93,7 +93,7 @@ class PoolLink:
 
     def _chain(self, prompt: list[int], salt: str | None, num_tokens: int) -> list[int]:
         engine = self.worker.engine
-        bs = engine.block_pool.block_size
+        bs = engine.block_manager.block_size
         return hash_blocks(prompt[: num_tokens // bs * bs], bs, engine.fingerprint, salt)
 
     async def with_prefix(self, prompt: list[int], salt: str | None,
@@ -109,7 +109,7 @@ class PoolLink:
         def adopt_then_call():
             start = time.perf_counter()
             try:
-                adopted = engine.adopt_blocks(*fetched)
+                adopted = engine.pool_blocks.adopt(*fetched)
             except ValueError as exc:  # a block of another layout: a miss
                 log.warning("pool_blocks_rejected", error=str(exc))
                 adopted = 0
@@ -120,16 +120,16 @@ class PoolLink:
         return await loop.call(adopt_then_call)
 
     async def _fetch(self, prompt: list[int], salt: str | None):
-        """``adopt_blocks`` arguments ``(chain, prompt, start, blocks)`` worth adopting,
+        """``pool_blocks.adopt`` arguments ``(chain, prompt, start, blocks)`` worth adopting,
         or None."""
         s = self.worker.settings
         engine = self.worker.engine
         chain = self._chain(prompt, salt, len(prompt) - 1)
         # Read off the event loop's thread: a dict look-up per block, a hint only; the
         # engine call that adopts checks the prefix again.
-        pool = engine.block_pool
+        cached = engine.block_manager
         local = 0
-        while local < len(chain) and pool.block_for_hash(chain[local]) is not None:
+        while local < len(chain) and cached.block_for_hash(chain[local]) is not None:
             local += 1
         rest = chain[local:]
         if len(rest) < s.pool_min_fetch_blocks:
@@ -158,8 +158,8 @@ class PoolLink:
         rate = self.worker.loop.prefill_tokens_per_s
         if not rate:
             return True
-        fetch_s = FETCH_OVERHEAD_S + n * engine.kv_cache.block_nbytes / self.bandwidth
-        compute_s = n * engine.block_pool.block_size / rate
+        fetch_s = FETCH_OVERHEAD_S + n * engine.kv_store.block_nbytes / self.bandwidth
+        compute_s = n * engine.block_manager.block_size / rate
         return fetch_s < compute_s
 
     # ---- out: write back -------------------------------------------------------------
@@ -196,7 +196,7 @@ class PoolLink:
         engine, loop = self.worker.engine, self.worker.loop
         for first in range(held, len(chain), EXPORT_BATCH):
             batch = chain[first:first + EXPORT_BATCH]
-            blocks = await loop.call(engine.export_cached_blocks, batch)
+            blocks = await loop.call(engine.pool_blocks.export, batch)
             if blocks:
                 await self.client.put([(key, data, first + i) for i, (key, data)
                                        in enumerate(zip(batch, blocks, strict=False))])

@@ -61,7 +61,6 @@ class PrefillRole:
         self.backends: collections.Counter[str] = collections.Counter()
         self.done = 0
         self._aio = asyncio.get_running_loop()
-        worker.engine.layer_callback = self._on_layer
 
     def on_output(self, out) -> bool:
         """Claim a finished prefill's output; False if it is not ours."""
@@ -72,9 +71,9 @@ class PrefillRole:
             job.done.set_result(out)
         return True
 
-    def _on_layer(self, layer: int, seqs: list[Sequence]) -> None:
+    def on_layer(self, layer: int, seqs: list[Sequence]) -> None:
         """Engine thread: copy out layer ``layer`` of every prompt completing this step."""
-        kv = self.worker.engine.kv_cache
+        kv = self.worker.engine.kv_store
         for seq in seqs:
             job = self.jobs.get(seq.request_id)
             if job is None:
@@ -143,7 +142,7 @@ class PrefillRole:
     async def _send_layers(self, rid: str, job: Job) -> int:
         """Send each layer as the engine hands it over; then close the transfer."""
         w = self.worker
-        num_layers = w.engine.kv_cache.num_layers
+        num_layers = w.engine.kv_store.num_layers
         dest = list(job.rec.block_ids[job.rec.skip_blocks:])
         start = None
         for _ in range(num_layers):

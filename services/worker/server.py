@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import os
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -38,6 +40,7 @@ from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
 from common.zmq_io import Publisher
 from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
+from services.engine.core import NO_HOOKS, EngineHooks
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
@@ -54,16 +57,17 @@ log = structlog.get_logger(__name__)
 KV_EVENT_FLUSH_S = 0.1  # how often prefix-cache changes go out to the conductor
 
 
-def build_engine(s: WorkerSettings) -> EngineCore:
+def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore:
     """The executor ``s.executor`` names: the model (imports torch) or the simulation."""
     if s.executor == "sim":
         from common.cost_profile import load_profile
-        from services.worker.sim_engine import SimEngine
+        from services.engine.sim import SimEngine
 
         return SimEngine(load_profile(s.sim_profile), block_size=s.block_size,
                          kv_cache_bytes=s.kv_cache_mib << 20, max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens,
-                         max_model_len=s.max_model_len or 8192, time_scale=s.sim_time_scale)
+                         max_model_len=s.max_model_len or 8192, time_scale=s.sim_time_scale,
+                         hooks=hooks)
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
 
@@ -71,7 +75,7 @@ def build_engine(s: WorkerSettings) -> EngineCore:
         model=s.model, dtype=s.dtype, block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        num_threads=s.num_threads or None))
+        num_threads=s.num_threads or None), hooks=hooks)
 
 
 def advertise(addr: str, host: str = "") -> str:
@@ -98,17 +102,23 @@ def pin_cpus(spec: str) -> None:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, engine: EngineCore) -> None:
+    def __init__(self, settings: WorkerSettings,
+                 make_engine: Callable[[EngineHooks], EngineCore]) -> None:
         self.settings = settings
-        self.engine = engine
         self.worker_id = settings.worker_id or (
             f"{settings.role}-{settings.resolved_host_id}-{os.getpid()}")
         self.ctx = zmq.asyncio.Context()
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
+        # Prefix-cache changes, appended on the engine thread, published in batches.
+        self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
+        self.prefill = PrefillRole(self) if settings.role == "prefill" else None
+        self.engine = engine = make_engine(EngineHooks(
+            on_layer=self.prefill.on_layer if self.prefill else None,
+            on_stored=lambda hashes: self._kv_events.append(("stored", hashes)),
+            on_removed=lambda hashes: self._kv_events.append(("removed", hashes))))
         self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
         self.streams = TokenStreams(self.ctx)
         self.pool = PoolLink(self)
-        self.prefill = PrefillRole(self) if settings.role == "prefill" else None
         self.decode = DecodeRole(self) if settings.role != "prefill" else None
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
         self.receiver = None
@@ -118,10 +128,6 @@ class Worker:
         self._clients: dict[str, RpcClient] = {}
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
-        # Prefix-cache changes, appended on the engine thread, published in batches.
-        self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
-        engine.block_pool.on_stored = lambda hashes: self._kv_events.append(("stored", hashes))
-        engine.block_pool.on_removed = lambda hashes: self._kv_events.append(("removed", hashes))
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -190,7 +196,7 @@ class Worker:
         if isinstance(rec, GetStats):
             return Stats(values=self.stats())
         if isinstance(rec, Resync):
-            hashes = await self.loop.call(self.engine.block_pool.cached_hashes)
+            hashes = await self.loop.call(self.engine.block_manager.cached_hashes)
             return Stats(values={"source": self.worker_id, "hashes": hashes,
                                  "tiers": ["local"] * len(hashes)})
         if not rid and isinstance(rec, Generate | Prefill | Abort):
@@ -253,7 +259,7 @@ class Worker:
         hello = Hello(worker_id=self.worker_id, role=s.role, model=s.model,
                       control_addr=self.control_addr, kv_addr=self.kv_addr,
                       host_id=s.resolved_host_id, block_size=s.block_size,
-                      num_blocks=self.engine.block_pool.num_blocks,
+                      num_blocks=self.engine.block_manager.num_blocks,
                       fingerprint=self.engine.fingerprint)
         while not self.registered.is_set():
             try:
@@ -302,8 +308,8 @@ class Worker:
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    engine = await asyncio.to_thread(build_engine, settings)
-    worker = Worker(settings, engine)
+    # Loads the model on this thread: nothing else runs in the process yet.
+    worker = Worker(settings, functools.partial(build_engine, settings))
     await worker.start()
     try:
         await until_stopped(stop, worker._tasks)

@@ -1,6 +1,6 @@
 """Bookkeeping for the paged KV cache: which block ids are in use, and which are cached.
 
-The pool owns the ids ``0 .. num_blocks-1`` of the per-layer KV tensors; it never touches
+The manager owns the ids ``0 .. num_blocks-1`` of the per-layer KV tensors; it never touches
 the tensors themselves. Each block has a reference count (how many sequences' block tables
 hold it) and, once its tokens are known and it is full, may carry a content hash (see
 ``common.block_hash``) so later requests with the same prefix can reuse it in place.
@@ -30,24 +30,24 @@ HashCallback = Callable[[list[int]], None]
 
 
 class NoFreeBlocksError(RuntimeError):
-    """More blocks were asked for than are free; the pool was left unchanged."""
+    """More blocks were asked for than are free; the manager was left unchanged."""
 
 
-class BlockPool:
+class BlockManager:
     """Fixed set of KV block ids 0..num_blocks-1 with ref counts and a prefix cache.
 
     Contract:
     - ``allocate`` is check-then-commit: it either returns ``n`` blocks with ref 1 or
       raises ``NoFreeBlocksError`` having changed nothing.
     - ``free`` and ``acquire`` validate every id before changing anything; a misuse
-      (double free, acquiring an uncached free block) raises ValueError with the pool
+      (double free, acquiring an uncached free block) raises ValueError with the manager
       unchanged.
     - A block's hash is set only by ``cache_block`` and cleared only by eviction in
       ``allocate`` or by ``reset_prefix_cache``; a hash names at most one block.
     - ``on_stored(hashes)`` is called after blocks become findable by hash and
-      ``on_removed(hashes)`` after they stop being findable; both run after the pool's
+      ``on_removed(hashes)`` after they stop being findable; both run after the manager's
       state is committed, so an exception from a callback reaches the caller but leaves
-      the pool consistent.
+      the manager consistent.
     - allocate, free and acquire cost O(1) per block.
     """
 
@@ -107,7 +107,7 @@ class BlockPool:
         """Return ``n`` blocks with ref 1, plain free blocks first, then evicting cached ones.
 
         Evicted blocks lose their hash; their hashes go to ``on_removed`` in one call, in
-        eviction order. Raises NoFreeBlocksError (pool unchanged) if ``n`` exceeds
+        eviction order. Raises NoFreeBlocksError (manager unchanged) if ``n`` exceeds
         ``num_free_blocks``, ValueError if ``n`` is negative.
         """
         if n < 0:
@@ -135,7 +135,7 @@ class BlockPool:
         cached blocks the LRU queue, plain blocks the plain queue. Callers free a
         sequence's blocks in reverse so that its tail blocks, the least likely to be
         shared by another prompt, are evicted before its head blocks.
-        Raises ValueError, pool unchanged, if any block would drop below ref 0.
+        Raises ValueError, manager unchanged, if any block would drop below ref 0.
         """
         for block_id, count in Counter(block_ids).items():
             self._check_id(block_id)
@@ -176,7 +176,7 @@ class BlockPool:
     def acquire(self, block_ids: Sequence[int]) -> None:
         """Take one reference per listed id; a cached free block leaves the free queue.
 
-        Raises ValueError, pool unchanged, for a free block with no hash: its contents
+        Raises ValueError, manager unchanged, for a free block with no hash: its contents
         are meaningless, so it must come from ``allocate`` instead.
         """
         for block_id in block_ids:
@@ -263,7 +263,7 @@ class BlockPool:
         if not self.enable_prefix_caching and self._block_by_hash:
             problems.append("blocks cached while prefix caching is disabled")
         if problems:
-            raise RuntimeError("BlockPool inconsistent: " + "; ".join(problems))
+            raise RuntimeError("BlockManager inconsistent: " + "; ".join(problems))
 
     def _uncache(self, block_id: int) -> int:
         block_hash = self._hashes[block_id]
