@@ -214,9 +214,9 @@ async def test_bad_requests_are_answered_and_the_pool_keeps_serving(ctx, pools):
     with pytest.raises(RemoteError, match="unsupported"):
         await rpc.call(p.Ack())
     assert _raw_call(pool.control, [b"\xc1"]).record.code == "malformed"
-    head = {"v": 1, "type": "teleport", "id": "x", "body": {}}
+    head = {"v": p.PROTOCOL_VERSION, "type": "teleport", "id": "x", "body": {}}
     assert _raw_call(pool.control, [msgpack.packb(head)]).record.code == "unknown_type"
-    head = {"v": 1, "type": "pool_get", "id": "y", "body": {"keys": "nope"}}
+    head = {"v": p.PROTOCOL_VERSION, "type": "pool_get", "id": "y", "body": {"keys": "nope"}}
     assert _raw_call(pool.control, [msgpack.packb(head)]).record.code == "wrong_type"
     reply = await rpc.call(p.PoolGet(keys=[k0, 5]))
     assert reply.record == p.PoolBlocks(found=1) and [bytes(b) for b in reply.bulk] == [d0]

@@ -121,7 +121,7 @@ def test_encode_defaults_and_fresh_ids():
 
 def test_wire_envelope_layout():
     [frame] = p.encode(p.Abort(), request_id="r", parent="q", msg_id="m")
-    assert msgpack.unpackb(frame) == {"v": 1, "type": "abort", "id": "m", "parent": "q",
+    assert msgpack.unpackb(frame) == {"v": 2, "type": "abort", "id": "m", "parent": "q",
                                       "rid": "r", "body": {"reason": "client"}}
 
 
@@ -133,7 +133,7 @@ def test_optional_fields_may_be_omitted_and_unknown_ones_are_ignored():
 
 
 def test_envelope_parent_and_rid_may_be_absent():
-    head = {"v": 1, "type": "ack", "id": "x", "body": {}}
+    head = {"v": p.PROTOCOL_VERSION, "type": "ack", "id": "x", "body": {}}
     env = p.decode([msgpack.packb(head)]).envelope
     assert env.parent is None and env.request_id is None
 
@@ -149,7 +149,7 @@ def test_float_field_accepts_int_and_makes_it_float():
     [b"\xc1"],  # a byte msgpack never uses
     [b"\x92\x01"],  # truncated array
     [msgpack.packb([1, 2])],  # not a map
-    [msgpack.packb({"v": 1, "type": "ack", "id": "x", "body": {}}) + b"\x00"],  # trailing
+    [_frame0(id="x") + b"\x00"],  # trailing bytes
     [_frame0(id=None)],
     [_frame0(type=7)],
     [_frame0(v=True)],
@@ -169,7 +169,7 @@ def test_unknown_type_keeps_envelope():
     assert info.value.envelope.id == "abc" and info.value.envelope.request_id == "r9"
 
 
-@pytest.mark.parametrize("version", [0, 2, 999])
+@pytest.mark.parametrize("version", [0, 1, 3, 999])
 def test_wrong_version(version):
     with pytest.raises(p.ProtocolError) as info:
         p.decode([_frame0(v=version)])

@@ -132,9 +132,9 @@ async def test_garbage_from_a_raw_dealer_gets_error_replies(ctx, rpc):
     try:
         cases = [
             ([b"\xc1 not msgpack"], "malformed", None),
-            ([msgpack.packb({"v": 1, "type": "route", "id": "m2", "body": {}})],
+            ([msgpack.packb({"v": p.PROTOCOL_VERSION, "type": "route", "id": "m2", "body": {}})],
              "missing_field", "m2"),
-            ([msgpack.packb({"v": 1, "type": "warp", "id": "m3", "body": {}})],
+            ([msgpack.packb({"v": p.PROTOCOL_VERSION, "type": "warp", "id": "m3", "body": {}})],
              "unknown_type", "m3"),
             ([msgpack.packb({"v": 9, "type": "ack", "id": "m4", "body": {}})], "version", "m4"),
         ]
@@ -297,9 +297,10 @@ async def test_pull_skips_garbage(ctx):
     raw.connect(pull.address)
     try:
         await raw.send_multipart([b"\xc1\xc1"])
-        await raw.send_multipart([msgpack.packb({"v": 1, "type": "tokens", "id": "x",
+        await raw.send_multipart([msgpack.packb({"v": p.PROTOCOL_VERSION, "type": "tokens",
+                                                 "id": "x",
                                                  "body": {"position": "0", "token_ids": []}})])
-        await raw.send_multipart([msgpack.packb({"v": 2, "type": "ack", "id": "y", "body": {}})])
+        await raw.send_multipart([msgpack.packb({"v": 99, "type": "ack", "id": "y", "body": {}})])
         await raw.send_multipart(p.encode(p.Tokens(position=0, token_ids=[7]), request_id="r"))
         got = await asyncio.wait_for(pull.recv(), 2)
         assert got.record == p.Tokens(position=0, token_ids=[7])
