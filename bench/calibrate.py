@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common.cost_profile import CostProfile, save_profile  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 PREFILL_POINTS = [(16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (1024, 0), (1536, 0),
                   (64, 512), (256, 512), (64, 1024), (512, 1024)]

@@ -70,6 +70,7 @@ class RecordSpec:
     type_name: str
     cls: type
     fields: tuple[FieldSpec, ...]
+    names: frozenset[str]
 
 
 NESTED: dict[type, RecordSpec] = {}  # nested record class -> its spec
@@ -226,7 +227,7 @@ def record_spec(type_name: str, cls: type) -> RecordSpec:
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         specs.append(FieldSpec(f.name, field_type(hints[f.name]), required))
-    return RecordSpec(type_name, cls, tuple(specs))
+    return RecordSpec(type_name, cls, tuple(specs), frozenset(f.name for f in specs))
 
 
 def body_to_wire(spec: RecordSpec, record: Any) -> dict:
@@ -248,11 +249,8 @@ def body_from_wire(spec: RecordSpec, body: dict) -> Any:
     """The record ``body`` describes; unknown keys are ignored. Mismatch names the bad
     field; a record whose own checks refuse the values (ValueError, TypeError) too."""
     values = {}
-    if len(body) > len(spec.fields):  # the keys it ignores are bounded too
-        known = {f.name for f in spec.fields}
-        for key, v in body.items():
-            if key not in known:
-                check_depth(v, f"unknown field {key!r}")
+    for key in body.keys() - spec.names:  # the keys it ignores are bounded too
+        check_depth(body[key], f"unknown field {key!r}")
     for f in spec.fields:
         if f.name not in body:
             if f.required:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.tiny_models import random_prompts
 
 

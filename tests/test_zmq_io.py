@@ -31,7 +31,7 @@ async def _handler(msg: p.Message):
     """Route(prompt_len=ms) sleeps that long and acks; model names other behaviours."""
     rec = msg.record
     if isinstance(rec, p.GetStats):
-        return p.Stats(values={"rid": msg.envelope.request_id})
+        return p.HeldBlocks(source=msg.envelope.request_id, hashes=[], tiers=[])
     if isinstance(rec, p.Route):
         if rec.model == "explode":
             raise KeyError("no such worker")
@@ -58,7 +58,7 @@ async def rpc(ctx):
 
 async def _call_ok(client):
     reply = await client.call(p.GetStats(), request_id="again", timeout=2)
-    assert reply.record == p.Stats(values={"rid": "again"})
+    assert reply.record == p.HeldBlocks(source="again", hashes=[], tiers=[])
 
 
 async def test_address_is_resolved(rpc):
@@ -69,8 +69,8 @@ async def test_address_is_resolved(rpc):
 async def test_round_trip_keeps_request_id_and_bulk(rpc):
     _, client = rpc
     reply = await client.call(p.GetStats(), request_id="req-7")
-    assert reply.record == p.Stats(values={"rid": "req-7"})
-    assert reply.envelope.request_id == "req-7" and reply.envelope.type == "stats"
+    assert reply.record == p.HeldBlocks(source="req-7", hashes=[], tiers=[])
+    assert reply.envelope.request_id == "req-7" and reply.envelope.type == "held_blocks"
 
     payload = [b"\x00\x01\x02", bytes(range(256)) * 300]
     reply = await client.call(p.Route(model="bulk", prompt_len=0), bulk=payload)
@@ -155,7 +155,7 @@ async def test_bad_request_from_client_surfaces_as_remote_error(ctx):
     client = RpcClient(ctx, server.address, name="c")
     try:
         with pytest.raises(RemoteError) as info:
-            await client.call(p.Stats(values={"x": "y" * 500}), timeout=2)
+            await client.call(p.Ack(detail="y" * 500), timeout=2)
         assert info.value.code == "oversized"
     finally:
         await client.close()
@@ -263,7 +263,7 @@ async def test_subscriber_skips_garbage(ctx):
         await _drain(sub)
         await raw.send_multipart([b"t"])  # topic only, no message
         await raw.send_multipart([b"t", b"\xc1"])
-        await raw.send_multipart([b"t", *p.encode(p.Stats(values={"x": "y" * 2000}))])
+        await raw.send_multipart([b"t", *p.encode(p.Ack(detail="y" * 2000))])
         await raw.send_multipart([b"t", *p.encode(p.Ack(detail="good"))])
         got = await asyncio.wait_for(sub.recv(), 2)
         assert got.record == p.Ack(detail="good")

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool
 from services.engine.kv_manager import KVCacheManager
 from services.engine.outputs import RemoteSlots, RequestOutput, StepRecord
-from services.engine.sampling_params import SamplingParams
 from services.engine.sampling_state import SamplingState, check_stop
 from services.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus
