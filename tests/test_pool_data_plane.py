@@ -112,7 +112,7 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
                                          transfer_id="t-1", lease_s=5.0))
         assert isinstance(ready.record, p.PoolReady) and len(ready.bulk) == 0
         assert ready.record.kv_advert == pool.stats().kv_advert
-        address = sender.address_for(ready.record.kv_advert)
+        address = sender.address_for(ready.record.kv_advert.as_dict())
         await sender.send(address, "t-1", 0, [0], d0)
         await sender.finish(address, "t-1", 1)
         done = await rpc.call(p.PoolCommit(transfer_id="t-1"))
@@ -127,7 +127,7 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
                                      transfer_id="t-3", lease_s=0.0))
         with pytest.raises(RemoteError, match="bad_request"):  # an advert nobody can use
             await rpc.call(p.PoolGet(keys=[k0], transfer_id="t-4", lease_s=5.0,
-                                     kv_advert={"host_id": "h", "endpoints": {}}))
+                                     kv_advert=p.KVAdvert(host_id="h", endpoints={})))
         assert_pool_idle(pool.stats())
     finally:
         await sender.close()
@@ -233,7 +233,7 @@ async def test_a_client_that_vanishes_mid_put_costs_the_pool_one_lease(ctx, pool
     try:
         ready = await rpc.call(p.PoolPut(keys=[k for k, _, _ in chain], depths=list(range(5)),
                                          block_bytes=BLOCK, transfer_id="gone", lease_s=0.3))
-        address = sender.address_for(ready.record.kv_advert)
+        address = sender.address_for(ready.record.kv_advert.as_dict())
         for i, (_, data, _) in enumerate(chain[:2]):
             await sender.send(address, "gone", 0, [i], data)
         assert pool_stats(pool).live_transfers == 1 and len(pool.inbox) == 1
