@@ -496,7 +496,7 @@ def test_decode_killed_mid_transfer_prefill_frees_all_and_request_completes(tmp_
         assert len(receiving) == 1, "the transfer was over before the kill"
         cluster.signal(receiving[0], signal.SIGKILL)  # layers are still streaming to it
         other = ({"decode-1", "decode-2"} - set(receiving)).pop()
-        assert sending["prefill_jobs"] == 1
+        assert sending.prefill_jobs == 1
         worker.result(timeout=150)
         assert result["done"].token_ids == want
         # The survivor gave everything back, well inside the lease.
