@@ -101,9 +101,9 @@ class ClusterBackend(GenerationBackend):
                 q.put_nowait(msg.record)
 
     async def _workers(self) -> list[WorkerStatus] | None:
-        """The conductor's list of this model's workers; None if it does not answer."""
+        """The conductor's list of workers; None if it does not answer."""
         try:
-            reply = await self.conductor.call(ListWorkers(model=self.model), timeout=2.0)
+            reply = await self.conductor.call(ListWorkers(), timeout=2.0)
         except (RpcTimeout, RemoteError):
             return None
         return reply.record.workers if isinstance(reply.record, WorkerList) else None
