@@ -1,7 +1,8 @@
 """The control plane's codec: message envelope, field checking, encode and decode.
 
-Records are declared in :mod:`common.protocol` with :func:`message`; this module knows
-how any of them travels, not which exist.
+Messages are declared in :mod:`common.protocol` with :func:`message`, the nested records
+their fields carry with :func:`record`; this module knows how any of them travels, not
+which exist. What each field annotation allows is :mod:`common.codec_types`.
 
 Wire format (one ZeroMQ multipart message)::
 
@@ -13,8 +14,10 @@ Contract of the codec:
 
 - ``encode`` checks every field against its annotation and raises ``ProtocolError``
   ("wrong_type") for a value msgpack cannot carry as declared: no object is ever pickled.
-- ``decode`` raises ``ProtocolError`` whose ``code`` says what was wrong; it never
-  returns a record whose fields do not match their annotations.
+- ``decode`` raises ``ProtocolError`` whose ``code`` says what was wrong (a nested value
+  with its path, ``generate.sampling.top_k: ...``), and nothing else for any bytes; it
+  never returns a record whose fields, nested ones included, do not match their
+  annotations.
 - Body fields a record does not know are ignored, so a newer sender may add optional
   fields without breaking older receivers. Removing a field or changing its type is a
   version change (``PROTOCOL_VERSION``).
