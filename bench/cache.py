@@ -58,17 +58,17 @@ class PathError(RuntimeError):
 
 def ttft(client: Client, prompt: list[int]) -> tuple[float, int]:
     """(seconds to the first streamed token, cached prompt tokens the gateway reports)."""
-    first, usage = None, {}
+    first, cached = None, -1
     t0 = time.perf_counter()
     for chunk in client.stream(prompt_token_ids=prompt, max_tokens=1, temperature=0,
                                ignore_eos=True):
         if first is None and chunk.token_ids:
             first = time.perf_counter() - t0
         if chunk.finished:
-            usage = dict(chunk.usage)
+            cached = chunk.usage.cached_tokens if chunk.usage else -1
     if first is None:
         raise PathError("no token came back")
-    return first, int(usage.get("prompt_tokens_details", {}).get("cached_tokens", -1))
+    return first, cached
 
 
 def served_by(cluster, before: dict, written: int, timeout_s: float = 60.0) -> tuple[str, dict]:
@@ -77,10 +77,9 @@ def served_by(cluster, before: dict, written: int, timeout_s: float = 60.0) -> t
     deadline = time.monotonic() + timeout_s
     while True:
         now = {n: cluster.worker_stats(n) for n in before}
-        grew = {n: now[n]["pool_written_blocks"] - before[n]["pool_written_blocks"]
+        grew = {n: now[n].pool.written_blocks - before[n].pool.written_blocks
                 for n in now}
-        done = [n for n, g in grew.items() if g == written and not now[n][
-            "pool_write_back_queued"]]
+        done = [n for n, g in grew.items() if g == written and not now[n].pool.write_back_queued]
         if len(done) == 1 and sum(grew.values()) == written:
             return done[0], now
         if any(g > written for g in grew.values()) or time.monotonic() > deadline:
@@ -103,10 +102,10 @@ def trial(client: Client, cluster, rng: random.Random, prompt_len: int,
         seconds, cached = ttft(client, prompt)
         written = full if path == "cold" else full - shared_blocks
         worker, after = served_by(cluster, stats, written)
-        delta = {k: after[worker][k] - stats[worker][k] for k in (
-            "pool_fetches", "pool_fetched_blocks", "pool_fetch_bytes",
-            "pool_fetch_seconds", "pool_adopt_seconds")}
-        others_fetched = sum(after[n]["pool_fetches"] - stats[n]["pool_fetches"]
+        delta = {f"pool_{k}": getattr(after[worker].pool, k) - getattr(stats[worker].pool, k)
+                 for k in ("fetches", "fetched_blocks", "fetch_bytes", "fetch_seconds",
+                           "adopt_seconds")}
+        others_fetched = sum(after[n].pool.fetches - stats[n].pool.fetches
                              for n in names if n != worker)
         if path == "cold":
             workers["A"] = worker
@@ -141,7 +140,7 @@ def measure_ttft(args) -> dict:
         try:
             cluster.start(timeout_s=300)
             deadline = time.monotonic() + 30
-            while not all(cluster.worker_stats(n)["pool_instances"] == ["pool-0"]
+            while not all(cluster.worker_stats(n).pool.instances == ["pool-0"]
                           for n in ("unified-0", "unified-1")):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the workers did not find the pool")
@@ -175,7 +174,7 @@ def measure_ttft(args) -> dict:
                    "cold_over_local": med["cold"] / med["local"],
                    "pooled_over_local": med["pooled"] / med["local"]},
         "pooled_breakdown": breakdown,
-        "pool_dram_blocks": pool_stats.get("dram_blocks"),
+        "pool_dram_blocks": pool_stats.dram_blocks,
         "trials": trials,
     }
 

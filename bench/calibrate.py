@@ -41,9 +41,9 @@ from common.cost_profile import (  # noqa: E402
     prefill_terms,
     save_profile,
 )
+from common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 
 PREFILL_POINTS = [(16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (1024, 0), (1536, 0),
                   (64, 512), (256, 512), (64, 1024), (512, 1024)]

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.routing_rate import MODEL, conductor_rate, pct, policy_rate  # noqa: E402
-from common.protocol import Generate, Route, Tokens  # noqa: E402
+from common.protocol import Generate, Route, SamplingParams, Tokens  # noqa: E402
 
 PROMPT = list(range(1000, 1064))
 
@@ -66,7 +66,7 @@ async def latency(cluster, n: int) -> dict:
 
     async def direct(i):
         t = time.perf_counter()
-        await worker.call(Generate(prompt_token_ids=PROMPT, sampling=sampling,
+        await worker.call(Generate(prompt_token_ids=PROMPT, sampling=SamplingParams(**sampling),
                                    stream_addr=pull.address), request_id=f"d{i}", timeout=5)
         while True:
             msg = await pull.recv()

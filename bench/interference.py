@@ -95,8 +95,8 @@ def workers_alive(want: int, timeout_s: float = 120.0) -> None:
         while time.monotonic() < deadline:
             sock.send_multipart(encode(GetStats()))
             if sock.poll(2000):
-                workers = decode(sock.recv_multipart()).record.values["workers"]
-                if sum(w["alive"] for w in workers) >= want:
+                workers = decode(sock.recv_multipart()).record.workers
+                if sum(w.alive for w in workers) >= want:
                     return
             time.sleep(0.5)
     finally:

@@ -106,7 +106,7 @@ async def measure(names: list[str], blocks: int, block_bytes: int, reps: int) ->
                       for op, ts in times[n].items()}
             out[n]["client_counts"] = dict(clients[n].counts)
         out["pool_transfers"] = next(iter(
-            (await discover_pools(ctx, [control])).values()))["transfers"]
+            (await discover_pools(ctx, [control])).values())).transfers
         return out
     finally:
         for client in clients.values():

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from common.cost_profile import load_profile
-from common.protocol import Heartbeat, Route
+from common.protocol import Heartbeat, Route, WorkerInfo
 from services.conductor.cache_policy import Rejection
 from services.conductor.registry import Registry, WorkerView
 from services.conductor.router import Router, RouterConfig, RouteRequest
@@ -37,10 +37,11 @@ def pct(values: list[float]) -> dict:
 def build_state(seed: int = 0):
     """32 worker views, 100,000 indexed blocks in chains, and request chains."""
     rng = random.Random(seed)
-    views = [WorkerView(worker_id=f"{role}-{i}", role=role, model=MODEL,
+    views = [WorkerView(WorkerInfo(
+                        worker_id=f"{role}-{i}", role=role, model=MODEL,
                         control_addr=f"tcp://127.0.0.1:{7000 + 2 * i + (role == 'decode')}",
                         kv_addr="", host_id="h", block_size=16, num_blocks=20_000,
-                        fingerprint="fp", free_blocks=20_000)
+                        fingerprint="fp"), free_blocks=20_000)
              for role in ("prefill", "decode") for i in range(WORKERS // 2)]
     chains = [[(c << 8) | j for j in range(CHAIN)] for c in range(BLOCKS // 64)]
     placements = []

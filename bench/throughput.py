@@ -36,9 +36,9 @@ def peak_rss_mib() -> float:
 
 
 def run_ours(args) -> dict:
+    from common.sampling_params import SamplingParams
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mib << 20,

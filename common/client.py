@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import zmq
 import zmq.asyncio
 
-from common.protocol import Abort, ClientChunk, ClientRequest, Error, decode, encode
+from common.protocol import Abort, ClientChunk, ClientRequest, Error, Usage, decode, encode
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5550"
 
@@ -47,7 +47,7 @@ class Completion(NamedTuple):
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    usage: dict
+    usage: Usage | None
 
 
 def _request(model: str, prompt, messages, prompt_token_ids, stop, stream, cache_salt,
@@ -72,12 +72,12 @@ def _check(msg) -> ClientChunk:
 
 
 def _collect(rid: str, chunks) -> Completion:
-    text, ids, reason, usage = [], [], None, {}
+    text, ids, reason, usage = [], [], None, None
     for c in chunks:
         text.append(c.text)
         ids.extend(c.token_ids)
         if c.finished:
-            reason, usage = c.finish_reason, dict(c.usage)
+            reason, usage = c.finish_reason, c.usage
     return Completion(rid, "".join(text), ids, reason, usage)
 
 

@@ -1,7 +1,8 @@
 """The control plane's codec: message envelope, field checking, encode and decode.
 
-Records are declared in :mod:`common.protocol` with :func:`message`; this module knows
-how any of them travels, not which exist.
+Messages are declared in :mod:`common.protocol` with :func:`message`, the nested records
+their fields carry with :func:`record`; this module knows how any of them travels, not
+which exist. What each field annotation allows is :mod:`common.codec_types`.
 
 Wire format (one ZeroMQ multipart message)::
 
@@ -13,8 +14,10 @@ Contract of the codec:
 
 - ``encode`` checks every field against its annotation and raises ``ProtocolError``
   ("wrong_type") for a value msgpack cannot carry as declared: no object is ever pickled.
-- ``decode`` raises ``ProtocolError`` whose ``code`` says what was wrong; it never
-  returns a record whose fields do not match their annotations.
+- ``decode`` raises ``ProtocolError`` whose ``code`` says what was wrong (a nested value
+  with its path, ``generate.sampling.top_k: ...``), and nothing else for any bytes; it
+  never returns a record whose fields, nested ones included, do not match their
+  annotations.
 - Body fields a record does not know are ignored, so a newer sender may add optional
   fields without breaking older receivers. Removing a field or changing its type is a
   version change (``PROTOCOL_VERSION``).
@@ -24,9 +27,6 @@ This module is transport-free (no zmq import) and must never import torch or num
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +34,19 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION: int = 1
+from common.codec_types import (
+    NESTED,
+    Mismatch,
+    MissingField,
+    RecordSpec,
+    TooDeep,
+    body_from_wire,
+    body_to_wire,
+    is_int,
+    record_spec,
+)
+
+PROTOCOL_VERSION: int = 2
 MAX_FRAME_BYTES: int = 64 << 20  # default limit for frame 0, the envelope
 MAX_BULK_FRAME_BYTES: int = 1 << 30  # default limit for each bulk frame
 
@@ -82,148 +94,47 @@ class Message:
     bulk: list[memoryview]
 
 
-# --- field types -------------------------------------------------------------------------
+# --- registration ------------------------------------------------------------------------
 
-
-class _Mismatch(Exception):
-    """Internal: a value does not match a field type; carries a description."""
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _scalar(name: str, ok: Callable[[Any], bool], coerce: Callable[[Any], Any] | None = None):
-    def check(v: Any) -> Any:
-        if not ok(v):
-            raise _Mismatch(f"expected {name}, got {type(v).__name__}")
-        return coerce(v) if coerce is not None else v
-
-    return check
-
-
-_LEAVES = (type(None), bool, int, float, str, bytes)
-
-
-def _check_plain(v: Any, path: str) -> None:
-    """Accept only what msgpack carries without extensions: nil, bool, int, float, str,
-    bytes, and lists (tuples on encode) or str-keyed maps of these."""
-    if isinstance(v, _LEAVES):
-        return
-    if isinstance(v, list | tuple):
-        for i, x in enumerate(v):
-            _check_plain(x, f"{path}[{i}]")
-    elif isinstance(v, dict):
-        for key, x in v.items():
-            if not isinstance(key, str):
-                raise _Mismatch(f"{path}: map key {key!r} is not a str")
-            _check_plain(x, f"{path}[{key!r}]")
-    else:
-        raise _Mismatch(f"{path}: {type(v).__name__} is not a plain msgpack value")
-
-
-def _dict_check(v: Any) -> Any:
-    if not isinstance(v, dict):
-        raise _Mismatch(f"expected dict, got {type(v).__name__}")
-    _check_plain(v, "value")
-    return v
-
-
-_SCALARS: dict[Any, tuple[str, Callable[[Any], Any]]] = {
-    int: ("int", _scalar("int", _is_int)),
-    float: ("float", _scalar("float", lambda v: _is_int(v) or isinstance(v, float), float)),
-    str: ("str", _scalar("str", lambda v: isinstance(v, str))),
-    bool: ("bool", _scalar("bool", lambda v: isinstance(v, bool))),
-    bytes: ("bytes", _scalar("bytes", lambda v: isinstance(v, bytes))),
-    dict: ("dict", _dict_check),
-}
-_LIST_ITEMS = (int, str, dict)
-
-
-def _list_check(item: Any) -> Callable[[Any], Any]:
-    name, check_item = _SCALARS[item]
-
-    def check(v: Any) -> Any:
-        if not isinstance(v, list):
-            raise _Mismatch(f"expected list[{name}], got {type(v).__name__}")
-        # The hot case, token ids and block hashes, skips the per-item loop.
-        if item is int and all(type(x) is int for x in v):
-            return v
-        for i, x in enumerate(v):
-            try:
-                check_item(x)
-            except _Mismatch as exc:
-                raise _Mismatch(f"item {i}: {exc}") from None
-        return v
-
-    return check
-
-
-def _optional_check(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def check(v: Any) -> Any:
-        return None if v is None else inner(v)
-
-    return check
-
-
-def _field_type(annotation: Any) -> tuple[str, Callable[[Any], Any]]:
-    """(display name, checker) for an allowed annotation; TypeError for any other."""
-    if annotation in _SCALARS:
-        return _SCALARS[annotation]
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is list and len(args) == 1 and args[0] in _LIST_ITEMS:
-        return f"list[{_SCALARS[args[0]][0]}]", _list_check(args[0])
-    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
-        inner = args[0] if args[1] is type(None) else args[1]
-        name, check = _field_type(inner)
-        return f"{name} | None", _optional_check(check)
-    raise TypeError(f"unsupported field type {annotation!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class _FieldSpec:
-    name: str
-    type_name: str
-    required: bool
-    check: Callable[[Any], Any]
-
-
-@dataclass(frozen=True, slots=True)
-class _RecordSpec:
-    type_name: str
-    cls: type
-    fields: tuple[_FieldSpec, ...]
-
-
-_BY_NAME: dict[str, _RecordSpec] = {}
-_BY_CLASS: dict[type, _RecordSpec] = {}
+_BY_NAME: dict[str, RecordSpec] = {}
+_BY_CLASS: dict[type, RecordSpec] = {}
 
 
 def message(type_name: str) -> Callable[[type], type]:
     """Register a frozen, slotted dataclass as the record for message type ``type_name``.
 
     Raises TypeError if the class is not such a dataclass, a field's annotation is not an
-    allowed type, or ``type_name`` (or the class) is already registered.
+    allowed type (:mod:`common.codec_types`), or ``type_name`` (or the class) is already
+    registered.
     """
 
     def register(cls: type) -> type:
-        params = getattr(cls, "__dataclass_params__", None)
-        if params is None or not params.frozen or "__slots__" not in cls.__dict__:
-            raise TypeError(f"{cls.__name__} must be a frozen, slotted dataclass")
-        if type_name in _BY_NAME or cls in _BY_CLASS:
+        if type_name in _BY_NAME or cls in _BY_CLASS or cls in NESTED:
             raise TypeError(f"message type {type_name!r} ({cls.__name__}) registered twice")
-        hints = typing.get_type_hints(cls)
-        specs = []
-        for f in dataclasses.fields(cls):
-            shown, check = _field_type(hints[f.name])
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            specs.append(_FieldSpec(f.name, shown, required, check))
-        spec = _RecordSpec(type_name, cls, tuple(specs))
+        spec = record_spec(type_name, cls)
         _BY_NAME[type_name] = spec
         _BY_CLASS[cls] = spec
         return cls
 
     return register
+
+
+def record(cls: type) -> type:
+    """Register a frozen, slotted dataclass as a nested record: a field type of messages
+    (and of other nested records, declared before it), travelling as a map of its fields.
+
+    It is not a message: it has no type name of its own and cannot be sent alone.
+    Raises TypeError as :func:`message` does.
+    """
+    if cls in NESTED or cls in _BY_CLASS:
+        raise TypeError(f"record {cls.__name__} registered twice")
+    NESTED[cls] = record_spec(cls.__name__, cls)
+    return cls
+
+
+def records() -> dict[str, type]:
+    """The nested records: class name -> class."""
+    return {cls.__name__: cls for cls in NESTED}
 
 
 def registry() -> dict[str, type]:
@@ -270,14 +181,10 @@ def encode(
     for name, value in (("request_id", request_id), ("parent", parent), ("msg_id", msg_id)):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be str or None, got {type(value).__name__}")
-    body = {}
-    for f in spec.fields:
-        value = getattr(record, f.name)
-        try:
-            f.check(value)
-        except _Mismatch as exc:
-            raise ProtocolError("wrong_type", f"{spec.type_name}.{f.name}: {exc}") from None
-        body[f.name] = value
+    try:
+        body = body_to_wire(spec, record)
+    except Mismatch as exc:
+        raise ProtocolError("wrong_type", f"{spec.type_name}{_at(exc)}") from None
     head = {
         "v": PROTOCOL_VERSION,
         "type": spec.type_name,
@@ -310,7 +217,7 @@ def _read_envelope(head: dict) -> Envelope | None:
     """The envelope if its header fields have the right types, else None."""
     version, kind, msg_id = head.get("v"), head.get("type"), head.get("id")
     parent, rid = head.get("parent"), head.get("rid")
-    if not (_is_int(version) and isinstance(kind, str) and isinstance(msg_id, str)):
+    if not (is_int(version) and isinstance(kind, str) and isinstance(msg_id, str)):
         return None
     if not all(x is None or isinstance(x, str) for x in (parent, rid)):
         return None
@@ -356,8 +263,24 @@ def decode(
     8. "missing_field" / "wrong_type": per field, in declaration order.
 
     From step 4 on the error carries the envelope; at step 2 it does when the header can
-    be read without unpacking the body. Floats accept ints (made float).
+    be read without unpacking the body. Floats accept ints (made float). A plain value
+    nested too deep is "malformed". No other exception leaves ``decode``, whatever the
+    bytes.
     """
+    try:
+        return _decode(frames, max_frame_bytes, max_bulk_bytes)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a bug's last line of defence: bad input never crashes a loop
+        raise ProtocolError("malformed", f"undecodable message: {exc!r}") from None
+
+
+def _at(exc: Exception) -> str:
+    """How a field error continues the record's name: ``.field...: detail``."""
+    return str(exc) if str(exc).startswith((".", "[")) else f": {exc}"
+
+
+def _decode(frames: Sequence[Any], max_frame_bytes: int, max_bulk_bytes: int) -> Message:
     if len(frames) == 0:
         raise ProtocolError("malformed", "no frames")
     views = [_as_view(f, i) for i, f in enumerate(frames)]
@@ -393,16 +316,12 @@ def decode(
                 "oversized", f"bulk frame {i} is {view.nbytes} bytes > {max_bulk_bytes}",
                 envelope=env,
             )
-    values = {}
-    for f in spec.fields:
-        if f.name not in body:
-            if f.required:
-                raise ProtocolError(
-                    "missing_field", f"{env.type}: missing field {f.name!r}", envelope=env
-                )
-            continue
-        try:
-            values[f.name] = f.check(body[f.name])
-        except _Mismatch as exc:
-            raise ProtocolError("wrong_type", f"{env.type}.{f.name}: {exc}", envelope=env) from None
-    return Message(envelope=env, record=spec.cls(**values), bulk=views[1:])
+    try:
+        rec = body_from_wire(spec, body)
+    except MissingField as exc:
+        raise ProtocolError("missing_field", f"{env.type}: {exc}", envelope=env) from None
+    except TooDeep as exc:
+        raise ProtocolError("malformed", f"{env.type}{_at(exc)}", envelope=env) from None
+    except Mismatch as exc:
+        raise ProtocolError("wrong_type", f"{env.type}{_at(exc)}", envelope=env) from None
+    return Message(envelope=env, record=rec, bulk=views[1:])

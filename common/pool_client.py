@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import socket
 import time
 import uuid
@@ -58,6 +59,7 @@ from common.address import parse_address, with_host
 from common.pool_transfer import BlockInbox, send_blocks
 from common.protocol import (
     GetStats,
+    KVAdvert,
     Message,
     PoolBlocks,
     PoolCommit,
@@ -66,6 +68,7 @@ from common.protocol import (
     PoolPut,
     PoolReady,
     PoolRemove,
+    PoolStats,
 )
 from common.transfer import MultiReceiver, MultiSender, TransferError
 from common.transfer.negotiate import check_advert, default_host_id
@@ -250,7 +253,7 @@ class PoolClient:
             log.warning("pool_bad_reply", instance=inst, type=reply.envelope.type)
             return False  # the pool's lease ends whatever it expected
         try:
-            address = self._address_for(inst, reply.record.kv_advert)
+            address = self._address_for(inst, reply.record.kv_advert.as_dict())
             async with asyncio.timeout_at(deadline):
                 await send_blocks(self._sender, address, tid, data)
         except Exception as exc:  # unexpected ones too: a failed write, not the caller's
@@ -277,7 +280,7 @@ class PoolClient:
             return []
         try:
             reply = await self._call(inst, PoolGet(keys=run, transfer_id=tid,
-                                                   kv_advert=receiver.advert(),
+                                                   kv_advert=KVAdvert.of(receiver.advert()),
                                                    lease_s=self.timeout_s))
             if reply is None:
                 return []
@@ -458,18 +461,20 @@ def parse_pool_addrs(spec: str) -> list[str]:
 
 
 async def discover_pools(ctx: zmq.asyncio.Context, control_addrs: Sequence[str], *,
-                         timeout_s: float = 2.0) -> dict[str, dict]:
-    """Ask each pool instance for its Stats: instance id -> those values (which name its
-    ``control_addr`` and ``events_addr``). Instances that do not answer are left out;
-    a caller that needs them all retries."""
+                         timeout_s: float = 2.0) -> dict[str, PoolStats]:
+    """Ask each pool instance for its PoolStats: instance id -> those (which name its
+    ``control_addr`` and ``events_addr``). Instances that do not answer, or answer with
+    something else, are left out; a caller that needs them all retries."""
 
-    async def ask(addr: str) -> dict | None:
+    async def ask(addr: str) -> PoolStats | None:
         client = RpcClient(ctx, addr, name="pool-discovery")
         try:
             reply = await client.call(GetStats(), timeout=timeout_s)
-            values = dict(reply.record.values)
-            values["control_addr"] = addr  # the address we reach it by, not its bind
-            return values
+            if not isinstance(reply.record, PoolStats):
+                log.debug("pool_not_a_pool", addr=addr, type=reply.envelope.type)
+                return None
+            # The address we reach it by, not its bind.
+            return dataclasses.replace(reply.record, control_addr=addr)
         except (RemoteError, RpcTimeout, ConnectionError, zmq.ZMQError) as exc:
             log.debug("pool_not_answering", addr=addr, error=str(exc) or type(exc).__name__)
             return None
@@ -477,4 +482,4 @@ async def discover_pools(ctx: zmq.asyncio.Context, control_addrs: Sequence[str],
             await client.close()
 
     found = await asyncio.gather(*(ask(a) for a in control_addrs))
-    return {v["instance_id"]: v for v in found if v is not None}
+    return {v.instance_id: v for v in found if v is not None}

@@ -23,12 +23,56 @@ from common.codec import (
     decode,
     encode,
     message,
+    record,
+    records,
     registry,
+)
+from common.protocol_pool import (
+    HeldBlocks,
+    KVEvent,
+    PoolBlocks,
+    PoolCommit,
+    PoolExists,
+    PoolFound,
+    PoolGet,
+    PoolPut,
+    PoolReady,
+    PoolRemove,
+    Resync,
+)
+from common.protocol_stats import (
+    ConductorStats,
+    GetStats,
+    ListWorkers,
+    PoolStats,
+    WorkerList,
+    WorkerStats,
+)
+from common.records import (
+    CostCoefficients,
+    KVAdvert,
+    PoolInstanceStatus,
+    SamplingParams,
+    StepSample,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    WorkerInfo,
+    WorkerPoolCounts,
+    WorkerStatus,
 )
 
 __all__ = [
     "ERROR_CODES", "MAX_BULK_FRAME_BYTES", "MAX_FRAME_BYTES", "PROTOCOL_VERSION",
-    "Envelope", "Message", "ProtocolError", "decode", "encode", "message", "registry",
+    "Envelope", "Message", "ProtocolError", "decode", "encode", "message", "record",
+    "records", "registry",
+    # nested records
+    "CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
+    "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerStatus",
+    # messages declared beside this module
+    "ConductorStats", "GetStats", "HeldBlocks", "KVEvent", "ListWorkers", "PoolBlocks",
+    "PoolCommit", "PoolExists", "PoolFound", "PoolGet", "PoolPut", "PoolReady", "PoolRemove",
+    "PoolStats", "Resync", "WorkerList", "WorkerStats",
 ]
 
 # --- the record catalog ------------------------------------------------------------------
@@ -63,15 +107,7 @@ class Ack:
 class Hello:
     """Worker -> conductor (DEALER -> ROUTER) to register. Reply: Welcome or Error."""
 
-    worker_id: str
-    role: str
-    model: str
-    control_addr: str
-    kv_addr: str
-    host_id: str
-    block_size: int
-    num_blocks: int
-    fingerprint: str
+    info: WorkerInfo
 
 
 @message("welcome")
@@ -98,8 +134,8 @@ class Heartbeat:
     total_blocks: int
     step_time_ms: float
     control_addr: str = ""
-    prefill_steps: list[dict] = field(default_factory=list)
-    decode_steps: list[dict] = field(default_factory=list)
+    prefill_steps: list[StepSample] = field(default_factory=list)
+    decode_steps: list[StepSample] = field(default_factory=list)
 
 
 @message("route")
@@ -138,7 +174,7 @@ class Generate:
     """
 
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     stream_addr: str
     prefill_id: str | None = None
     prefill_addr: str | None = None
@@ -156,7 +192,7 @@ class Prefill:
     """
 
     prompt_token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams
     stream_addr: str
     kv_addr: str
     block_ids: list[int]
@@ -164,7 +200,7 @@ class Prefill:
     lease_s: float
     decode_id: str
     cache_salt: str | None = None
-    kv_advert: dict = field(default_factory=dict)
+    kv_advert: KVAdvert | None = None
 
 
 @message("prefill_done")
@@ -199,21 +235,7 @@ class Tokens:
     cached_tokens: int = 0
     source: str = "decode"
     error: str | None = None
-    logprobs: list[dict] = field(default_factory=list)
-
-
-@message("get_stats")
-@dataclass(frozen=True, slots=True)
-class GetStats:
-    """Anyone -> any service (DEALER -> ROUTER). Reply: Stats."""
-
-
-@message("stats")
-@dataclass(frozen=True, slots=True)
-class Stats:
-    """Service -> requester, the reply to GetStats. No reply."""
-
-    values: dict
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @message("client_request")
@@ -226,9 +248,12 @@ class ClientRequest:
     """
 
     model: str
+    # Kept as the client wrote it: keys it leaves out take the gateway's defaults
+    # (max_tokens: the room left in the context), which SamplingParams' own would hide.
     sampling: dict
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    # Chat turns are free-form (content parts, tool calls): the chat template reads them.
     messages: list[dict] | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = True
@@ -246,123 +271,5 @@ class ClientChunk:
     position: int
     finished: bool = False
     finish_reason: str | None = None
-    usage: dict = field(default_factory=dict)
+    usage: Usage | None = None
     error: str | None = None
-
-
-# --- cache pool (docs/cache_pool.md) -------------------------------------------------------
-# Keys are 64-bit chained block hashes (``common.block_hash``), in prefix order.
-
-
-@message("pool_put")
-@dataclass(frozen=True, slots=True)
-class PoolPut:
-    """Pool client -> cache pool (DEALER -> ROUTER): store blocks ``keys``, each exactly
-    ``block_bytes`` long.
-
-    Without ``transfer_id`` the blocks come as bulk frames, one per key in order. Reply:
-    Ack (``detail`` = how many blocks were new to the pool) or Error("bad_request").
-    With ``transfer_id`` no frames: the pool expects that data-plane transfer for
-    ``lease_s`` and replies PoolReady; the client sends the blocks to its ``kv_advert``
-    and then asks for the outcome with PoolCommit."""
-
-    keys: list[int]
-    depths: list[int]
-    block_bytes: int
-    transfer_id: str = ""
-    lease_s: float = 0.0
-
-
-@message("pool_ready")
-@dataclass(frozen=True, slots=True)
-class PoolReady:
-    """Cache pool -> client, the reply to a PoolPut with ``transfer_id``: the transfer is
-    expected; send to ``kv_advert`` (the pool's data-plane receiver). No reply."""
-
-    kv_advert: dict
-
-
-@message("pool_commit")
-@dataclass(frozen=True, slots=True)
-class PoolCommit:
-    """Pool client -> cache pool (DEALER -> ROUTER), after the blocks of the PoolPut with
-    ``transfer_id`` were sent (or, with ``abort``, could not be). Reply: Ack (``detail`` =
-    how many blocks were new to the pool) once the transfer ended DONE and was stored;
-    Error("transfer_failed") if it failed or was aborted; Error("not_found") for an
-    unknown or already committed id."""
-
-    transfer_id: str
-    abort: str = ""
-
-
-@message("pool_get")
-@dataclass(frozen=True, slots=True)
-class PoolGet:
-    """Pool client -> cache pool (DEALER -> ROUTER). Reply: PoolBlocks or Error.
-
-    With ``transfer_id`` the blocks travel on the data plane: the client has expected
-    that transfer on the receiver ``kv_advert`` describes, and the pool sends each found
-    block there within ``lease_s``."""
-
-    keys: list[int]
-    transfer_id: str = ""
-    kv_advert: dict = field(default_factory=dict)
-    lease_s: float = 0.0
-
-
-@message("pool_blocks")
-@dataclass(frozen=True, slots=True)
-class PoolBlocks:
-    """Cache pool -> client, the reply to PoolGet: the longest prefix of the asked keys
-    that is present and readable, as ``found`` bulk frames in key order, or (for a
-    PoolGet with ``transfer_id``) as ``found`` data-plane chunks sent after this reply.
-    No reply."""
-
-    found: int
-
-
-@message("pool_exists")
-@dataclass(frozen=True, slots=True)
-class PoolExists:
-    """Pool client -> cache pool (DEALER -> ROUTER). Reply: PoolFound or Error."""
-
-    keys: list[int]
-
-
-@message("pool_found")
-@dataclass(frozen=True, slots=True)
-class PoolFound:
-    """Cache pool -> client, the reply to PoolExists: the longest held prefix and the
-    tier ("dram" or "ssd") of each of its blocks. No reply."""
-
-    found: int
-    tiers: list[str]
-
-
-@message("pool_remove")
-@dataclass(frozen=True, slots=True)
-class PoolRemove:
-    """Pool client -> cache pool (DEALER -> ROUTER). Reply: Ack (``detail`` = how many
-    were held) or Error."""
-
-    keys: list[int]
-
-
-@message("kv_event")
-@dataclass(frozen=True, slots=True)
-class KVEvent:
-    """Worker or cache pool -> conductor (PUB -> SUB, topic b"kv"): blocks ``source``
-    now holds ("stored"), no longer holds ("removed"), or "cleared" (it holds nothing;
-    ``hashes`` is empty). No reply."""
-
-    source: str
-    kind: str
-    hashes: list[int]
-    tier: str = ""
-
-
-@message("resync")
-@dataclass(frozen=True, slots=True)
-class Resync:
-    """Conductor -> any holder of KV blocks (DEALER -> ROUTER). Reply: Stats with
-    ``source``, ``hashes`` (every block held) and ``tiers`` (the tier of each)."""

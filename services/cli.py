@@ -13,9 +13,9 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from common.sampling_params import SamplingParams
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -21,7 +21,14 @@ from pathlib import Path
 
 import zmq
 
-from common.protocol import GetStats, decode, encode
+from common.protocol import (
+    ConductorStats,
+    GetStats,
+    WorkerStats,
+    WorkerStatus,
+    decode,
+    encode,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +67,8 @@ def make_served_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def stats(addr: str, timeout_s: float = 5.0) -> dict:
-    """Ask a worker or the conductor for its Stats (a blocking DEALER call).
+def stats(addr: str, timeout_s: float = 5.0):
+    """Ask a worker, the conductor or a cache pool for its stats record (a blocking DEALER call).
 
     A context of its own per call: its I/O thread, which opens the connection, is then
     in the caller's network namespace (see ``tests/netns.py``)."""
@@ -73,7 +80,7 @@ def stats(addr: str, timeout_s: float = 5.0) -> dict:
         sock.send_multipart(encode(GetStats()))
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no stats from {addr}")
-        return decode(sock.recv_multipart()).record.values
+        return decode(sock.recv_multipart()).record
     finally:
         sock.close(0)
         ctx.term()
@@ -198,8 +205,8 @@ class Cluster:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
             try:
-                alive = {w["worker_id"] for w in stats(self.conductor_addr, 1)["workers"]
-                         if w["alive"]}
+                alive = {w.info.worker_id for w in stats(self.conductor_addr, 1).workers
+                         if w.alive}
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
                     if r.status == 200 and want <= alive:
                         return
@@ -209,14 +216,14 @@ class Cluster:
         raise TimeoutError("cluster not ready:\n" + "\n".join(
             f"--- {p.name}\n{p.tail(15)}" for p in self.procs.values()))
 
-    def worker_stats(self, name: str) -> dict:
+    def worker_stats(self, name: str) -> WorkerStats:
         return stats(self.procs[name].control)
 
-    def conductor_stats(self) -> dict:
+    def conductor_stats(self) -> ConductorStats:
         return stats(self.conductor_addr)
 
-    def conductor_workers(self) -> dict[str, dict]:
-        return {w["worker_id"]: w for w in stats(self.conductor_addr)["workers"]}
+    def conductor_workers(self) -> dict[str, WorkerStatus]:
+        return {w.info.worker_id: w for w in stats(self.conductor_addr).workers}
 
     def signal(self, name: str, sig: int) -> None:
         self.procs[name].popen.send_signal(sig)

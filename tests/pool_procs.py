@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.protocol import PoolStats
 from tests.cluster import ROOT, free_port, stats
 
 BLOCK = 4096
@@ -71,7 +72,7 @@ class PoolProc:
                 pass
         raise TimeoutError(f"pool {self.instance} not ready:\n{self.tail()}")
 
-    def stats(self) -> dict:
+    def stats(self) -> PoolStats:
         return stats(self.control)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:

@@ -339,8 +339,8 @@ def test_randomized_operations_keep_invariants(make_manager):
 
 
 def test_match_prefix_is_a_result_and_allocating_takes_it():
+    from common.sampling_params import SamplingParams
     from services.engine.kv_manager import KVCacheManager
-    from services.engine.sampling_params import SamplingParams
     from services.engine.sampling_state import SamplingState
     from services.engine.sequence import Sequence
 

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from common.protocol import Heartbeat
+from common.protocol import Heartbeat, WorkerInfo
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
 from services.conductor.cost_model import Calibration, CostModel
 from services.conductor.policy import Decision, NoWorkers
@@ -31,8 +31,9 @@ def prefill_s(n: int, c: int) -> float:
 
 
 def view(wid, role, *, running=0, waiting=0, queued=0, free=100_000, blocks=100_000):
-    return WorkerView(worker_id=wid, role=role, model="m", control_addr="", kv_addr="",
-                      host_id="h", block_size=16, num_blocks=blocks, fingerprint="fp",
+    return WorkerView(WorkerInfo(worker_id=wid, role=role, model="m", control_addr="",
+                                 kv_addr="", host_id="h", block_size=16, num_blocks=blocks,
+                                 fingerprint="fp"),
                       running=running, waiting=waiting, queued_prefill_tokens=queued,
                       free_blocks=free, last_seen=0.0)
 

@@ -56,7 +56,7 @@ async def test_put_get_exists_remove_byte_exact(ctx, pools):
     assert reply.record == p.Ack(detail="2")
     await rpc.close()
     stats = pool.stats()
-    assert (stats["dram_blocks"], stats["dram_hits"], stats["misses"]) == (20, 20 + 7 + 10, 2)
+    assert (stats.dram_blocks, stats.dram_hits, stats.misses) == (20, 20 + 7 + 10, 2)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
     assert 'pdserve:cache_pool_hits_total{tier="dram"} 37.0' in text
@@ -73,7 +73,7 @@ async def test_capacity_and_exact_lru_order_across_tiers(ctx, pools):
     for item in chain:  # one put each, so the LRU order is the put order
         assert await client.put([item]) == 1
         stats = pool.stats()
-        assert stats["dram_bytes"] <= 4 * BLOCK and stats["ssd_bytes"] <= 6 * (BLOCK + 32)
+        assert stats.dram_bytes <= 4 * BLOCK and stats.ssd_bytes <= 6 * (BLOCK + 32)
     tiers = {k: (await exists(ctx, pool, [k]))[1] for k in keys}
     assert [tiers[k] for k in keys] == [[]] * 2 + [["ssd"]] * 6 + [["dram"]] * 4
     # A hit on k2 (SSD) promotes it: DRAM demotes its LRU k8; SSD, full, drops its LRU k3
@@ -87,8 +87,8 @@ async def test_capacity_and_exact_lru_order_across_tiers(ctx, pools):
     for i in range(0, 200, 25):
         assert await client.put(many[i:i + 25]) == 25
     stats = pool.stats()
-    assert (stats["dram_blocks"], stats["ssd_blocks"]) == (4, 6)
-    assert stats["dram_bytes"] == 4 * BLOCK and stats["ssd_bytes"] == 6 * (BLOCK + 32)
+    assert (stats.dram_blocks, stats.ssd_blocks) == (4, 6)
+    assert stats.dram_bytes == 4 * BLOCK and stats.ssd_bytes == 6 * (BLOCK + 32)
     assert await client.get([k for k, _, _ in many[-4:]]) == [d for _, d, _ in many[-4:]]
     await client.close()
 
@@ -107,13 +107,13 @@ async def test_events_and_resync(ctx, pools):
     assert await next_event(sub) == p.KVEvent("pool:a", "stored", keys[3:], "dram")
     assert await next_event(sub) == p.KVEvent("pool:a", "removed", keys[:2], "")
     rpc = RpcClient(ctx, pool.control, name="test")
-    held = (await rpc.call(p.Resync())).record.values
-    assert held["source"] == "pool:a"
-    assert sorted(held["hashes"]) == sorted(keys[2:]) and held["tiers"] == ["dram"] * 4
+    held = (await rpc.call(p.Resync())).record
+    assert held.source == "pool:a"
+    assert sorted(held.hashes) == sorted(keys[2:]) and held.tiers == ["dram"] * 4
     await client.remove([keys[4]])
     assert await next_event(sub) == p.KVEvent("pool:a", "removed", [keys[4]], "")
-    held = (await rpc.call(p.Resync())).record.values
-    assert sorted(held["hashes"]) == sorted(keys[2:4] + keys[5:])
+    held = (await rpc.call(p.Resync())).record
+    assert sorted(held.hashes) == sorted(keys[2:4] + keys[5:])
     await rpc.close()
     await sub.close()
     await client.close()
@@ -127,7 +127,7 @@ async def test_restart_serves_the_same_bytes_and_corrupt_files_are_misses(ctx, p
     assert await client.put(chain) == 10  # 6 demoted to SSD, 4 flushed there on SIGTERM
     assert pool.stop() == 0
     pool.start(learn_block_bytes=True)
-    assert pool.stats()["block_bytes"] == BLOCK  # learned from the blocks on SSD
+    assert pool.stats().block_bytes == BLOCK  # learned from the blocks on SSD
     assert await exists(ctx, pool, keys) == (10, ["ssd"] * 10)
     assert await client.get(keys) == data
     assert pool.stop() == 0
@@ -141,7 +141,7 @@ async def test_restart_serves_the_same_bytes_and_corrupt_files_are_misses(ctx, p
     assert await client.get(keys) == data[:5]
     assert await client.exists(keys) == 5
     assert await client.get(keys[6:]) == [data[6]]
-    assert pool.stats()["corrupt_dropped"] == 1
+    assert pool.stats().corrupt_dropped == 1
     assert not pool.block_file(keys[5]).exists() and not pool.block_file(keys[7]).exists()
     await client.close()
 
@@ -160,7 +160,7 @@ async def test_two_instances_placement_and_a_dead_one(ctx, pools):
         assert 0 < len(mine) < 40
         for k in keys:
             assert (await exists(ctx, proc, [k]))[0] == (k in mine)
-        assert proc.stats()["dram_blocks"] == len(mine) + 10
+        assert proc.stats().dram_blocks == len(mine) + 10
     first_b = next(i for i, k in enumerate(keys) if placement.owner(k, ["a", "b"]) == "b")
     b.stop(signal.SIGKILL)
     with capture_logs() as logs:
@@ -205,7 +205,7 @@ async def test_bad_requests_are_answered_and_the_pool_keeps_serving(ctx, pools):
         with pytest.raises(RemoteError) as info:
             await rpc.call(record, bulk=bulk)
         assert info.value.code == "bad_request", record
-    assert pool.stats()["block_bytes"] == 0  # nothing was learned from refused puts
+    assert pool.stats().block_bytes == 0  # nothing was learned from refused puts
     assert (await rpc.call(p.PoolPut(keys=[k0], depths=[0], block_bytes=BLOCK),
                            bulk=[d0])).record == p.Ack(detail="1")
     for record, bulk in [(p.PoolPut(keys=[1], depths=[0], block_bytes=BLOCK // 2),
@@ -215,11 +215,11 @@ async def test_bad_requests_are_answered_and_the_pool_keeps_serving(ctx, pools):
     with pytest.raises(RemoteError, match="unsupported"):
         await rpc.call(p.Ack())
     assert _raw_call(pool.control, [b"\xc1"]).record.code == "malformed"
-    head = {"v": 1, "type": "teleport", "id": "x", "body": {}}
+    head = {"v": p.PROTOCOL_VERSION, "type": "teleport", "id": "x", "body": {}}
     assert _raw_call(pool.control, [msgpack.packb(head)]).record.code == "unknown_type"
-    head = {"v": 1, "type": "pool_get", "id": "y", "body": {"keys": "nope"}}
+    head = {"v": p.PROTOCOL_VERSION, "type": "pool_get", "id": "y", "body": {"keys": "nope"}}
     assert _raw_call(pool.control, [msgpack.packb(head)]).record.code == "wrong_type"
     reply = await rpc.call(p.PoolGet(keys=[k0, 5]))
     assert reply.record == p.PoolBlocks(found=1) and [bytes(b) for b in reply.bulk] == [d0]
-    assert pool.popen.poll() is None and pool.stats()["block_bytes"] == BLOCK
+    assert pool.popen.poll() is None and pool.stats().block_bytes == BLOCK
     await rpc.close()

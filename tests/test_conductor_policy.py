@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from common.protocol import WorkerInfo
 from services.conductor.policy import LeastLoaded, NoWorkers, RoundRobin, account, decide
 from services.conductor.registry import Registry, WorkerView
 
 
 def view(wid, role, *, running=0, waiting=0, queued=0, free=100, fp="fp", alive=True):
-    return WorkerView(worker_id=wid, role=role, model="m", control_addr=f"tcp://{wid}",
-                      kv_addr="", host_id="h", block_size=16, num_blocks=100, fingerprint=fp,
+    return WorkerView(WorkerInfo(worker_id=wid, role=role, model="m", control_addr=f"tcp://{wid}",
+                                 kv_addr="", host_id="h", block_size=16, num_blocks=100,
+                                 fingerprint=fp),
                       running=running, waiting=waiting, queued_prefill_tokens=queued,
                       free_blocks=free, alive=alive)
 

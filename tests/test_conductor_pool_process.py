@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(90)
 def pool_view(cluster: Cluster) -> tuple[int | None, int, dict]:
     """(blocks of location pool:a or None, index_blocks, cache_pools) from the conductor."""
     s = stats(cluster.conductor_addr, 1)
-    return s["index_locations"].get("pool:a"), s["index_blocks"], s["cache_pools"]
+    return (s.index_locations.get("pool:a"), s.index_blocks,
+            {c.instance_id: c for c in s.cache_pools})
 
 
 async def until(cluster: Cluster, want, timeout_s: float = 10.0) -> float:
@@ -54,7 +55,7 @@ async def test_conductor_index_follows_the_pool_and_rebuilds_after_restarts(tmp_
         assert await client.put(chain[:8]) == 8  # held before the conductor exists
         cluster.start_conductor()
         await until(cluster, lambda n, total, pools: n == 8 and total == 8
-                    and pools["a"]["synced"] and pools["a"]["blocks"] == 8)
+                    and pools["a"].synced and pools["a"].blocks == 8)
         assert await client.put(chain[8:]) == 4
         await until(cluster, lambda n, total, pools: n == 12 and total == 12)
         assert await client.remove(keys[:3]) == 3

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
 from services.engine.weights import DEFAULT_MODEL, resolve_model
 
 pytestmark = pytest.mark.slow

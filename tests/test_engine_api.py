@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
 from tests.tiny_models import random_prompts
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.tiny_models import random_prompts, reference_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

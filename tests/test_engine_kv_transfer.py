@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from common.sampling_params import SamplingParams
 from services.engine.core import EngineHooks
-from services.engine.sampling_params import SamplingParams
 from tests.tiny_models import random_prompts
 
 

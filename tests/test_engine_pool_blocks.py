@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.block_hash import hash_blocks
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.tiny_models import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

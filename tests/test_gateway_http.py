@@ -24,13 +24,13 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from common.protocol import TokenLogprob, Tokens, TopLogprob
 from common.tokenizer import TextTokenizer
 from services.gateway.backend import (
     SAMPLING_KEYS,
     BackendOverloaded,
     BackendUnavailable,
     GenerationBackend,
-    TokenEvent,
 )
 from services.gateway.openai_api import create_app
 from services.gateway.pipeline import PreparedRequest, RequestPipeline
@@ -69,12 +69,12 @@ class FakeBackend(GenerationBackend):
             for pos, token in enumerate(ids):
                 await asyncio.sleep(self.delay)
                 if pos == self.error_at:
-                    yield TokenEvent(pos, [], True, "error", error="decode worker died")
+                    yield Tokens(pos, [], True, "error", error="decode worker died")
                     return
                 last = pos == len(ids) - 1
-                logprobs = [] if top is None else [
-                    {"token_id": token, "logprob": -0.5, "top": [[token, -0.5], [7, -1.5]][:top]}]
-                yield TokenEvent(pos, [token], last,
+                logprobs = [] if top is None else [TokenLogprob(
+                    token, -0.5, top=[TopLogprob(token, -0.5), TopLogprob(7, -1.5)][:top])]
+                yield Tokens(pos, [token], last,
                                  ("stop" if natural_end else "length") if last else None,
                                  prompt_tokens=len(request.prompt_token_ids), cached_tokens=3,
                                  logprobs=logprobs)
@@ -421,12 +421,12 @@ async def test_pipeline_drops_resent_tokens_and_reports_gaps(tok):
             yield event
 
     # A failover resends positions 2..3: they must not be shown twice.
-    resent = [TokenEvent(0, ids[:4]), TokenEvent(2, ids[2:6]),
-              TokenEvent(6, ids[6:], finished=True, finish_reason="stop")]
+    resent = [Tokens(0, ids[:4]), Tokens(2, ids[2:6]),
+              Tokens(6, ids[6:], finished=True, finish_reason="stop")]
     deltas = [d async for d in pipeline.stream(request, events(resent))]
     assert "".join(d.text for d in deltas) == REPLY
-    assert deltas[-1].usage["completion_tokens"] == len(ids)
-    gap = [TokenEvent(0, ids[:2]), TokenEvent(5, ids[5:6])]
+    assert deltas[-1].usage.completion_tokens == len(ids)
+    gap = [Tokens(0, ids[:2]), Tokens(5, ids[5:6])]
     deltas = [d async for d in pipeline.stream(request, events(gap))]
     assert deltas[-1].finish_reason == "error" and "gap" in deltas[-1].error
 

@@ -4,6 +4,7 @@ with a retry time, spreads a burst, and fits its cost model on heartbeat samples
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -13,7 +14,7 @@ import zmq.asyncio
 from bench.sim.profiles import Profile
 from bench.sim.simulator import SimRequest, Simulator
 from common.cost_profile import CostProfile, save_profile
-from common.protocol import GetStats, Heartbeat, Hello, Route
+from common.protocol import GetStats, Heartbeat, Hello, Route, StepSample, WorkerInfo
 from common.zmq_rpc import RemoteError, RpcClient
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
 from services.conductor.cost_model import Calibration, CostModel
@@ -60,10 +61,10 @@ class Live:
 
     async def hello(self, wid: str, role: str, *, blocks: int = 200, block_size: int = 64,
                     fingerprint: str = "test") -> None:
-        await self.client.call(Hello(
+        await self.client.call(Hello(info=WorkerInfo(
             worker_id=wid, role=role, model="sim", control_addr=f"tcp://{wid}:1",
             kv_addr=f"tcp://{wid}:2", host_id=wid, block_size=block_size, num_blocks=blocks,
-            fingerprint=fingerprint), timeout=5)
+            fingerprint=fingerprint)), timeout=5)
 
     async def route(self, n: int, hashes=(), *, output: int = 0, ttft_ms=None, tbt_ms=None,
                     exclude=()) -> tuple:
@@ -98,9 +99,10 @@ WORKERS = [("decode-0", "decode"), ("decode-1", "decode"), ("prefill-0", "prefil
 async def test_live_conductor_chooses_what_the_policy_object_chooses(profile_path):
     index = PrefixIndex()
     policy = CacheAwarePolicy(index, CostModel(COST), PolicyConfig(1000, 1e7, 1e7))
-    views = {w: WorkerView(worker_id=w, role=r, model="sim", control_addr="", kv_addr="",
-                           host_id=w, block_size=64, num_blocks=200, fingerprint="test",
-                           free_blocks=200) for w, r in WORKERS}
+    views = {w: WorkerView(WorkerInfo(worker_id=w, role=r, model="sim", control_addr="",
+                                      kv_addr="", host_id=w, block_size=64, num_blocks=200,
+                                      fingerprint="test"), free_blocks=200)
+             for w, r in WORKERS}
     rng = random.Random(7)
     states = [dict(waiting=rng.randrange(3), running=rng.randrange(6),
                    queued=rng.randrange(0, 3000, 100), free=rng.randrange(20, 200))
@@ -248,20 +250,23 @@ async def test_heartbeat_step_samples_fit_the_cost_model(profile_path):
             pre, dec = [], []
             for _ in range(8):
                 n, c = rng.randrange(16, 2000), rng.choice([0, 256, 1024])
-                pre.append({"tokens": [n], "cached": [c], "seconds": truth.prefill_fixed_s
-                            + truth.prefill_per_token_s * n
-                            + truth.prefill_per_pair_s * n * (n / 2 + c)})
+                pre.append(StepSample(tokens=[n], cached=[c], seconds=truth.prefill_fixed_s
+                                      + truth.prefill_per_token_s * n
+                                      + truth.prefill_per_pair_s * n * (n / 2 + c)))
                 b = rng.randrange(1, 64)
                 k = b * rng.randrange(50, 2000)  # each sequence holds 50..2000 tokens
-                dec.append({"batch": b, "context": k, "seconds": truth.decode_fixed_s
-                            + truth.decode_per_seq_s * b + truth.decode_per_ctx_token_s * k})
-            pre.append({"tokens": [5], "cached": "x", "seconds": 1.0})  # malformed
-            dec.append({"batch": True, "context": 1, "seconds": 1.0})  # malformed
+                dec.append(StepSample(batch=b, context=k, seconds=truth.decode_fixed_s
+                                      + truth.decode_per_seq_s * b
+                                      + truth.decode_per_ctx_token_s * k))
+            # Malformed (only a sender that bypasses the codec could send these).
+            pre.append(StepSample(tokens=[5], cached="x", seconds=1.0))
+            dec.append(StepSample(batch=True, context=1, seconds=1.0))
             live.conductor.apply_heartbeat(heartbeat("decode-0", "decode", seq,
                                                      prefill_steps=pre, decode_steps=dec))
-        stats = (await live.client.call(GetStats(), timeout=5)).record.values
-    assert stats["cost_observations"] == [320, 320] and stats["bad_samples"] == 80
-    fitted = CostModel(Calibration(**stats["cost_model"]))  # what the conductor now predicts
+        stats = (await live.client.call(GetStats(), timeout=5)).record
+    assert stats.cost_observations == [320, 320] and stats.bad_samples == 80
+    # What the conductor now predicts:
+    fitted = CostModel(Calibration(**dataclasses.asdict(stats.cost_model)))
     want = CostModel(truth)
     # The fixed cost shows only in the few short prompts, so the prior still pulls there.
     for n, c, rel in ((64, 0, 0.1), (500, 0, 0.03), (1500, 0, 0.03), (300, 1024, 0.03)):

@@ -23,8 +23,8 @@ import time
 import pytest
 
 from common.client import Client
+from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
 from tests.cluster import Cluster, Host, make_served_tiny_model
 from tests.netns import DEVICE, veth_pair_or_skip
 from tests.tiny_models import random_prompts
@@ -122,7 +122,7 @@ def wait_idle(cluster: Cluster, name: str, timeout_s: float) -> dict:
             stats = cluster.worker_stats(name)
         except TimeoutError:  # across a wire that is only just back up
             stats = None
-        if stats and stats["num_requests"] == 0 and stats["free_blocks"] == stats["num_blocks"]:
+        if stats and stats.num_requests == 0 and stats.free_blocks == stats.info.num_blocks:
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"{name} not idle after {timeout_s} s: {stats}")
@@ -137,22 +137,22 @@ def test_prefill_and_decode_on_two_hosts_match_offline(cluster, backend, wire, p
     assert a.call(generate, cluster, prompts[:CUT]) == offline[:CUT]
     decode = a.call(wait_idle, cluster, "decode-1", 10)
     prefill = a.call(wait_idle, cluster, "prefill-0", 10)
-    assert (decode["host_id"], prefill["host_id"]) == (wire.a.netns, wire.b.netns)
+    assert (decode.info.host_id, prefill.info.host_id) == (wire.a.netns, wire.b.netns)
     # The decode serves its data plane at its address on the wire (shm, if offered,
     # is for its own host only).
     chosen = CROSS_HOST_BEST if backend == "auto" else backend
-    endpoints = decode["kv_advert"]["endpoints"]
+    endpoints = decode.kv_advert.endpoints
     assert chosen in endpoints
     for kind, addr in endpoints.items():
         assert kind == "shm" or addr.startswith(f"{kind}://{wire.a.ip}:"), endpoints
     remote = sum(len(p) >= cluster.disagg_threshold for p in prompts[:CUT])
-    used = {k: n - was["prefill-0"]["transfer_backends"].get(k, 0)
-            for k, n in prefill["transfer_backends"].items()}
+    used = {k: n - was["prefill-0"].transfer_backends.get(k, 0)
+            for k, n in prefill.transfer_backends.items()}
     assert used == {chosen: remote}
-    assert decode["local_fallbacks"] == was["decode-1"]["local_fallbacks"]
-    assert decode["live_transfers"] == 0
-    received = decode["kv_bytes_received"] - was["decode-1"]["kv_bytes_received"]
-    sent = prefill["kv_bytes_sent"] - was["prefill-0"]["kv_bytes_sent"]
+    assert decode.local_fallbacks == was["decode-1"].local_fallbacks
+    assert decode.live_transfers == 0
+    received = decode.kv_bytes_received - was["decode-1"].kv_bytes_received
+    sent = prefill.kv_bytes_sent - was["prefill-0"].kv_bytes_sent
     assert received == sent > 0
     # The KV really went over the veth, not through some shortcut on this machine.
     assert wire.b.tx_bytes() - wire_before > sent
@@ -169,8 +169,8 @@ def test_link_cut_mid_transfer_decode_prefills_within_lease(cluster, wire, promp
         start = time.monotonic()
         pending = concurrent.futures.ThreadPoolExecutor(1).submit(
             a.call, generate, cluster, [prompts[CUT]])
-        while (at_cut := a.call(cluster.worker_stats, "decode-1"))["kv_bytes_received"] \
-                == before["kv_bytes_received"]:
+        while (at_cut := a.call(cluster.worker_stats, "decode-1")).kv_bytes_received \
+                == before.kv_bytes_received:
             assert time.monotonic() - start < LEASE_S, "no KV arrived before the lease ran out"
             assert not pending.done(), "finished before any KV arrived"
             time.sleep(0.02)
@@ -181,18 +181,18 @@ def test_link_cut_mid_transfer_decode_prefills_within_lease(cluster, wire, promp
         assert took < LEASE_S + 3, f"took {took:.1f} s, lease {LEASE_S} s"
         assert cut - start < LEASE_S
         decode = a.call(wait_idle, cluster, "decode-1", 5)
-        assert decode["local_fallbacks"] - before["local_fallbacks"] == 1
-        assert decode["live_transfers"] == 0
+        assert decode.local_fallbacks - before.local_fallbacks == 1
+        assert decode.live_transfers == 0
         # Nothing arrived after the cut: the fallback, not the wire, finished the request.
-        assert decode["kv_bytes_received"] == at_cut["kv_bytes_received"]
+        assert decode.kv_bytes_received == at_cut.kv_bytes_received
     finally:
         b.link(up=True)
         b.limit_rate(None)
     # With the wire back, the prefill worker finishes sending into the void (or hears
     # the decode's Abort) and frees everything it held; the conductor takes it back.
     prefill = a.call(wait_idle, cluster, "prefill-0", 20)
-    assert prefill["live_transfers"] == 0
+    assert prefill.live_transfers == 0
     deadline = time.monotonic() + 10
-    while not a.call(cluster.conductor_workers)["prefill-0"]["alive"]:
+    while not a.call(cluster.conductor_workers)["prefill-0"].alive:
         assert time.monotonic() < deadline, "the conductor never took prefill-0 back"
         time.sleep(0.2)

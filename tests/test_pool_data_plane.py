@@ -41,7 +41,7 @@ def assert_client_idle(client: PoolClient) -> None:
 
 
 def assert_pool_idle(stats: dict) -> None:
-    assert (stats["live_transfers"], stats["pending_puts"], stats["sending_gets"]) == (0, 0, 0)
+    assert (stats.live_transfers, stats.pending_puts, stats.sending_gets) == (0, 0, 0)
 
 
 async def until(pred, timeout_s: float = 5.0) -> None:
@@ -69,9 +69,9 @@ async def test_round_trip_moves_every_byte_on_the_data_plane(ctx, pools, backend
         assert client.counts == {"transfers": 3, "transfer_out_bytes": 20 * BLOCK,
                                  "transfer_in_bytes": n, f"backend_{backend}": 1}
         stats = pool.stats()
-        assert stats["transfers"] == {"in_ok": 1, "in_bytes": 20 * BLOCK, "out_ok": 2,
+        assert stats.transfers == {"in_ok": 1, "in_bytes": 20 * BLOCK, "out_ok": 2,
                                       "out_bytes": n, f"out_{backend}": 2}
-        assert stats["dram_blocks"] == 20
+        assert stats.dram_blocks == 20
         assert_client_idle(client)
         assert_pool_idle(stats)
     finally:
@@ -92,7 +92,7 @@ async def test_auto_negotiates_shm_on_one_host_and_zmq_transport_uses_frames(ctx
                                "transfer_in_bytes": 4 * BLOCK, "backend_shm": 1}
         assert frames.counts == {"frame_out_bytes": 4 * BLOCK, "frame_in_bytes": 6 * BLOCK}
         assert frames.receiver is None  # no listener at all on the zmq transport
-        transfers = pool.stats()["transfers"]
+        transfers = pool.stats().transfers
         assert transfers == {"in_ok": 1, "in_bytes": 6 * BLOCK, "out_ok": 1,
                              "out_bytes": 4 * BLOCK, "out_shm": 1,
                              "frame_in_bytes": 4 * BLOCK, "frame_out_bytes": 6 * BLOCK}
@@ -111,8 +111,8 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
         ready = await rpc.call(p.PoolPut(keys=[k0], depths=[0], block_bytes=BLOCK,
                                          transfer_id="t-1", lease_s=5.0))
         assert isinstance(ready.record, p.PoolReady) and len(ready.bulk) == 0
-        assert ready.record.kv_advert == pool.stats()["kv_advert"]
-        address = sender.address_for(ready.record.kv_advert)
+        assert ready.record.kv_advert == pool.stats().kv_advert
+        address = sender.address_for(ready.record.kv_advert.as_dict())
         await sender.send(address, "t-1", 0, [0], d0)
         await sender.finish(address, "t-1", 1)
         done = await rpc.call(p.PoolCommit(transfer_id="t-1"))
@@ -127,7 +127,7 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
                                      transfer_id="t-3", lease_s=0.0))
         with pytest.raises(RemoteError, match="bad_request"):  # an advert nobody can use
             await rpc.call(p.PoolGet(keys=[k0], transfer_id="t-4", lease_s=5.0,
-                                     kv_advert={"host_id": "h", "endpoints": {}}))
+                                     kv_advert=p.KVAdvert(host_id="h", endpoints={})))
         assert_pool_idle(pool.stats())
     finally:
         await sender.close()
@@ -173,7 +173,7 @@ async def pool():
 
 
 def pool_stats(pool: CachePool) -> dict:
-    return pool._stats(p.GetStats(), []).values
+    return pool._stats(p.GetStats(), [])
 
 
 @pytest.mark.parametrize("mode", ["raise", "hang", "repeat"])
@@ -193,7 +193,7 @@ async def test_a_get_broken_mid_transfer_is_a_miss(ctx, pool, mode):
         else:  # the failure reached the client at once
             assert elapsed < LEASE_S / 2
         assert client.counts["transfers_failed"] == 1
-        await until(lambda: pool_stats(pool)["sending_gets"] == 0)
+        await until(lambda: pool_stats(pool).sending_gets == 0)
         assert pool.transfers["out_failed"] == 1  # "repeat": the client failed it
         assert_client_idle(client)
         assert_pool_idle(pool_stats(pool))
@@ -216,7 +216,7 @@ async def test_a_put_broken_mid_transfer_stores_nothing(ctx, pool, mode):
         assert client.counts["transfers_failed"] == 1
         assert await client.exists(keys) == 0  # all or nothing: no prefix was stored
         assert pool.transfers["in_failed"] == 1 and pool.store.stats().dram_blocks == 0
-        await until(lambda: pool_stats(pool)["pending_puts"] == 0)
+        await until(lambda: pool_stats(pool).pending_puts == 0)
         assert_pool_idle(pool_stats(pool))
         client._sender = client._sender.inner
         assert await client.put(chain) == 12
@@ -233,10 +233,10 @@ async def test_a_client_that_vanishes_mid_put_costs_the_pool_one_lease(ctx, pool
     try:
         ready = await rpc.call(p.PoolPut(keys=[k for k, _, _ in chain], depths=list(range(5)),
                                          block_bytes=BLOCK, transfer_id="gone", lease_s=0.3))
-        address = sender.address_for(ready.record.kv_advert)
+        address = sender.address_for(ready.record.kv_advert.as_dict())
         for i, (_, data, _) in enumerate(chain[:2]):
             await sender.send(address, "gone", 0, [i], data)
-        assert pool_stats(pool)["live_transfers"] == 1 and len(pool.inbox) == 1
+        assert pool_stats(pool).live_transfers == 1 and len(pool.inbox) == 1
         await until(lambda: pool.receiver.live() == 0)  # the lease ended it; nothing stored
         assert len(pool.inbox) == 0 and pool.store.stats().dram_blocks == 0
         await until(lambda: not pool._puts, timeout_s=2.0)  # its outcome, kept one lease

@@ -97,7 +97,7 @@ def pool(wire, tmp_path_factory):
 @pytest.mark.parametrize("backend", ["tcp", "auto"])
 def test_put_and_get_cross_the_wire_on_the_negotiated_backend(wire, pool, backend):
     expected = "tcp" if backend == "tcp" or not _ucx_importable() else "ucx"
-    before = wire.b.call(stats, pool)["transfers"]
+    before = wire.b.call(stats, pool).transfers
     sent_b, sent_a = wire.b.tx_bytes(), wire.a.tx_bytes()
     env = {**os.environ, "PYTHONPATH": str(ROOT), **UCX_ENV}
     out = subprocess.run(
@@ -115,10 +115,10 @@ def test_put_and_get_cross_the_wire_on_the_negotiated_backend(wire, pool, backen
     assert all(f"://{wire.b.ip}:" in a for k, a in result["advert"]["endpoints"].items()
                if k != "shm")
     after = wire.b.call(stats, pool)
-    gained = {k: v - before.get(k, 0) for k, v in after["transfers"].items()
+    gained = {k: v - before.get(k, 0) for k, v in after.transfers.items()
               if v != before.get(k, 0)}
     assert gained == {"in_ok": 1, "in_bytes": nbytes, "out_ok": 1, "out_bytes": nbytes,
                       f"out_{expected}": 1}
-    assert (after["live_transfers"], after["pending_puts"], after["sending_gets"]) == (0, 0, 0)
+    assert (after.live_transfers, after.pending_puts, after.sending_gets) == (0, 0, 0)
     # And the bytes crossed the wire, each way.
     assert wire.b.tx_bytes() - sent_b >= nbytes and wire.a.tx_bytes() - sent_a >= nbytes

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from common.pool_client import PoolClient
-from common.protocol import KVEvent
+from common.protocol import KVEvent, WorkerInfo
 from services.cache_pool.server import CachePool
 from services.cache_pool.settings import PoolSettings
 from services.conductor.pool_watch import PoolFeed, PoolWatch, reachable
@@ -49,7 +49,7 @@ async def test_conductor_applies_pool_events_next_to_worker_locations():
         assert index.match([1, 2, 3]) == {"prefill-0": 3}
         apply(ev("evicted", [7], source="pool:b"))  # an unknown kind changes nothing
         assert index.counts() == {"pool:b": 1, "prefill-0": 3}
-        assert conductor.stats()["index_locations"] == {"pool:b": 1, "prefill-0": 3}
+        assert conductor.stats().index_locations == {"pool:b": 1, "prefill-0": 3}
     finally:
         await conductor.close()
 
@@ -162,7 +162,8 @@ async def test_watch_attaches_follows_resyncs_a_restart_and_drops_the_silent(ctx
         assert await client.put(chain[:6]) == 6
         await watch.check()  # attach: subscribe, then resync
         assert index.counts() == {"pool:a": 6}
-        assert watch.stats()["a"]["synced"] and watch.stats()["a"]["blocks"] == 6
+        [a] = watch.stats()
+        assert a.instance_id == "a" and a.synced and a.blocks == 6
         assert await client.put(chain[6:]) == 4  # followed through the events
         await until(lambda: index.held("pool:a") == 10)
         assert await client.remove(keys[:2]) == 2
@@ -188,10 +189,10 @@ async def test_watch_attaches_follows_resyncs_a_restart_and_drops_the_silent(ctx
         assert index.held("pool:a") == 3  # silent, not yet for long
         await asyncio.sleep(1.1)
         await watch.check()
-        assert index.counts() == {} and watch.stats() == {}
+        assert index.counts() == {} and watch.stats() == []
         await pool.start()
         await watch.check()
-        assert watch.stats()["a"]["synced"] and index.held("pool:a") == 0
+        assert watch.stats()[0].synced and index.held("pool:a") == 0
         assert await client.put(other) == 3  # followed again
         await until(lambda: index.counts() == {"pool:a": 3})
     finally:
@@ -208,7 +209,7 @@ async def test_watch_keeps_retrying_an_instance_that_is_not_up_yet(ctx):
     task = asyncio.create_task(watch.run())
     try:
         await asyncio.sleep(0.5)
-        assert watch.stats() == {}
+        assert watch.stats() == []
         await pool.start()
         client = PoolClient(ctx, {"a": pool.settings.control_addr})
         await client.put(blocks(4, seed=3))
@@ -243,10 +244,10 @@ async def test_live_conductor_routes_on_blocks_spread_over_two_pool_instances(ct
     client = PoolClient(ctx, {p.settings.instance_id: p.settings.control_addr for p in pools})
     try:
         for wid, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
-            await rpc.call(Hello(
+            await rpc.call(Hello(info=WorkerInfo(
                 worker_id=wid, role=role, model="sim", control_addr=f"tcp://{wid}:1",
                 kv_addr=f"tcp://{wid}:2", host_id=wid, block_size=64, num_blocks=1000,
-                fingerprint="fp"))
+                fingerprint="fp")))
         chain = blocks(16, seed=5)
         keys = [k for k, _, _ in chain]
         assert await client.put(chain[:12]) == 12
@@ -254,7 +255,7 @@ async def test_live_conductor_routes_on_blocks_spread_over_two_pool_instances(ct
         await until(lambda: sum(index.counts().values()) == 12)
         held = index.counts()
         assert set(held) == {"pool:x", "pool:y"} and min(held.values()) > 0  # spread
-        assert conductor.stats()["cache_pools"].keys() == {"x", "y"}
+        assert {c.instance_id for c in conductor.stats().cache_pools} == {"x", "y"}
         reply = (await rpc.call(Route(model="sim", prompt_len=16 * 64,
                                       block_hashes=keys))).record
         assert "hit 12/16" in reply.reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import types
@@ -15,43 +16,73 @@ import zmq
 
 from common import protocol as p
 
+INFO = p.WorkerInfo(
+    worker_id="decode-0", role="decode", model="smollm2", control_addr="tcp://10.0.0.2:5000",
+    kv_addr="tcp://10.0.0.2:5001", host_id="host-a", block_size=16, num_blocks=4096,
+    fingerprint="f" * 16,
+)
+ADVERT = p.KVAdvert(host_id="h", endpoints={"shm": "shm://h:2", "tcp": "tcp://h:1"})
+STATUS = p.WorkerStatus(info=INFO, alive=True, waiting=1, running=2, free_blocks=9,
+                        step_time_ms=3.5)
+
+NESTED = {"CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
+          "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerStatus"}
+
 SAMPLES = {
     "error": p.Error(code="internal", message="boom"),
     "ack": p.Ack(detail="queued"),
-    "hello": p.Hello(
-        worker_id="decode-0", role="decode", model="smollm2", control_addr="tcp://10.0.0.2:5000",
-        kv_addr="tcp://10.0.0.2:5001", host_id="host-a", block_size=16, num_blocks=4096,
-        fingerprint="f" * 16,
-    ),
+    "hello": p.Hello(info=INFO),
     "welcome": p.Welcome(conductor_id="cond-1", heartbeat_interval_s=0.5),
     "heartbeat": p.Heartbeat(
         worker_id="prefill-3", role="prefill", seq=12, waiting=2, running=7,
         queued_prefill_tokens=4096, free_blocks=100, total_blocks=512, step_time_ms=12.5,
         control_addr="tcp://10.0.0.3:5000",
+        prefill_steps=[p.StepSample(seconds=0.25, tokens=[512, 64], cached=[0, 512])],
+        decode_steps=[p.StepSample(seconds=0.01, batch=4, context=900)],
     ),
     "route": p.Route(model="m", prompt_len=40, block_hashes=[0, 2**64 - 1, 12345],
                      exclude=["decode-1"]),
     "route_reply": p.RouteReply(decode_id="d0", decode_addr="tcp://d0:1", prefill_id=None,
                                 prefill_addr=None, reason="short_prompt"),
     "generate": p.Generate(
-        prompt_token_ids=[1, 2, 3], sampling={"temperature": 0.7, "top_p": 0.9, "seed": None,
-                                              "stop_ids": [2], "nested": {"a": b"\x00"}},
+        prompt_token_ids=[1, 2, 3],
+        sampling=p.SamplingParams(temperature=0.7, top_p=0.9, seed=2**64 - 1,
+                                  stop_token_ids=(2, 7), logprobs=3),
         stream_addr="tcp://gw:7000", prefill_id="p0", prefill_addr="tcp://p0:1",
         cache_salt="tenant-a", start_position=5,
     ),
     "prefill": p.Prefill(
-        prompt_token_ids=list(range(100)), sampling={"temperature": 0.0},
+        prompt_token_ids=list(range(100)), sampling=p.SamplingParams(temperature=0.0),
         stream_addr="tcp://gw:7000", kv_addr="tcp://d0:2", block_ids=[7, 8, 9], skip_blocks=3,
-        lease_s=2.0, decode_id="d0", cache_salt=None,
+        lease_s=2.0, decode_id="d0", cache_salt=None, kv_advert=ADVERT,
     ),
     "prefill_done": p.PrefillDone(first_token=42, num_chunks=6, cached_tokens=48),
     "abort": p.Abort(reason="timeout"),
     "tokens": p.Tokens(
         position=3, token_ids=[5, 6], finished=True, finish_reason="stop", prompt_tokens=10,
-        cached_tokens=4, source="decode", error=None, logprobs=[{"5": -0.1}, {"6": -2.5}],
+        cached_tokens=4, source="decode", error=None,
+        logprobs=[p.TokenLogprob(token_id=5, logprob=-0.1, rank=1,
+                                 top=[p.TopLogprob(5, -0.1), p.TopLogprob(9, -2.0)]),
+                  p.TokenLogprob(token_id=6, logprob=-2.5)],
     ),
     "get_stats": p.GetStats(),
-    "stats": p.Stats(values={"running": 3, "kv_usage": 0.25, "names": ["a", "b"]}),
+    "worker_stats": p.WorkerStats(
+        info=INFO, executor="torch", free_blocks=10, waiting=0, running=1, num_requests=1,
+        transfer_backends={"shm": 3}, kv_advert=ADVERT,
+        pool=p.WorkerPoolCounts(fetches=2, fetch_seconds=0.5, instances=["pool-0"])),
+    "conductor_stats": p.ConductorStats(
+        workers=[STATUS], policy="cache_aware", cost_profile="x",
+        cost_model=p.CostCoefficients(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5),
+        cost_observations=[3, 4], bad_samples=0, index_blocks=7,
+        index_locations={"decode-0": 7},
+        cache_pools=[p.PoolInstanceStatus("a", "tcp://a:1", "tcp://a:2", True, 7, 0.5)]),
+    "pool_stats": p.PoolStats(
+        instance_id="a", boot_id="b", control_addr="tcp://a:1", events_addr="tcp://a:2",
+        block_bytes=4096, policy="lru", dram_capacity_bytes=1 << 30, ssd_capacity_bytes=0,
+        kv_advert=ADVERT, dram_blocks=3, transfers={"in_ok": 1}),
+    "list_workers": p.ListWorkers(model="m"),
+    "worker_list": p.WorkerList(workers=[STATUS, dataclasses.replace(STATUS, alive=False)]),
+    "held_blocks": p.HeldBlocks(source="pool:a", hashes=[1, 2**64 - 1], tiers=["dram", "ssd"]),
     "client_request": p.ClientRequest(
         model="m", sampling={"max_tokens": 8}, prompt=None, prompt_token_ids=None,
         messages=[{"role": "user", "content": "hi"}], stop=["\n\n"], stream=False,
@@ -59,15 +90,14 @@ SAMPLES = {
     ),
     "client_chunk": p.ClientChunk(
         text="Hello", token_ids=[9906], position=0, finished=True, finish_reason="length",
-        usage={"prompt_tokens": 3, "completion_tokens": 1}, error=None,
+        usage=p.Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4, cached_tokens=0),
+        error=None,
     ),
     "pool_put": p.PoolPut(keys=[0, 2**64 - 1], depths=[0, 1], block_bytes=4096,
                           transfer_id="t1", lease_s=2.0),
-    "pool_ready": p.PoolReady(kv_advert={"host_id": "h", "endpoints": {"tcp": "tcp://h:1"}}),
+    "pool_ready": p.PoolReady(kv_advert=ADVERT),
     "pool_commit": p.PoolCommit(transfer_id="t1", abort="checksum mismatch"),
-    "pool_get": p.PoolGet(keys=[5, 6, 7], transfer_id="t2",
-                          kv_advert={"host_id": "h", "endpoints": {"shm": "shm://h:2"}},
-                          lease_s=2.0),
+    "pool_get": p.PoolGet(keys=[5, 6, 7], transfer_id="t2", kv_advert=ADVERT, lease_s=2.0),
     "pool_blocks": p.PoolBlocks(found=2),
     "pool_exists": p.PoolExists(keys=[2**63, 1]),
     "pool_found": p.PoolFound(found=2, tiers=["dram", "ssd"]),
@@ -121,7 +151,7 @@ def test_encode_defaults_and_fresh_ids():
 
 def test_wire_envelope_layout():
     [frame] = p.encode(p.Abort(), request_id="r", parent="q", msg_id="m")
-    assert msgpack.unpackb(frame) == {"v": 1, "type": "abort", "id": "m", "parent": "q",
+    assert msgpack.unpackb(frame) == {"v": 2, "type": "abort", "id": "m", "parent": "q",
                                       "rid": "r", "body": {"reason": "client"}}
 
 
@@ -133,7 +163,7 @@ def test_optional_fields_may_be_omitted_and_unknown_ones_are_ignored():
 
 
 def test_envelope_parent_and_rid_may_be_absent():
-    head = {"v": 1, "type": "ack", "id": "x", "body": {}}
+    head = {"v": p.PROTOCOL_VERSION, "type": "ack", "id": "x", "body": {}}
     env = p.decode([msgpack.packb(head)]).envelope
     assert env.parent is None and env.request_id is None
 
@@ -149,7 +179,7 @@ def test_float_field_accepts_int_and_makes_it_float():
     [b"\xc1"],  # a byte msgpack never uses
     [b"\x92\x01"],  # truncated array
     [msgpack.packb([1, 2])],  # not a map
-    [msgpack.packb({"v": 1, "type": "ack", "id": "x", "body": {}}) + b"\x00"],  # trailing
+    [_frame0(id="x") + b"\x00"],  # trailing bytes
     [_frame0(id=None)],
     [_frame0(type=7)],
     [_frame0(v=True)],
@@ -169,7 +199,7 @@ def test_unknown_type_keeps_envelope():
     assert info.value.envelope.id == "abc" and info.value.envelope.request_id == "r9"
 
 
-@pytest.mark.parametrize("version", [0, 2, 999])
+@pytest.mark.parametrize("version", [0, 1, 3, 999])
 def test_wrong_version(version):
     with pytest.raises(p.ProtocolError) as info:
         p.decode([_frame0(v=version)])
@@ -193,9 +223,17 @@ def test_missing_required_field():
     ("tokens", {"position": None, "token_ids": [1]}),  # None only where Optional
     ("error", {"code": b"bytes", "message": "m"}),
     ("welcome", {"conductor_id": "c", "heartbeat_interval_s": "1"}),
-    ("stats", {"values": {1: "int key"}}),
-    ("stats", {"values": [["a", 1]]}),
-    ("stats", {"values": {"t": msgpack.Timestamp(1)}}),
+    ("client_request", {"model": "m", "sampling": {1: "int key"}}),
+    ("client_request", {"model": "m", "sampling": [["a", 1]]}),
+    ("client_request", {"model": "m", "sampling": {"t": msgpack.Timestamp(1)}}),
+    ("hello", {"info": "decode-0"}),  # a nested record is a map
+    ("hello", {"info": {"worker_id": "w"}}),  # with its required fields
+    ("pool_ready", {"kv_advert": {"host_id": 7, "endpoints": {}}}),
+    ("tokens", {"position": 0, "token_ids": [1], "logprobs": [{"token_id": 1, "logprob": "x"}]}),
+    ("generate", {"prompt_token_ids": [1], "stream_addr": "s",
+                  "sampling": {"top_p": 2.0}}),  # SamplingParams' own checks refuse it
+    ("generate", {"prompt_token_ids": [1], "stream_addr": "s",
+                  "sampling": {"stop_token_ids": [1, "2"]}}),
     ("client_request", {"model": "m", "sampling": {}, "prompt_token_ids": [0.5]}),
     ("route", {"model": "m", "prompt_len": 1, "exclude": [1]}),
 ])
@@ -204,13 +242,13 @@ def test_wrong_type(type_name, body):
 
 
 def test_oversized_envelope_and_bulk():
-    frame = p.encode(p.Stats(values={"blob": "x" * 1000}))[0]
+    frame = p.encode(p.Ack(detail="x" * 1000))[0]
     assert _code([frame], max_frame_bytes=999) == "oversized"
     assert _code([b"\xc1" * 1001], max_frame_bytes=1000) == "oversized"  # before unpacking
-    big = p.encode(p.Stats(values={"blob": "x" * 1000}), msg_id="big", request_id="r")
+    big = p.encode(p.Ack(detail="x" * 1000), msg_id="big", request_id="r")
     with pytest.raises(p.ProtocolError) as info:
         p.decode(big, max_frame_bytes=999)
-    assert info.value.envelope == p.Envelope("stats", "big", None, "r", p.PROTOCOL_VERSION)
+    assert info.value.envelope == p.Envelope("ack", "big", None, "r", p.PROTOCOL_VERSION)
     frames = p.encode(p.Ack(), bulk=[b"a" * 10, b"b" * 101])
     assert len(p.decode(frames, max_bulk_bytes=101).bulk) == 2
     assert _code(frames, max_bulk_bytes=100) == "oversized"
@@ -224,16 +262,21 @@ def test_encode_refuses_objects_instead_of_pickling():
         p.encode(p.Ack(detail=Opaque()))
     assert info.value.code == "wrong_type"
     with pytest.raises(p.ProtocolError, match="Opaque is not a plain msgpack value"):
-        p.encode(p.Stats(values={"x": [1, Opaque()]}))
+        p.encode(p.ClientRequest(model="m", sampling={"x": [1, Opaque()]}))
     with pytest.raises(p.ProtocolError, match="too big|cannot encode"):
-        p.encode(p.Stats(values={"x": 2**70}))
+        p.encode(p.ClientRequest(model="m", sampling={"x": 2**70}))
 
 
 @pytest.mark.parametrize("record", [
     p.PrefillDone(first_token=True, num_chunks=1),
     p.Tokens(position=0, token_ids=(1, 2)),
     p.Route(model="m", prompt_len=1, block_hashes=[1, None]),
-    p.Stats(values={3: "int key"}),
+    p.ClientRequest(model="m", sampling={3: "int key"}),
+    p.Hello(info={"worker_id": "w"}),  # a dict is not the nested record
+    p.PoolReady(kv_advert=p.KVAdvert(host_id=7, endpoints={})),
+    p.Heartbeat(worker_id="w", role="r", seq=0, waiting=0, running=0, queued_prefill_tokens=0,
+                free_blocks=0, total_blocks=0, step_time_ms=0.0,
+                prefill_steps=[p.StepSample(seconds=1.0, tokens=[1], cached=[True])]),
 ])
 def test_encode_checks_field_types(record):
     with pytest.raises(p.ProtocolError) as info:
@@ -280,6 +323,102 @@ def test_registration_rules():
     assert set(p.registry()) == set(SAMPLES)
 
 
+def test_nested_records_round_trip_as_maps_and_rebuild_as_records():
+    record = SAMPLES["conductor_stats"]
+    [frame] = p.encode(record)
+    body = msgpack.unpackb(frame)["body"]
+    assert body["workers"][0]["info"]["block_size"] == 16  # a map on the wire
+    assert body["cost_model"]["decode_fixed_s"] == 0.01
+    got = p.decode([frame]).record
+    assert got == record and type(got.workers[0].info) is p.WorkerInfo
+    assert type(got.cache_pools[0]) is p.PoolInstanceStatus
+    # tuple[int, ...]: a list on the wire, a tuple again in the record.
+    sampling = p.decode(p.encode(SAMPLES["generate"])).record.sampling
+    assert sampling.stop_token_ids == (2, 7) and type(sampling) is p.SamplingParams
+
+
+@pytest.mark.parametrize("type_name, body, where", [
+    ("generate", {"prompt_token_ids": [1], "stream_addr": "s", "sampling": {"top_k": "3"}},
+     "generate.sampling.top_k: expected int, got str"),
+    ("worker_list", {"workers": [{"info": {**dataclasses.asdict(INFO), "block_size": 1.5},
+                                  "alive": True}]},
+     "worker_list.workers[0].info.block_size: expected int, got float"),
+    ("hello", {"info": {k: v for k, v in dataclasses.asdict(INFO).items() if k != "role"}},
+     "hello.info: missing field 'role'"),
+    ("tokens", {"position": 0, "token_ids": [1, 2, "x"]},
+     "tokens.token_ids[2]: expected int, got str"),
+    ("tokens", {"position": 0, "token_ids": [1], "logprobs": [
+        {"token_id": 1, "logprob": -1.0, "top": [{"token_id": 1, "logprob": None}]}]},
+     "tokens.logprobs[0].top[0].logprob: expected float, got NoneType"),
+])
+def test_wrong_nested_type_names_its_path(type_name, body, where):
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode([_frame0(type=type_name, body=body)])
+    assert info.value.code == "wrong_type" and info.value.message == where
+    assert info.value.envelope is not None
+
+
+def _deep(levels: int, leaf=0):
+    value = leaf
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("make_body", [
+    lambda v: {"model": "m", "sampling": v},  # a plain dict field
+    lambda v: {"model": "m", "sampling": {}, "messages": [v]},  # inside list[dict]
+    lambda v: {"model": "m", "sampling": {}, "newer_field": v},  # a key the record ignores
+    lambda v: v,  # the body itself
+])
+def test_values_nested_1000_deep_are_malformed_not_a_crash(make_body):
+    frame = _frame0(type="client_request", body=make_body(_deep(1000)))
+    assert _code([frame]) == "malformed"
+    # Lists too, and just past the limit; just within it is accepted.
+    deep_list = [0]
+    for _ in range(1000):
+        deep_list = [deep_list]
+    assert _code([_frame0(type="client_request",
+                          body={"model": "m", "sampling": {"x": deep_list}})]) == "malformed"
+    ok = _frame0(type="client_request", body={"model": "m", "sampling": _deep(31)})
+    assert p.decode([ok]).record.sampling == _deep(31)
+    with pytest.raises(p.ProtocolError) as info:
+        p.encode(p.ClientRequest(model="m", sampling=_deep(1000)))
+    assert info.value.code == "wrong_type"
+
+
+def test_decode_raises_only_protocol_errors_for_any_bytes():
+    import random
+
+    rng = random.Random(5)
+    good = [bytes(p.encode(r)[0]) for r in SAMPLES.values()]
+    for i in range(3000):
+        frame = bytearray(rng.choice(good))
+        for _ in range(rng.randrange(1, 6)):
+            if frame:
+                frame[rng.randrange(len(frame))] = rng.randrange(256)
+        if i % 7 == 0:
+            frame = frame[: rng.randrange(len(frame) + 1)]
+        with contextlib.suppress(p.ProtocolError):
+            p.decode([bytes(frame)])
+
+
+def test_nested_record_registration_rules():
+    @dataclass(frozen=True)
+    class NoSlots:
+        x: int
+
+    with pytest.raises(TypeError, match="frozen, slotted"):
+        p.record(NoSlots)
+    with pytest.raises(TypeError, match="registered twice"):
+        p.record(p.WorkerInfo)
+    with pytest.raises(TypeError, match="registered twice"):
+        p.record(p.Ack)  # a message is not also a nested record
+    with pytest.raises(TypeError, match="registered twice"):
+        p.message("t_info")(p.WorkerInfo)
+    assert set(p.records()) == set(NESTED)
+
+
 def test_protocol_error_rejects_unknown_codes():
     with pytest.raises(ValueError, match="unknown protocol error code"):
         p.ProtocolError("nope", "x")
@@ -298,12 +437,16 @@ def _type_name(annotation) -> str:
         return f"{_type_name(inner)} | None"
     if typing.get_origin(annotation) is list:
         return f"list[{_type_name(typing.get_args(annotation)[0])}]"
+    if typing.get_origin(annotation) is tuple:
+        item, dots = typing.get_args(annotation)
+        assert dots is Ellipsis
+        return f"tuple[{_type_name(item)}, ...]"
     return annotation.__name__
 
 
-def _spec_from_code():
+def _spec_from_code(catalog):
     spec = {}
-    for name, cls in p.registry().items():
+    for name, cls in catalog.items():
         hints = typing.get_type_hints(cls)
         rows = []
         for f in dataclasses.fields(cls):
@@ -314,14 +457,17 @@ def _spec_from_code():
     return spec
 
 
-def _spec_from_doc():
+def _spec_from_doc(section_name: str):
+    """Messages: ``### `type_name` `` then "Record `Class`."; nested records:
+    ``### `Class` ``. Then the field table."""
     text = DOC.read_text(encoding="utf-8")
-    section = text.split("\n## Messages\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"\n## {section_name}\n", 1)[1].split("\n## ", 1)[0]
     spec = {}
     for chunk in re.split(r"^### ", section, flags=re.M)[1:]:
         heading, _, rest = chunk.partition("\n")
-        name = re.fullmatch(r"`([a-z_]+)`", heading.strip()).group(1)
-        record = re.search(r"^Record `(\w+)`\.", rest, flags=re.M).group(1)
+        name = re.fullmatch(r"`(\w+)`", heading.strip()).group(1)
+        found = re.search(r"^Record `(\w+)`\.", rest, flags=re.M)
+        record = found.group(1) if found else name
         lines = [ln for ln in rest.splitlines() if ln.startswith("|")]
         header = [c.strip() for c in _PIPE.split(lines[0])[1:-1]]
         assert header == ["field", "type", "required", "meaning"], name
@@ -338,8 +484,10 @@ def _spec_from_doc():
     return spec
 
 
-def test_doc_agrees_with_registry():
-    doc, code = _spec_from_doc(), _spec_from_code()
+@pytest.mark.parametrize("section, catalog", [("Messages", p.registry()),
+                                               ("Nested records", p.records())])
+def test_doc_agrees_with_registry(section, catalog):
+    doc, code = _spec_from_doc(section), _spec_from_code(catalog)
     assert sorted(doc) == sorted(code)
     for name in code:
         assert doc[name] == code[name], name

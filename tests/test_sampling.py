@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from services.engine.sampler import (
     Sampler,
     SamplingState,
@@ -14,7 +15,6 @@ from services.engine.sampler import (
     apply_top_p,
     check_stop,
 )
-from services.engine.sampling_params import SamplingParams
 
 EOS = 7
 

@@ -57,12 +57,12 @@ def test_sim_cluster_serves_deterministic_tokens_over_both_prefill_paths(tmp_pat
         assert resp.json()["usage"]["completion_tokens"] == 8
         remote = sum(len(p) >= 64 for p in prompts) + 1
         stats = {n: cluster.worker_stats(n) for n in ("prefill-0", "decode-1", "decode-2")}
-        assert stats["prefill-0"]["prefills_done"] == remote
-        assert stats["decode-1"]["kv_bytes_received"] > 0
-        assert stats["decode-2"]["kv_bytes_received"] > 0
-        assert stats["decode-1"]["local_fallbacks"] == stats["decode-2"]["local_fallbacks"] == 0
+        assert stats["prefill-0"].prefills_done == remote
+        assert stats["decode-1"].kv_bytes_received > 0
+        assert stats["decode-2"].kv_bytes_received > 0
+        assert stats["decode-1"].local_fallbacks == stats["decode-2"].local_fallbacks == 0
         time.sleep(0.8)  # a heartbeat or two carries the step timings to the conductor
-        prefill_obs, decode_obs = cluster.conductor_stats()["cost_observations"]
+        prefill_obs, decode_obs = cluster.conductor_stats().cost_observations
         assert prefill_obs >= 1 and decode_obs >= 10
     finally:
         cluster.stop()

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from common.cost_profile import CostProfile
+from common.sampling_params import SamplingParams
 from services.engine.core import EngineHooks
-from services.engine.sampling_params import SamplingParams
 from services.engine.sim import SimEngine, sim_token
 from services.worker.engine_loop import EngineLoop
 
@@ -131,9 +131,9 @@ def test_engine_loop_reports_prefill_and_decode_samples():
         return samples, loop.take_samples()
     (pre, dec), again = asyncio.run(go())
     # b shares a's first block: 16 tokens come from the prefix cache, 16 are computed.
-    assert [(s["tokens"], s["cached"]) for s in pre] == [([64], [0]), ([16], [16])]
-    assert [(s["batch"], s["context"]) for s in dec] == [(1, 64), (1, 65), (1, 66)]
-    assert all(s["seconds"] >= 0 for s in pre + dec)
+    assert [(s.tokens, s.cached) for s in pre] == [([64], [0]), ([16], [16])]
+    assert [(s.batch, s.context) for s in dec] == [(1, 64), (1, 65), (1, 66)]
+    assert all(s.seconds >= 0 for s in pre + dec)
     assert again == ([], [])
 
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from common.client import Client, GenerationError
+from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
 from tests.cluster import Cluster, make_served_tiny_model, stats
 from tests.tiny_models import random_prompts
 
@@ -74,7 +74,7 @@ def wait_idle(cluster: Cluster, names: list[str], timeout_s: float = 10.0) -> di
     deadline = time.monotonic() + timeout_s
     while True:
         stats = {n: cluster.worker_stats(n) for n in names}
-        if all(s["num_requests"] == 0 and s["free_blocks"] == s["num_blocks"]
+        if all(s.num_requests == 0 and s.free_blocks == s.info.num_blocks
                for s in stats.values()):
             return stats
         if time.monotonic() > deadline:
@@ -91,13 +91,13 @@ def test_disaggregated_equals_colocated_equals_offline(disagg, colocated, prompt
     stats = wait_idle(disagg, ["prefill-0", "decode-1"])
     # Prompts of >= 16 tokens went through the prefill worker: their KV crossed over.
     remote = sum(len(p) >= disagg.disagg_threshold for p in prompts)
-    assert stats["prefill-0"]["prefills_done"] - before["prefills_done"] == remote
-    assert stats["decode-1"]["kv_bytes_received"] > 0
-    assert stats["decode-1"]["local_fallbacks"] == 0
+    assert stats["prefill-0"].prefills_done - before.prefills_done == remote
+    assert stats["decode-1"].kv_bytes_received > 0
+    assert stats["decode-1"].local_fallbacks == 0
 
 
 def test_streaming_positions_in_order_first_token_from_prefill(disagg, prompts, offline):
-    before = disagg.worker_stats("prefill-0")["prefills_done"]
+    before = disagg.worker_stats("prefill-0").prefills_done
     with Client(disagg.zmq_addr, timeout_s=60) as client:
         chunks = list(client.stream(prompt_token_ids=prompts[5], max_tokens=MAX_TOKENS,
                                     temperature=0, ignore_eos=True))
@@ -106,8 +106,8 @@ def test_streaming_positions_in_order_first_token_from_prefill(disagg, prompts, 
     assert ids == offline[5]
     assert positions == sorted(positions) and positions[0] == 0
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
-    assert chunks[-1].usage["completion_tokens"] == MAX_TOKENS
-    assert disagg.worker_stats("prefill-0")["prefills_done"] == before + 1
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert disagg.worker_stats("prefill-0").prefills_done == before + 1
 
 
 def test_openai_client_chat_and_completions(disagg):
@@ -210,7 +210,7 @@ def test_kv_lease_expiry_falls_back_to_local_prefill(model_dir, tmp_path, prompt
         got = sdk_tokens(cluster, [prompts[4]])
         assert got == [offline[4]]
         assert time.monotonic() - start < 1.5 + 5
-        assert cluster.worker_stats("decode-1")["local_fallbacks"] == 1
+        assert cluster.worker_stats("decode-1").local_fallbacks == 1
         cluster.signal("prefill-0", signal.SIGCONT)
         wait_idle(cluster, ["decode-1"])
     finally:
@@ -223,12 +223,12 @@ def test_killed_worker_is_marked_dead_and_routed_around(model_dir, tmp_path, pro
     try:
         cluster.procs["unified-0"].popen.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        while cluster.conductor_workers()["unified-0"]["alive"]:
+        while cluster.conductor_workers()["unified-0"].alive:
             assert time.monotonic() - killed < 4.5, "not marked dead in time"
             time.sleep(0.05)
         assert time.monotonic() - killed <= 3.0 + 1.0
         assert sdk_tokens(cluster, prompts[:6]) == offline[:6]
-        assert cluster.conductor_workers()["unified-1"]["alive"]
+        assert cluster.conductor_workers()["unified-1"].alive
     finally:
         cluster.stop()
 
@@ -245,7 +245,7 @@ def test_default_model_over_http_answers_paris(tmp_path):
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         assert resp.status_code == 200, resp.text
         assert "Paris" in resp.json()["choices"][0]["message"]["content"]
-        assert cluster.worker_stats("prefill-0")["prefills_done"] == 1  # 37 tokens >= 16
+        assert cluster.worker_stats("prefill-0").prefills_done == 1  # 37 tokens >= 16
     finally:
         cluster.stop()
 
@@ -297,7 +297,7 @@ def test_async_sdk_chat_and_completion_streams(disagg, prompts, offline, model_d
             return chat, pieces, both
 
     chat, pieces, both = asyncio.run(run())
-    assert len(chat.token_ids) == 6 and chat.usage["completion_tokens"] == 6
+    assert len(chat.token_ids) == 6 and chat.usage.completion_tokens == 6
     from common.tokenizer import TextTokenizer
 
     assert chat.text == TextTokenizer.from_dir(model_dir).decode(chat.token_ids)
@@ -338,9 +338,9 @@ def test_each_backend_forced_gives_colocated_output(backend, model_dir, tmp_path
         assert sdk_tokens(cluster, chosen) == offline[2:6]
         stats = wait_idle(cluster, ["prefill-0", "decode-1"])
         remote = sum(len(p) >= cluster.disagg_threshold for p in chosen)
-        assert stats["prefill-0"]["transfer_backends"] == {backend: remote}
-        assert stats["decode-1"]["kv_bytes_received"] > 0
-        assert stats["decode-1"]["local_fallbacks"] == 0
+        assert stats["prefill-0"].transfer_backends == {backend: remote}
+        assert stats["decode-1"].kv_bytes_received > 0
+        assert stats["decode-1"].local_fallbacks == 0
     finally:
         cluster.stop()
 
@@ -358,9 +358,9 @@ def test_wildcard_binds_advertise_a_dialable_host(advertise_host, model_dir, tmp
         assert sdk_tokens(cluster, prompts[2:4]) == offline[2:4]
         decode = cluster.worker_stats("decode-1")
         host = advertise_host or socket.gethostbyname(socket.gethostname())
-        assert decode["kv_advert"]["endpoints"]["tcp"].startswith(f"tcp://{host}:")
-        assert decode["kv_addr"].startswith(f"tcp://{host}:")
-        assert decode["kv_bytes_received"] > 0 and decode["local_fallbacks"] == 0
+        assert decode.kv_advert.endpoints["tcp"].startswith(f"tcp://{host}:")
+        assert decode.info.kv_addr.startswith(f"tcp://{host}:")
+        assert decode.kv_bytes_received > 0 and decode.local_fallbacks == 0
     finally:
         cluster.stop()
 
@@ -376,9 +376,9 @@ def test_advertised_addresses():
 
 def test_auto_negotiation_picks_shared_memory_on_one_host(disagg, prompts):
     stats = disagg.worker_stats("decode-1")
-    assert set(stats["kv_advert"]["endpoints"]) >= {"shm", "tcp"}
+    assert set(stats.kv_advert.endpoints) >= {"shm", "tcp"}
     sdk_tokens(disagg, [prompts[4]])  # 90 tokens: prefilled remotely
-    used = disagg.worker_stats("prefill-0")["transfer_backends"]
+    used = disagg.worker_stats("prefill-0").transfer_backends
     assert set(used) == {"shm"} and used["shm"] >= 1
 
 
@@ -390,14 +390,14 @@ def test_conductor_restart_rebuilds_the_prefix_index(model_dir, tmp_path):
         with Client(cluster.zmq_addr, timeout_s=60) as client:
             done = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0,
                                    ignore_eos=True)
-        return done.usage["prompt_tokens_details"]["cached_tokens"]
+        return done.usage.cached_tokens
 
     try:
         prompt = random_prompts([300], vocab=49152, seed=44)[0]
         assert cached_tokens(prompt) == 0
         time.sleep(1.5)  # a heartbeat clears the first request's in-flight load estimate
         deadline = time.monotonic() + 5
-        while stats(cluster.conductor_addr)["index_blocks"] < 300 // 16:
+        while stats(cluster.conductor_addr).index_blocks < 300 // 16:
             assert time.monotonic() < deadline, "KV events never reached the index"
             time.sleep(0.1)
         assert cached_tokens(prompt + [5]) == 288  # routed to the worker holding it
@@ -409,7 +409,7 @@ def test_conductor_restart_rebuilds_the_prefix_index(model_dir, tmp_path):
         while True:
             try:
                 s = stats(cluster.conductor_addr, 1)
-                if s["index_blocks"] >= 300 // 16 and sum(w["alive"] for w in s["workers"]) == 2:
+                if s.index_blocks >= 300 // 16 and sum(w.alive for w in s.workers) == 2:
                     break
             except (TimeoutError, KeyError):
                 pass
@@ -446,7 +446,7 @@ def test_prefill_killed_mid_transfer_decode_recovers_at_once(tmp_path):
 
         start = time.monotonic()
         worker = concurrent.futures.ThreadPoolExecutor(1).submit(run)
-        while cluster.worker_stats("decode-1")["kv_bytes_received"] == 0:
+        while cluster.worker_stats("decode-1").kv_bytes_received == 0:
             assert time.monotonic() - start < 60, "no KV ever arrived"
             time.sleep(0.01)
         cluster.signal("prefill-0", signal.SIGKILL)  # layers are still streaming
@@ -454,7 +454,7 @@ def test_prefill_killed_mid_transfer_decode_recovers_at_once(tmp_path):
         assert time.monotonic() - start < 45
         assert len(result["done"].token_ids) == 4
         stats = wait_idle(cluster, ["decode-1"])["decode-1"]
-        assert stats["local_fallbacks"] == 1 and stats["live_transfers"] == 0
+        assert stats.local_fallbacks == 1 and stats.live_transfers == 0
         assert "sender connection lost" in cluster.procs["decode-1"].log.read_text()
     finally:
         cluster.stop()
@@ -488,30 +488,30 @@ def test_decode_killed_mid_transfer_prefill_frees_all_and_request_completes(tmp_
 
         start = time.monotonic()
         worker = concurrent.futures.ThreadPoolExecutor(1).submit(run)
-        while (sending := cluster.worker_stats("prefill-0"))["kv_bytes_sent"] == 0:
+        while (sending := cluster.worker_stats("prefill-0")).kv_bytes_sent == 0:
             assert time.monotonic() - start < 60, "no KV was ever sent"
             time.sleep(0.01)
         receiving = [n for n in ("decode-1", "decode-2")
-                     if cluster.worker_stats(n)["live_transfers"]]
+                     if cluster.worker_stats(n).live_transfers]
         assert len(receiving) == 1, "the transfer was over before the kill"
         cluster.signal(receiving[0], signal.SIGKILL)  # layers are still streaming to it
         other = ({"decode-1", "decode-2"} - set(receiving)).pop()
-        assert sending["prefill_jobs"] == 1
+        assert sending.prefill_jobs == 1
         worker.result(timeout=150)
         assert result["done"].token_ids == want
         # The survivor gave everything back, well inside the lease.
         prefill = wait_idle(cluster, ["prefill-0"], timeout_s=30)["prefill-0"]
         assert time.monotonic() - start < 60
-        assert prefill["free_blocks"] == idle["free_blocks"] == prefill["num_blocks"]
-        assert prefill["prefill_jobs"] == 0 and prefill["live_transfers"] == 0
-        assert prefill["prefills_done"] == idle["prefills_done"]  # that prefill failed
+        assert prefill.free_blocks == idle.free_blocks == prefill.info.num_blocks
+        assert prefill.prefill_jobs == 0 and prefill.live_transfers == 0
+        assert prefill.prefills_done == idle.prefills_done  # that prefill failed
         all_layers = -(-len(prompt) // 16) * 16 * 46080  # whole blocks, 30 layers
-        assert 0 < prefill["kv_bytes_sent"] - idle["kv_bytes_sent"] < all_layers
+        assert 0 < prefill.kv_bytes_sent - idle.kv_bytes_sent < all_layers
         assert "prefill failed" in cluster.procs["prefill-0"].log.read_text()
         # The gateway moved the request to the other decode worker, which prefilled it
         # itself: the prefill worker had streamed token 0, so it resumed at position 1.
         assert "re-routing" in cluster.procs["gateway"].log.read_text()
         decode = wait_idle(cluster, [other])[other]
-        assert decode["kv_bytes_received"] == 0 and decode["live_transfers"] == 0
+        assert decode.kv_bytes_received == 0 and decode.live_transfers == 0
     finally:
         cluster.stop()

@@ -23,7 +23,7 @@ async def _handler(msg: p.Message):
     """Route(prompt_len=ms) sleeps that long and acks; model names other behaviours."""
     rec = msg.record
     if isinstance(rec, p.GetStats):
-        return p.Stats(values={"rid": msg.envelope.request_id})
+        return p.HeldBlocks(source=msg.envelope.request_id, hashes=[], tiers=[])
     if isinstance(rec, p.Route):
         if rec.model == "explode":
             raise KeyError("no such worker")
@@ -50,7 +50,7 @@ async def rpc(ctx):
 
 async def _call_ok(client):
     reply = await client.call(p.GetStats(), request_id="again", timeout=2)
-    assert reply.record == p.Stats(values={"rid": "again"})
+    assert reply.record == p.HeldBlocks(source="again", hashes=[], tiers=[])
 
 
 async def test_address_is_resolved(rpc):
@@ -61,8 +61,8 @@ async def test_address_is_resolved(rpc):
 async def test_round_trip_keeps_request_id_and_bulk(rpc):
     _, client = rpc
     reply = await client.call(p.GetStats(), request_id="req-7")
-    assert reply.record == p.Stats(values={"rid": "req-7"})
-    assert reply.envelope.request_id == "req-7" and reply.envelope.type == "stats"
+    assert reply.record == p.HeldBlocks(source="req-7", hashes=[], tiers=[])
+    assert reply.envelope.request_id == "req-7" and reply.envelope.type == "held_blocks"
 
     payload = [b"\x00\x01\x02", bytes(range(256)) * 300]
     reply = await client.call(p.Route(model="bulk", prompt_len=0), bulk=payload)
@@ -124,9 +124,9 @@ async def test_garbage_from_a_raw_dealer_gets_error_replies(ctx, rpc):
     try:
         cases = [
             ([b"\xc1 not msgpack"], "malformed", None),
-            ([msgpack.packb({"v": 1, "type": "route", "id": "m2", "body": {}})],
+            ([msgpack.packb({"v": p.PROTOCOL_VERSION, "type": "route", "id": "m2", "body": {}})],
              "missing_field", "m2"),
-            ([msgpack.packb({"v": 1, "type": "warp", "id": "m3", "body": {}})],
+            ([msgpack.packb({"v": p.PROTOCOL_VERSION, "type": "warp", "id": "m3", "body": {}})],
              "unknown_type", "m3"),
             ([msgpack.packb({"v": 9, "type": "ack", "id": "m4", "body": {}})], "version", "m4"),
         ]
@@ -147,7 +147,7 @@ async def test_bad_request_from_client_surfaces_as_remote_error(ctx):
     client = RpcClient(ctx, server.address, name="c")
     try:
         with pytest.raises(RemoteError) as info:
-            await client.call(p.Stats(values={"x": "y" * 500}), timeout=2)
+            await client.call(p.Ack(detail="y" * 500), timeout=2)
         assert info.value.code == "oversized"
     finally:
         await client.close()
@@ -255,7 +255,7 @@ async def test_subscriber_skips_garbage(ctx):
         await _drain(sub)
         await raw.send_multipart([b"t"])  # topic only, no message
         await raw.send_multipart([b"t", b"\xc1"])
-        await raw.send_multipart([b"t", *p.encode(p.Stats(values={"x": "y" * 2000}))])
+        await raw.send_multipart([b"t", *p.encode(p.Ack(detail="y" * 2000))])
         await raw.send_multipart([b"t", *p.encode(p.Ack(detail="good"))])
         got = await asyncio.wait_for(sub.recv(), 2)
         assert got.record == p.Ack(detail="good")
@@ -289,9 +289,10 @@ async def test_pull_skips_garbage(ctx):
     raw.connect(pull.address)
     try:
         await raw.send_multipart([b"\xc1\xc1"])
-        await raw.send_multipart([msgpack.packb({"v": 1, "type": "tokens", "id": "x",
+        await raw.send_multipart([msgpack.packb({"v": p.PROTOCOL_VERSION, "type": "tokens",
+                                                 "id": "x",
                                                  "body": {"position": "0", "token_ids": []}})])
-        await raw.send_multipart([msgpack.packb({"v": 2, "type": "ack", "id": "y", "body": {}})])
+        await raw.send_multipart([msgpack.packb({"v": 99, "type": "ack", "id": "y", "body": {}})])
         await raw.send_multipart(p.encode(p.Tokens(position=0, token_ids=[7]), request_id="r"))
         got = await asyncio.wait_for(pull.recv(), 2)
         assert got.record == p.Tokens(position=0, token_ids=[7])

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.profiles import Profile
-from common.protocol import Heartbeat
+from common.protocol import Heartbeat, WorkerInfo
 from services.conductor.cache_policy import Rejection
 from services.conductor.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
@@ -330,10 +330,10 @@ class Simulator:
             for i in range(count):
                 wid = f"{role}-{i}"
                 self.workers[wid] = cls(self, wid)
-                self.registry.workers[wid] = WorkerView(
+                self.registry.workers[wid] = WorkerView(WorkerInfo(
                     worker_id=wid, role=role, model="sim", control_addr="", kv_addr="",
                     host_id=wid, block_size=profile.block_size, num_blocks=profile.kv_blocks,
-                    fingerprint=profile.name, last_seen=0.0, free_blocks=profile.kv_blocks)
+                    fingerprint=profile.name), last_seen=0.0, free_blocks=profile.kv_blocks)
         self.views = list(self.registry.workers.values())
         self._heap: list = []
         self._seq = self.open = 0

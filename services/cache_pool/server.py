@@ -4,7 +4,7 @@ Lifecycle of an instance::
 
     start   open the SSD tier (index replay) -> block size: the setting, else the size of
             the blocks on SSD, else the first stored put's -> start the data-plane
-            receiver (kv_advert in Stats and PoolReady) -> bind the control ROUTER
+            receiver (kv_advert in PoolStats and PoolReady) -> bind the control ROUTER
             (control_addr) and the events PUB (events_addr) -> after ANNOUNCE_DELAY_S,
             publish "cleared" then "stored" of everything held
     serve   PoolPut / PoolCommit / PoolGet / PoolExists / PoolRemove / Resync / GetStats.
@@ -55,6 +55,8 @@ from common.protocol import (
     Ack,
     Error,
     GetStats,
+    HeldBlocks,
+    KVAdvert,
     Message,
     PoolBlocks,
     PoolCommit,
@@ -64,8 +66,8 @@ from common.protocol import (
     PoolPut,
     PoolReady,
     PoolRemove,
+    PoolStats,
     Resync,
-    Stats,
 )
 from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
@@ -92,7 +94,7 @@ class CachePool:
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.source = f"pool:{settings.instance_id}"
-        self.boot_id = uuid.uuid4().hex  # in Stats: subscribers tell a restart by it
+        self.boot_id = uuid.uuid4().hex  # in PoolStats: subscribers tell a restart by it
         self.ctx = zmq.asyncio.Context()
         # Applies to sockets made after this: a peer sending a larger frame is dropped.
         self.ctx.setsockopt(zmq.MAXMSGSIZE, max(settings.max_request_bytes, MAX_FRAME_BYTES))
@@ -250,7 +252,7 @@ class CachePool:
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         self._puts[rec.transfer_id] = asyncio.create_task(self._receive_put(rec, transfer))
-        return PoolReady(kv_advert=self.receiver.advert())
+        return PoolReady(kv_advert=KVAdvert.of(self.receiver.advert()))
 
     async def _receive_put(self, rec: PoolPut, transfer) -> Ack | Error:
         """Wait for the put's transfer; store its blocks if it ended DONE. The outcome
@@ -309,7 +311,7 @@ class CachePool:
         if rec.transfer_id:
             validate.check_transfer(rec.transfer_id, rec.lease_s)
             try:
-                address = self._address_for(rec.kv_advert)
+                address = self._address_for(rec.kv_advert.as_dict() if rec.kv_advert else {})
             except (TransferError, ValueError) as exc:
                 raise BadRequest(f"no usable data plane to the client: {exc}") from exc
         if self.store is None:
@@ -384,22 +386,21 @@ class CachePool:
     def _resync(self, rec: Resync, bulk):
         validate.check_no_bulk("resync", bulk)
         hashes, tiers = self._held()
-        return Stats(values={"source": self.source, "hashes": hashes, "tiers": tiers})
+        return HeldBlocks(source=self.source, hashes=hashes, tiers=tiers)
 
     def _stats(self, rec: GetStats, bulk):
         stats, capacity = self._read_stats()
         values = stats._asdict() if stats is not None else dict.fromkeys(StoreStats._fields, 0)
-        return Stats(values={**values, "instance_id": self.settings.instance_id,
-                             "boot_id": self.boot_id,
-                             "control_addr": self.rpc.address,
-                             "events_addr": self.events.address if self.events else "",
-                             "block_bytes": self.block_bytes, "policy": self.settings.policy,
-                             "dram_capacity_bytes": capacity["dram"],
-                             "ssd_capacity_bytes": capacity["ssd"],
-                             "kv_advert": self.receiver.advert(),
-                             "live_transfers": self.receiver.live(),
-                             "pending_puts": len(self._puts), "sending_gets": len(self._sends),
-                             "transfers": dict(self.transfers)})
+        return PoolStats(**values, instance_id=self.settings.instance_id,
+                         boot_id=self.boot_id, control_addr=self.rpc.address,
+                         events_addr=self.events.address if self.events else "",
+                         block_bytes=self.block_bytes, policy=self.settings.policy,
+                         dram_capacity_bytes=capacity["dram"],
+                         ssd_capacity_bytes=capacity["ssd"],
+                         kv_advert=KVAdvert.of(self.receiver.advert()),
+                         live_transfers=self.receiver.live(),
+                         pending_puts=len(self._puts), sending_gets=len(self._sends),
+                         transfers=dict(self.transfers))
 
     def _read_stats(self) -> tuple[StoreStats | None, dict[str, int]]:
         return (self.store.stats() if self.store is not None else None,

@@ -4,7 +4,7 @@ KV events, resync, and forget an instance that stops answering.
 One index location per instance, ``pool:<instance id>`` (the ``source`` of its events);
 its DRAM and SSD tiers are one location, because moves between the tiers are not
 published and the routing cost model has one pool bandwidth. Every
-``check_interval_s`` the watcher asks each configured control address for its Stats
+``check_interval_s`` the watcher asks each configured control address for its PoolStats
 (``discover_pools``)::
 
     answers, instance unknown       attach: SUB to its events_addr (topic kv), let the
@@ -48,7 +48,7 @@ import zmq.asyncio
 
 from common.address import parse_address, with_host
 from common.pool_client import discover_pools
-from common.protocol import KVEvent, Resync
+from common.protocol import HeldBlocks, KVEvent, PoolInstanceStatus, Resync
 from common.zmq_io import Subscriber
 from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
 from services.conductor.cache_policy import POOL_PREFIX
@@ -172,19 +172,19 @@ class PoolWatch:
         work = []
         for instance_id, values in found.items():
             inst = self.instances.get(instance_id)
-            events_addr = reachable(values.get("events_addr", ""), values["control_addr"])
+            events_addr = reachable(values.events_addr, values.control_addr)
             if not events_addr:
                 log.warning("cache_pool_without_events", instance=instance_id)
                 continue
             if inst is None or inst.events_addr != events_addr:
-                work.append(self._attach(instance_id, values["control_addr"], events_addr,
-                                         values.get("boot_id")))
+                work.append(self._attach(instance_id, values.control_addr, events_addr,
+                                         values.boot_id))
                 continue
-            inst.last_ok, inst.control_addr = now, values["control_addr"]
-            if values.get("boot_id") != inst.boot_id or not inst.feed.synced:
-                if values.get("boot_id") != inst.boot_id:
+            inst.last_ok, inst.control_addr = now, values.control_addr
+            if values.boot_id != inst.boot_id or not inst.feed.synced:
+                if values.boot_id != inst.boot_id:
                     log.info("cache_pool_restarted", instance=instance_id)
-                inst.boot_id = values.get("boot_id")
+                inst.boot_id = values.boot_id
                 work.append(self._resync(inst))
         await asyncio.gather(*work)
         for instance_id, inst in list(self.instances.items()):
@@ -207,13 +207,14 @@ class PoolWatch:
             await inst.close()
         self.instances.clear()
 
-    def stats(self) -> dict[str, dict]:
+    def stats(self) -> list[PoolInstanceStatus]:
         now = time.monotonic()
-        return {i: {"control_addr": inst.control_addr, "events_addr": inst.events_addr,
-                    "synced": inst.feed.synced,
-                    "blocks": self.index.held(inst.feed.location),
-                    "silent_s": round(now - inst.last_ok, 3)}
-                for i, inst in sorted(self.instances.items())}
+        return [PoolInstanceStatus(
+                    instance_id=i, control_addr=inst.control_addr,
+                    events_addr=inst.events_addr, synced=inst.feed.synced,
+                    blocks=self.index.held(inst.feed.location),
+                    silent_s=round(now - inst.last_ok, 3))
+                for i, inst in sorted(self.instances.items())]
 
     # -- internals ----------------------------------------------------------------------
 
@@ -245,13 +246,13 @@ class PoolWatch:
         feed.begin_resync()
         client = RpcClient(self.ctx, inst.control_addr, name="conductor->pool")
         try:
-            values = (await client.call(Resync(), timeout=RESYNC_TIMEOUT_S)).record.values
-            if values.get("source") != feed.location:
-                raise ValueError(f"answered for {values.get('source')!r}")
-            hashes = values["hashes"]
-            if not isinstance(hashes, list) or not all(isinstance(h, int) for h in hashes):
-                raise ValueError("hashes is not a list of ints")
-        except (RemoteError, RpcTimeout, ConnectionError, zmq.ZMQError, KeyError,
+            held = (await client.call(Resync(), timeout=RESYNC_TIMEOUT_S)).record
+            if not isinstance(held, HeldBlocks):
+                raise ValueError(f"answered with {type(held).__name__}")
+            if held.source != feed.location:
+                raise ValueError(f"answered for {held.source!r}")
+            hashes = held.hashes  # a list of ints: the codec checked it
+        except (RemoteError, RpcTimeout, ConnectionError, zmq.ZMQError,
                 ValueError) as exc:
             feed.abort_resync()
             log.warning("cache_pool_resync_failed", instance=inst.instance_id,

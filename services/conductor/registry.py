@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from common.protocol import WorkerInfo, WorkerStatus
+
 log = structlog.get_logger(__name__)
 
 MISSED_HEARTBEATS_DEAD = 3
@@ -14,15 +16,10 @@ MISSED_HEARTBEATS_DEAD = 3
 
 @dataclass(slots=True)
 class WorkerView:
-    worker_id: str
-    role: str
-    model: str
-    control_addr: str
-    kv_addr: str
-    host_id: str
-    block_size: int
-    num_blocks: int
-    fingerprint: str
+    """A registered worker: what it said in Hello (``info``) and its load and liveness
+    since. The info's fields read as attributes of the view (``w.role``, ``w.block_size``)."""
+
+    info: WorkerInfo
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
     waiting: int = 0
@@ -37,6 +34,22 @@ class WorkerView:
     @property
     def load(self) -> int:
         return self.running + self.waiting + self.pending_requests
+
+    worker_id = property(lambda self: self.info.worker_id)
+    role = property(lambda self: self.info.role)
+    model = property(lambda self: self.info.model)
+    control_addr = property(lambda self: self.info.control_addr)
+    kv_addr = property(lambda self: self.info.kv_addr)
+    host_id = property(lambda self: self.info.host_id)
+    block_size = property(lambda self: self.info.block_size)
+    num_blocks = property(lambda self: self.info.num_blocks)
+    fingerprint = property(lambda self: self.info.fingerprint)
+
+    def status(self) -> WorkerStatus:
+        return WorkerStatus(info=self.info, alive=self.alive, waiting=self.waiting,
+                            running=self.running,
+                            queued_prefill_tokens=self.queued_prefill_tokens,
+                            free_blocks=self.free_blocks, step_time_ms=self.step_time_ms)
 
 
 class Registry:

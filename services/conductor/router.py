@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from common.cost_profile import CostProfile
+from common.protocol import StepSample
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig
 from services.conductor.cost_model import Calibration, CostModel
 from services.conductor.policy import PICKERS, StaticDisaggregation, make_picker
@@ -116,25 +117,29 @@ class Router:
             slo_tbt_s=cfg.slo_tbt_s if req.slo_tbt_s is None else req.slo_tbt_s,
             output_tokens=output, admission=cfg.admission))
 
-    def observe(self, prefill_steps: list[dict], decode_steps: list[dict]) -> int:
-        """Fit the cost model on a heartbeat's step samples; returns how many were used."""
+    def observe(self, prefill_steps: Sequence[StepSample],
+                decode_steps: Sequence[StepSample]) -> int:
+        """Fit the cost model on a heartbeat's step samples; returns how many were used.
+        A sample whose values make no sense (counts that are not ints >= 0, chunk lists
+        of different lengths, a time that is not finite) is skipped and counted in
+        ``bad_samples``: the codec checks types, but a record built in process is not."""
         used = 0
         for s in prefill_steps:
             try:
-                chunks = list(zip(s["tokens"], s["cached"], strict=True))
+                chunks = list(zip(s.tokens, s.cached, strict=True))
                 if not all(_count(n) and _count(c) for n, c in chunks):
                     raise ValueError("token counts must be ints >= 0")
-                self.cost.observe_prefill_step(chunks, _seconds(s["seconds"]))
+                self.cost.observe_prefill_step(chunks, _seconds(s.seconds))
                 used += 1
-            except (KeyError, TypeError, ValueError):
+            except (TypeError, ValueError):
                 self.bad_samples += 1
         for s in decode_steps:
             try:
-                if not (_count(s["batch"]) and _count(s["context"])):
+                if not (_count(s.batch) and _count(s.context)):
                     raise ValueError("batch and context must be ints >= 0")
-                self.cost.observe_decode(s["batch"], s["context"], _seconds(s["seconds"]))
+                self.cost.observe_decode(s.batch, s.context, _seconds(s.seconds))
                 used += 1
-            except (KeyError, TypeError, ValueError):
+            except (TypeError, ValueError):
                 self.bad_samples += 1
         return used
 

@@ -34,16 +34,21 @@ from common.cost_profile import load_profile
 from common.logging import configure_logging
 from common.pool_client import parse_pool_addrs
 from common.protocol import (
+    ConductorStats,
+    CostCoefficients,
     Error,
     GetStats,
     Heartbeat,
+    HeldBlocks,
     Hello,
     KVEvent,
+    ListWorkers,
     Resync,
     Route,
     RouteReply,
-    Stats,
     Welcome,
+    WorkerList,
+    WorkerStats,
 )
 from common.service_main import run_service, until_stopped
 from common.zmq_io import Subscriber
@@ -141,28 +146,31 @@ class Conductor:
     async def _handle(self, msg):
         rec = msg.record
         if isinstance(rec, Hello):
-            self.registry.register(_view_from(vars_of(rec)))
+            self.registry.register(WorkerView(info=rec.info))
             # A worker saying Hello starts with an empty cache: forget what it held.
-            self.router.index.drop_location(rec.worker_id)
+            self.router.index.drop_location(rec.info.worker_id)
             return Welcome(conductor_id="conductor",
                            heartbeat_interval_s=self.settings.heartbeat_interval_s)
         if isinstance(rec, Route):
             return self._route(rec, msg.envelope.request_id)
+        if isinstance(rec, ListWorkers):
+            return WorkerList(workers=[w.status() for w in self.registry.workers.values()
+                                       if not rec.model or w.model == rec.model])
         if isinstance(rec, GetStats):
-            return Stats(values=self.stats())
+            return self.stats()
         return Error("unsupported", f"{type(rec).__name__} is not handled by the conductor")
 
-    def stats(self) -> dict:
+    def stats(self) -> ConductorStats:
         cost = self.router.cost
-        return {"workers": [{k: getattr(w, k) for k in w.__slots__}
-                            for w in self.registry.workers.values()],
-                "policy": self.router.name, "cost_profile": self.router.profile.name,
-                "cost_model": {k: getattr(cost.coefficients(), k)
-                               for k in cost.coefficients().__slots__},
-                "cost_observations": list(cost.observations),
-                "bad_samples": self.router.bad_samples, "index_blocks": len(self.router.index),
-                "index_locations": self.router.index.counts(),
-                "cache_pools": self.pools.stats() if self.pools is not None else {}}
+        fitted = cost.coefficients()
+        return ConductorStats(
+            workers=[w.status() for w in self.registry.workers.values()],
+            policy=self.router.name, cost_profile=self.router.profile.name,
+            cost_model=CostCoefficients(**{k: getattr(fitted, k) for k in fitted.__slots__}),
+            cost_observations=list(cost.observations),
+            bad_samples=self.router.bad_samples, index_blocks=len(self.router.index),
+            index_locations=self.router.index.counts(),
+            cache_pools=self.pools.stats() if self.pools is not None else [])
 
     def _route(self, rec: Route, rid: str | None):
         for name in ("slo_ttft_ms", "slo_tbt_ms"):
@@ -204,6 +212,8 @@ class Conductor:
         """Update the registry and fit the cost model; False for an unknown worker (whom
         the conductor then asks for its details)."""
         if self.registry.heartbeat(hb):
+            # The router's fitting reads samples as mappings (it also takes them from
+            # the simulator and tests), so the records are handed over as such.
             self.router.observe(hb.prefill_steps, hb.decode_steps)
             return True
         if hb.control_addr and hb.worker_id not in self._discovering:
@@ -228,7 +238,9 @@ class Conductor:
         client = RpcClient(self.ctx, control_addr, name="conductor")
         try:
             reply = await client.call(Resync(), timeout=5.0)
-            hashes = reply.record.values.get("hashes", [])
+            if not isinstance(reply.record, HeldBlocks):
+                raise ValueError(f"answered with {reply.envelope.type}")
+            hashes = reply.record.hashes
             self.router.index.drop_location(worker_id)
             self.router.index.stored(worker_id, hashes)
             log.info("prefix index resynced", worker_id=worker_id, blocks=len(hashes))
@@ -242,7 +254,10 @@ class Conductor:
         client = RpcClient(self.ctx, hb.control_addr, name="conductor")
         try:
             reply = await client.call(GetStats(), timeout=2.0)
-            self.registry.register(_view_from(reply.record.values))
+            stats = reply.record
+            if not isinstance(stats, WorkerStats):
+                raise ValueError(f"answered with {reply.envelope.type}")
+            self.registry.register(WorkerView(info=stats.info, free_blocks=stats.free_blocks))
             self.registry.heartbeat(hb)
             await self._resync(hb.worker_id, hb.control_addr)
         except Exception as exc:
@@ -258,19 +273,6 @@ class Conductor:
                 self.router.index.drop_location(worker_id)  # its cache died with it
             for role in ("prefill", "decode", "unified"):
                 self.alive_workers.labels(role=role).set(len(self.registry.alive((role,))))
-
-
-def vars_of(rec) -> dict:
-    return {k: getattr(rec, k) for k in rec.__slots__}
-
-
-def _view_from(values: dict) -> WorkerView:
-    return WorkerView(
-        worker_id=values["worker_id"], role=values["role"], model=values["model"],
-        control_addr=values["control_addr"], kv_addr=values["kv_addr"],
-        host_id=values["host_id"], block_size=int(values["block_size"]),
-        num_blocks=int(values["num_blocks"]), fingerprint=values["fingerprint"],
-        free_blocks=int(values.get("free_blocks", 0)))
 
 
 async def serve(settings: ConductorSettings, stop: asyncio.Event) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager, HashCallback
 from services.engine.executor import Executor, LayerHook
 from services.engine.kv_manager import KVCacheManager
@@ -36,7 +37,6 @@ from services.engine.kv_store import KVStore
 from services.engine.outputs import RemoteSlots, RequestOutput, StepRecord
 from services.engine.pool_blocks import PoolBlocks
 from services.engine.remote_prefill import RemotePrefills
-from services.engine.sampling_params import SamplingParams
 from services.engine.sampling_state import SamplingState, TokenLogprobs, check_stop
 from services.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from services.engine.sequence import Sequence, SequenceStatus

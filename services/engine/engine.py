@@ -12,6 +12,7 @@ from functools import cached_property
 
 import torch
 
+from common.sampling_params import SamplingParams
 from services.engine.attention import TorchAttention
 from services.engine.config import EngineConfig
 from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
@@ -21,7 +22,6 @@ from services.engine.model import LlamaModel
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import Completion
 from services.engine.sampler import Sampler
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
 from services.engine.weights import LoadedWeights, load_weights

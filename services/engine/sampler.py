@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from services.engine.sampling_state import (  # noqa: F401  (re-exported)
     SamplingState,
     TokenLogprobs,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

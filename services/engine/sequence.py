@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from services.engine.sampling_state import SamplingState, TokenLogprobs
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from common.protocol import Tokens
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "stop_token_ids",
@@ -36,28 +38,6 @@ class GenerationRequest:
     slo_tbt_ms: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """A run of generated tokens.
-
-    ``position`` is the index of ``token_ids[0]`` in the output (0 for the first token).
-    The last event of a request has ``finished=True`` and a ``finish_reason`` in
-    ``FINISH_REASONS``; with ``"error"``, ``error`` says what went wrong.
-    ``prompt_tokens`` / ``cached_tokens`` may be 0 until known and are read from the
-    latest event that sets them. ``logprobs`` has one entry per token when requested:
-    ``{"token_id": int, "logprob": float, "top": [[id, logprob], ...]}``.
-    """
-
-    position: int
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-
-
 class BackendOverloaded(Exception):
     """Admission refused for now (SLO-aware rejection); retry after ``retry_after_s``."""
 
@@ -77,9 +57,13 @@ class GenerationBackend(ABC):
     Contract:
 
     - ``generate`` is an async generator (``async def`` with ``yield``). It yields
-      ``TokenEvent`` in position order, without gaps, and its last event has
-      ``finished=True``. Before its first event it may raise ``ValueError`` (the request
-      cannot be served as asked; HTTP 400), ``BackendOverloaded`` (429) or
+      ``Tokens`` (the record workers stream) in position order, without gaps:
+      ``position`` is the index of ``token_ids[0]`` in the output, and the last one has
+      ``finished=True`` and a ``finish_reason`` in ``FINISH_REASONS`` (with ``"error"``,
+      ``error`` says what went wrong). ``prompt_tokens`` / ``cached_tokens`` may be 0
+      until known; ``logprobs`` has one TokenLogprob per token when requested. Before
+      its first event it may raise ``ValueError`` (the request cannot be served as
+      asked; HTTP 400), ``BackendOverloaded`` (429) or
       ``BackendUnavailable`` (503). A failure after the first event is reported as a
       finished event with ``finish_reason="error"``, not raised.
     - Closing the generator early (``aclose``) means the consumer lost interest; the
@@ -89,7 +73,7 @@ class GenerationBackend(ABC):
     """
 
     @abstractmethod
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Tokens]:
         """Start ``request``; iterate the result for its tokens."""
 
     @abstractmethod

@@ -11,7 +11,7 @@ the client's stream continues from where it stopped.
 
 Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
 which the gateway needs the workers' KV layout (model fingerprint and block size). It
-reads it from the conductor's worker list (GetStats) and keeps it ``layout_ttl_s``
+reads it from the conductor's worker list (ListWorkers) and keeps it ``layout_ttl_s``
 seconds; with no live worker of the model known yet, a Route goes without hashes.
 The request's SLOs and ``max_tokens`` go along. A conductor's ``overloaded`` error
 becomes ``BackendOverloaded`` (HTTP 429, Retry-After from its ``retry_after_s``).
@@ -28,7 +28,16 @@ import structlog
 import zmq.asyncio
 
 from common.block_hash import hash_blocks
-from common.protocol import Abort, Generate, GetStats, Route, Tokens
+from common.protocol import (
+    Abort,
+    Generate,
+    ListWorkers,
+    Route,
+    SamplingParams,
+    Tokens,
+    WorkerList,
+    WorkerStatus,
+)
 from common.zmq_io import PullSocket
 from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
 from services.gateway.backend import (
@@ -36,7 +45,6 @@ from services.gateway.backend import (
     BackendUnavailable,
     GenerationBackend,
     GenerationRequest,
-    TokenEvent,
 )
 
 log = structlog.get_logger(__name__)
@@ -93,27 +101,29 @@ class ClusterBackend(GenerationBackend):
             if q is not None and isinstance(msg.record, Tokens):
                 q.put_nowait(msg.record)
 
-    async def ready(self) -> bool:
+    async def _workers(self) -> list[WorkerStatus] | None:
+        """The conductor's list of workers; None if it does not answer."""
         try:
-            reply = await self.conductor.call(GetStats(), timeout=2.0)
+            reply = await self.conductor.call(ListWorkers(), timeout=2.0)
         except (RpcTimeout, RemoteError):
-            return False
-        workers = reply.record.values.get("workers", [])
-        return any(w["alive"] and w["role"] in ("decode", "unified") for w in workers)
+            return None
+        return reply.record.workers if isinstance(reply.record, WorkerList) else None
+
+    async def ready(self) -> bool:
+        workers = await self._workers() or []
+        return any(w.alive and w.info.role in ("decode", "unified") for w in workers)
 
     async def _kv_layout(self) -> tuple[str, int] | None:
         """(fingerprint, block size) of this model's workers, as the conductor lists them."""
         now = time.monotonic()
         if now - self._layout_at < self.layout_ttl_s:
             return self._layout
-        try:
-            reply = await self.conductor.call(GetStats(), timeout=2.0)
-        except (RpcTimeout, RemoteError):
+        workers = await self._workers()
+        if workers is None:
             return self._layout
-        layout = next(((w["fingerprint"], int(w["block_size"]))
-                       for w in reply.record.values.get("workers", [])
-                       if w.get("alive") and w.get("model") == self.model
-                       and w.get("role") in ("decode", "unified")), None)
+        layout = next(((w.info.fingerprint, w.info.block_size) for w in workers
+                       if w.alive and w.info.model == self.model
+                       and w.info.role in ("decode", "unified")), None)
         if layout is not None:  # none yet: ask again next time
             self._layout, self._layout_at = layout, now
         return self._layout
@@ -123,12 +133,10 @@ class ClusterBackend(GenerationBackend):
         return [] if layout is None else hash_blocks(prompt, layout[1], layout[0], salt)
 
     async def _decode_alive(self, worker_id: str) -> bool:
-        try:
-            reply = await self.conductor.call(GetStats(), timeout=2.0)
-        except (RpcTimeout, RemoteError):
+        workers = await self._workers()
+        if workers is None:
             return True  # cannot tell: keep waiting rather than duplicate work
-        return any(w["worker_id"] == worker_id and w["alive"]
-                   for w in reply.record.values.get("workers", []))
+        return any(w.info.worker_id == worker_id and w.alive for w in workers)
 
     async def _start(self, req: GenerationRequest, generated: list[int],
                      exclude: list[str]) -> str:
@@ -159,7 +167,8 @@ class ClusterBackend(GenerationBackend):
         self.decoders[req.request_id] = route.decode_addr
         try:
             await self._client(route.decode_addr).call(Generate(
-                prompt_token_ids=prompt, sampling=sampling, stream_addr=self.stream_addr,
+                prompt_token_ids=prompt, sampling=SamplingParams.from_dict(sampling),
+                stream_addr=self.stream_addr,
                 prefill_id=route.prefill_id, prefill_addr=route.prefill_addr,
                 cache_salt=req.cache_salt, start_position=len(generated)),
                 request_id=req.request_id, timeout=self.rpc_timeout_s)
@@ -171,7 +180,7 @@ class ClusterBackend(GenerationBackend):
             raise BackendUnavailable(f"decode worker {route.decode_id} did not answer") from exc
         return route.decode_id
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Tokens]:
         rid = request.request_id
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
@@ -225,10 +234,7 @@ def _release(pending: dict[int, Tokens], generated: list[int]):
         if t is None:
             return
         generated.extend(t.token_ids)
-        yield TokenEvent(position=nxt, token_ids=list(t.token_ids), finished=t.finished,
-                         finish_reason=t.finish_reason, prompt_tokens=t.prompt_tokens,
-                         cached_tokens=t.cached_tokens, error=t.error,
-                         logprobs=list(t.logprobs))
+        yield t  # pending is keyed by position: t.position == nxt
         if t.finished:
             return
 

@@ -82,10 +82,10 @@ class _Run:
         self.tracker.tokens(len(delta.token_ids))
         if delta.finished:
             self.finished = True
-            usage = delta.usage or {}
+            usage = delta.usage
             self.tracker.finish(delta.finish_reason or "stop",
-                                usage.get("prompt_tokens", self.prompt_tokens),
-                                usage.get("completion_tokens", self.completion_tokens))
+                                usage.prompt_tokens if usage else self.prompt_tokens,
+                                usage.completion_tokens if usage else self.completion_tokens)
         return delta
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 from starlette.responses import JSONResponse
 
+from common.protocol import TokenLogprob, Usage
 from common.tokenizer import TextTokenizer
 from services.gateway.backend import BackendOverloaded, BackendUnavailable
 from services.gateway.pipeline import RequestError, TextDelta
@@ -134,8 +135,13 @@ def reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
             raise RequestError(f"{name} is not supported by this server", name)
 
 
-def usage_object(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return None if usage is None else dict(usage)
+def usage_object(usage: Usage | None) -> dict[str, Any] | None:
+    """The OpenAI ``usage`` object."""
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 class ResponseWriter:
@@ -172,7 +178,7 @@ class ResponseWriter:
                   "finish_reason": delta.finish_reason}
         return self._envelope("text_completion", [choice])
 
-    def usage_chunk(self, usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
         """The last chunk with ``stream_options.include_usage``: no choices, usage."""
         name = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(name, []), "usage": usage_object(usage)}
@@ -197,24 +203,24 @@ class ResponseWriter:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         if self.chat:
             content = []
             for entry in entries:
-                token = self._token(entry["token_id"])
-                top = [{"token": (t := self._token(i)), "logprob": lp,
-                        "bytes": list(t.encode())} for i, lp in entry.get("top", [])]
-                content.append({"token": token, "logprob": entry["logprob"],
+                token = self._token(entry.token_id)
+                top = [{"token": (t := self._token(x.token_id)), "logprob": x.logprob,
+                        "bytes": list(t.encode())} for x in entry.top]
+                content.append({"token": token, "logprob": entry.logprob,
                                 "bytes": list(token.encode()), "top_logprobs": top})
             return {"content": content}
         tokens, offsets = [], []
         for entry in entries:
-            tokens.append(self._token(entry["token_id"]))
+            tokens.append(self._token(entry.token_id))
             offsets.append(self._text_offset)
             self._text_offset += len(tokens[-1])
         return {"tokens": tokens,
-                "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self._token(i): lp for i, lp in e.get("top", [])}
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token(x.token_id): x.logprob for x in e.top}
                                  for e in entries],
                 "text_offset": offsets}
 

@@ -4,7 +4,7 @@ Shared by the HTTP (OpenAI) and ZeroMQ front-ends, so both validate alike and pr
 the same text. The lifecycle of one request::
 
     body + prompt ids --prepare()--> PreparedRequest --(front-end)--> backend.generate()
-    TokenEvent* --stream()--> TextDelta*   (detokenize, stop strings, usage)
+    Tokens* --stream()--> TextDelta*   (detokenize, stop strings, usage)
 
 ``prepare`` raises ``RequestError`` (HTTP 400) naming the offending field. ``stream``
 never raises for a bad event: a gap in positions or a backend stream that ends without
@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.protocol import TokenLogprob, Tokens, Usage
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
-from services.gateway.backend import TokenEvent
 from services.gateway.stop_strings import StopMatcher
 
 MAX_LOGPROBS = 20
@@ -64,8 +64,8 @@ class TextDelta:
     position: int
     finished: bool = False
     finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
 
 
@@ -236,7 +236,7 @@ class RequestPipeline:
 
     # ---- streaming --------------------------------------------------------------------
 
-    async def stream(self, request: PreparedRequest, events: AsyncIterator[TokenEvent],
+    async def stream(self, request: PreparedRequest, events: AsyncIterator[Tokens],
                      on_stop: Callable[[], Awaitable[None] | None] | None = None,
                      ) -> AsyncIterator[TextDelta]:
         """Yield one ``TextDelta`` per event until the request finishes.
@@ -253,10 +253,10 @@ class RequestPipeline:
         min_tokens = request.sampling.get("min_tokens", 0)
         counts = {"prompt": len(request.prompt_token_ids), "cached": 0, "done": 0}
 
-        def usage() -> dict[str, Any]:
-            return {"prompt_tokens": counts["prompt"], "completion_tokens": counts["done"],
-                    "total_tokens": counts["prompt"] + counts["done"],
-                    "prompt_tokens_details": {"cached_tokens": counts["cached"]}}
+        def usage() -> Usage:
+            return Usage(prompt_tokens=counts["prompt"], completion_tokens=counts["done"],
+                         total_tokens=counts["prompt"] + counts["done"],
+                         cached_tokens=counts["cached"])
 
         try:
             async for event in events:

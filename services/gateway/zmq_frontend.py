@@ -120,7 +120,7 @@ class ZmqFrontend:
                     await self._send(identity, ClientChunk(
                         text=d.text, token_ids=list(d.token_ids), position=d.position,
                         finished=d.finished, finish_reason=d.finish_reason,
-                        usage=d.usage or {}, error=d.error), rid, parent)
+                        usage=d.usage, error=d.error), rid, parent)
         except (RequestError, ValueError) as exc:
             await self._send(identity, Error("bad_request", str(exc)), rid, parent)
         except BackendOverloaded as exc:

@@ -31,7 +31,6 @@ from common.protocol import Abort, Ack, Error, Generate, Prefill, Tokens
 from common.transfer import Transfer, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.outputs import RemoteSlots
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
@@ -73,10 +72,7 @@ class DecodeRole:
         w = self.worker
         if rid in self.streams:
             return Error("bad_request", f"request id {rid!r} is already in use")
-        try:
-            params = SamplingParams.from_dict(rec.sampling)
-        except ValueError as exc:
-            return Error("bad_request", str(exc))
+        params = rec.sampling  # checked by SamplingParams itself when it was decoded
         self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position,
                                    rec.prompt_token_ids, rec.cache_salt)
         try:
@@ -182,7 +178,7 @@ class DecodeRole:
             finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
             cached_tokens=out.num_cached_tokens, source="decode",
             error="engine step failed" if out.finish_reason == "error" else None,
-            logprobs=self.worker.logprob_dicts(out.new_logprobs)))
+            logprobs=self.worker.logprob_records(out.new_logprobs)))
         if out.finished:
             self.streams.pop(out.request_id, None)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
+from common.protocol import StepSample
 from services.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -57,8 +58,9 @@ class EngineLoop:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
-        self._prefill_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
-        self._decode_samples: collections.deque[dict] = collections.deque(maxlen=MAX_SAMPLES)
+        self._prefill_samples: collections.deque[StepSample] = collections.deque(
+            maxlen=MAX_SAMPLES)
+        self._decode_samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_SAMPLES)
         self.prefill_tokens_per_s = 0.0  # smoothed over prefill-only steps; 0: none yet
         self.load = self._snapshot()
 
@@ -82,7 +84,7 @@ class EngineLoop:
     def recent_step_ms(self) -> float:
         return 1000 * sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
 
-    def take_samples(self) -> tuple[list[dict], list[dict]]:
+    def take_samples(self) -> tuple[list[StepSample], list[StepSample]]:
         """(prefill, decode) step samples since the last call, oldest first; thread-safe
         (deque appends and pops are atomic)."""
         out = []
@@ -101,12 +103,12 @@ class EngineLoop:
             rate = sum(n for n, _ in step.prefill) / max(elapsed, 1e-9)
             old = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if not old else 0.8 * old + 0.2 * rate
-            self._prefill_samples.append({"tokens": [n for n, _ in step.prefill],
-                                          "cached": [c for _, c in step.prefill],
-                                          "seconds": elapsed})
+            self._prefill_samples.append(StepSample(
+                seconds=elapsed, tokens=[n for n, _ in step.prefill],
+                cached=[c for _, c in step.prefill]))
         elif step.decode_batch and not step.prefill:
-            self._decode_samples.append({"batch": step.decode_batch,
-                                         "context": step.decode_context, "seconds": elapsed})
+            self._decode_samples.append(StepSample(
+                seconds=elapsed, batch=step.decode_batch, context=step.decode_context))
 
     def _settle(self, future: asyncio.Future, result: Any = None,
                 exc: BaseException | None = None) -> None:

@@ -37,6 +37,7 @@ import structlog
 
 from common.block_hash import hash_blocks
 from common.pool_client import PoolClient, discover_pools, parse_pool_addrs
+from common.protocol import WorkerPoolCounts
 
 if TYPE_CHECKING:
     from services.worker.server import Worker
@@ -84,10 +85,10 @@ class PoolLink:
         if self.client is not None:
             await self.client.close()
 
-    def stats(self) -> dict:
-        return {f"pool_{k}": v for k, v in {**self.counts, **self.seconds}.items()} | {
-            "pool_instances": sorted(self._instances),
-            "pool_write_back_queued": self._queued}
+    def stats(self) -> WorkerPoolCounts:
+        return WorkerPoolCounts(**self.counts, **self.seconds,
+                                instances=sorted(self._instances),
+                                write_back_queued=self._queued)
 
     # ---- in: fetch and adopt --------------------------------------------------------
 
@@ -219,7 +220,7 @@ class PoolLink:
                     complete or time.monotonic() - began > PARTIAL_AFTER_S):
                 old = self.client
                 self.client = PoolClient(
-                    self.worker.ctx, {i: v["control_addr"] for i, v in found.items()},
+                    self.worker.ctx, {i: v.control_addr for i, v in found.items()},
                     replicas=min(s.pool_replicas, len(found)),
                     timeout_s=s.pool_timeout_s, name=f"{self.worker.worker_id}-pool",
                     transfer_backend=s.transfer_backend, host_id=s.resolved_host_id)

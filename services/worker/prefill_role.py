@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from common.protocol import Error, Prefill, PrefillDone, Tokens
+from common.sampling_params import SamplingParams
 from common.transfer import TransferError
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
@@ -36,9 +36,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-def prefill_params(sampling: dict) -> SamplingParams:
+def prefill_params(params: SamplingParams) -> SamplingParams:
     """The request's sampling, cut to the one token prefill produces."""
-    params = SamplingParams.from_dict(sampling)
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
@@ -97,7 +96,8 @@ class PrefillRole:
         except ValueError as exc:
             return Error("bad_request", str(exc))
         try:
-            addr = w.sender.address_for(rec.kv_advert) if rec.kv_advert else rec.kv_addr
+            addr = (w.sender.address_for(rec.kv_advert.as_dict()) if rec.kv_advert
+                    else rec.kv_addr)
         except (TransferError, ValueError) as exc:
             return Error("bad_request", f"no usable data plane to the decode worker: {exc}")
         backend = addr.partition("://")[0]
@@ -121,7 +121,7 @@ class PrefillRole:
             w.streams.send(rec.stream_addr, rid, Tokens(
                 position=0, token_ids=[first], prompt_tokens=out.num_prompt_tokens,
                 cached_tokens=out.num_cached_tokens, source="prefill",
-                logprobs=w.logprob_dicts(out.new_logprobs)))
+                logprobs=w.logprob_records(out.new_logprobs)))
             try:  # finish waits for the decode worker's verdicts: not past its lease
                 chunks = await asyncio.wait_for(sending, deadline - self._aio.time())
             except TimeoutError:

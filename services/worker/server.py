@@ -30,11 +30,16 @@ from common.protocol import (
     Generate,
     GetStats,
     Heartbeat,
+    HeldBlocks,
     Hello,
+    KVAdvert,
     KVEvent,
     Prefill,
     Resync,
-    Stats,
+    TokenLogprob,
+    TopLogprob,
+    WorkerInfo,
+    WorkerStats,
 )
 from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
@@ -175,13 +180,14 @@ class Worker:
             return ""
         return advertise(self.receiver.address, self.settings.advertise_host)
 
-    def kv_advert(self) -> dict:
+    def kv_advert(self) -> KVAdvert | None:
         """The receiver's advert, each network endpoint as peers reach it."""
         if self.receiver is None:
-            return {}
+            return None
         advert = self.receiver.advert()
-        return {**advert, "endpoints": {k: advertise(a, self.settings.advertise_host)
-                                        for k, a in advert["endpoints"].items()}}
+        return KVAdvert(host_id=advert["host_id"],
+                        endpoints={k: advertise(a, self.settings.advertise_host)
+                                   for k, a in advert["endpoints"].items()})
 
     def client(self, addr: str) -> RpcClient:
         client = self._clients.get(addr)
@@ -194,11 +200,11 @@ class Worker:
     async def _handle(self, msg):
         rec, rid = msg.record, msg.envelope.request_id
         if isinstance(rec, GetStats):
-            return Stats(values=self.stats())
+            return self.stats()
         if isinstance(rec, Resync):
             hashes = await self.loop.call(self.engine.block_manager.cached_hashes)
-            return Stats(values={"source": self.worker_id, "hashes": hashes,
-                                 "tiers": ["local"] * len(hashes)})
+            return HeldBlocks(source=self.worker_id, hashes=list(hashes),
+                              tiers=["local"] * len(hashes))
         if not rid and isinstance(rec, Generate | Prefill | Abort):
             return Error("bad_request", "request id missing from the envelope")
         if isinstance(rec, Generate):
@@ -226,41 +232,39 @@ class Worker:
                 self.decode.on_output(out)
 
     @staticmethod
-    def logprob_dicts(logprobs) -> list[dict]:
-        return [{"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
-                 "top": [[t, v] for t, v in lp.top]} for lp in logprobs if lp is not None]
+    def logprob_records(logprobs) -> list[TokenLogprob]:
+        return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                             top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                for lp in logprobs if lp is not None]
 
-    def stats(self) -> dict:
-        load = self.loop.load
+    def info(self, num_blocks: int) -> WorkerInfo:
         s = self.settings
-        return {
-            "worker_id": self.worker_id, "role": s.role, "model": s.model,
-            "executor": s.executor,
-            "control_addr": self.control_addr, "kv_addr": self.kv_addr,
-            "host_id": s.resolved_host_id, "fingerprint": self.engine.fingerprint,
-            "block_size": s.block_size, "num_blocks": load.total_blocks,
-            "free_blocks": load.free_blocks, "waiting": load.waiting, "running": load.running,
-            "num_requests": load.num_requests,
-            "live_transfers": self.receiver.live() if self.receiver is not None else 0,
-            "local_fallbacks": self.decode.local_fallbacks if self.decode else 0,
-            "kv_bytes_received": self.decode.received_bytes if self.decode else 0,
-            "kv_bytes_sent": self.prefill.sent_bytes if self.prefill else 0,
-            "prefills_done": self.prefill.done if self.prefill else 0,
-            "prefill_jobs": len(self.prefill.jobs) if self.prefill else 0,
-            "kv_chunks_resent": self.sender.resent if self.sender is not None else 0,
-            "kv_chunks_retried": self.receiver.retried if self.receiver is not None else 0,
-            "transfer_backends": dict(self.prefill.backends) if self.prefill else {},
-            "kv_advert": self.kv_advert(),
-        } | self.pool.stats()
+        return WorkerInfo(worker_id=self.worker_id, role=s.role, model=s.model,
+                          control_addr=self.control_addr, kv_addr=self.kv_addr,
+                          host_id=s.resolved_host_id, block_size=s.block_size,
+                          num_blocks=num_blocks, fingerprint=self.engine.fingerprint)
+
+    def stats(self) -> WorkerStats:
+        load = self.loop.load
+        return WorkerStats(
+            info=self.info(load.total_blocks), executor=self.settings.executor,
+            free_blocks=load.free_blocks, waiting=load.waiting, running=load.running,
+            num_requests=load.num_requests,
+            live_transfers=self.receiver.live() if self.receiver is not None else 0,
+            local_fallbacks=self.decode.local_fallbacks if self.decode else 0,
+            kv_bytes_received=self.decode.received_bytes if self.decode else 0,
+            kv_bytes_sent=self.prefill.sent_bytes if self.prefill else 0,
+            prefills_done=self.prefill.done if self.prefill else 0,
+            prefill_jobs=len(self.prefill.jobs) if self.prefill else 0,
+            kv_chunks_resent=self.sender.resent if self.sender is not None else 0,
+            kv_chunks_retried=self.receiver.retried if self.receiver is not None else 0,
+            transfer_backends=dict(self.prefill.backends) if self.prefill else {},
+            kv_advert=self.kv_advert(), pool=self.pool.stats())
 
     async def _register_and_beat(self) -> None:
         s = self.settings
         conductor = self.client(s.conductor_addr)
-        hello = Hello(worker_id=self.worker_id, role=s.role, model=s.model,
-                      control_addr=self.control_addr, kv_addr=self.kv_addr,
-                      host_id=s.resolved_host_id, block_size=s.block_size,
-                      num_blocks=self.engine.block_manager.num_blocks,
-                      fingerprint=self.engine.fingerprint)
+        hello = Hello(info=self.info(self.engine.block_manager.num_blocks))
         while not self.registered.is_set():
             try:
                 await conductor.call(hello, timeout=2.0)

@@ -1,0 +1,155 @@
+"""Nested records: the typed payloads that messages carry inside their fields.
+
+Each is registered with :func:`common.codec.record`, travels as a map of its fields and
+is checked on decode exactly like a message body; ``docs/protocol.md`` documents each
+under *Nested records*. Import them from :mod:`common.protocol`.
+
+This module must never import torch or numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from common.codec import record
+from common.sampling_params import SamplingParams
+
+record(SamplingParams)  # one class: the engine validates what the wire carries
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker is: sent in Hello, kept by the conductor's registry, listed in
+    WorkerList and in the worker's own stats."""
+
+    worker_id: str
+    role: str
+    model: str
+    control_addr: str
+    kv_addr: str
+    host_id: str
+    block_size: int
+    num_blocks: int
+    fingerprint: str
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class KVAdvert:
+    """Where a data-plane receiver listens: its host id and one address per backend kind
+    (``endpoints``: kind -> address; a map because the kinds are the data plane's to
+    extend). ``as_dict`` is the form ``common.transfer`` negotiates with."""
+
+    host_id: str
+    endpoints: dict
+
+    @classmethod
+    def of(cls, advert: Mapping) -> KVAdvert:
+        return cls(host_id=advert["host_id"], endpoints=dict(advert["endpoints"]))
+
+    def as_dict(self) -> dict:
+        return {"host_id": self.host_id, "endpoints": dict(self.endpoints)}
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One engine step's timing, for the conductor's cost model. A prefill-only step sets
+    ``tokens``/``cached`` (per prompt chunk: tokens computed, tokens already in KV); a
+    decode-only step sets ``batch``/``context`` (sequences, their KV tokens in all)."""
+
+    seconds: float
+    tokens: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    batch: int = 0
+    context: int = 0
+
+@record
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    logprob: float
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log probability of one generated token, its rank, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int = 0
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of a finished request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A worker as the conductor sees it: what it is, whether it is alive, its load as
+    of its last heartbeat."""
+
+    info: WorkerInfo
+    alive: bool
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    step_time_ms: float = 0.0
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class WorkerPoolCounts:
+    """A worker's traffic with the cache pool since it started."""
+
+    fetches: int = 0
+    fetched_blocks: int = 0
+    fetch_skipped: int = 0
+    written_blocks: int = 0
+    write_back_dropped: int = 0
+    fetch_bytes: int = 0
+    fetch_seconds: float = 0.0
+    adopt_seconds: float = 0.0
+    instances: list[str] = field(default_factory=list)
+    write_back_queued: int = 0
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class CostCoefficients:
+    """The conductor's fitted cost model (seconds; the calibration's fields)."""
+
+    prefill_fixed_s: float
+    prefill_per_token_s: float
+    prefill_per_pair_s: float
+    decode_fixed_s: float
+    decode_per_seq_s: float
+    decode_per_ctx_token_s: float
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class PoolInstanceStatus:
+    """A cache-pool instance the conductor follows."""
+
+    instance_id: str
+    control_addr: str
+    events_addr: str
+    synced: bool
+    blocks: int
+    silent_s: float
