@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import serve  # noqa: E402
+import serve_report  # noqa: E402
 
 DEPLOYMENTS = {"disaggregated": "deploy/configs/local.toml",
                "colocated": "deploy/configs/colocated.toml"}
@@ -74,7 +75,7 @@ def main() -> None:
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--range-ratio", "0.5", "--request-rate", str(args.request_rate), "--no-progress"])
     specs = serve.build_requests(spec_args)
-    slo = serve.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    slo = serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     summaries = {}
     for name, config in DEPLOYMENTS.items():
         proc = start(config)
@@ -84,7 +85,8 @@ def main() -> None:
                 endpoint="completions"))
         finally:
             stop(proc)
-        summaries[name] = serve.summarize(results, serve.results_duration(results), slo)
+        summaries[name] = serve_report.summarize(
+            results, serve_report.results_duration(results), slo)
     d, c = summaries["disaggregated"], summaries["colocated"]
     print(f"{'':>20} {'disaggregated':>14} {'colocated':>12} {'ratio':>7}")
     for key in KEYS:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import deployments  # noqa: E402
 import serve  # noqa: E402
+import serve_report  # noqa: E402
 import zmq  # noqa: E402
 
 from bench.datasets import RequestSpec  # noqa: E402
@@ -131,11 +132,11 @@ def stalls(results) -> dict:
 def run_point(specs, slo) -> dict:
     results = asyncio.run(serve.run_benchmark(BASE, specs, model=MODEL,
                                               endpoint="completions", progress=False))
-    summary = serve.summarize(results, serve.results_duration(results), slo)
+    summary = serve_report.summarize(results, serve_report.results_duration(results), slo)
     summary.update(stalls(results))
     longs = [r for r in results if r.output_len == 16 and r.success]
     summary["long_ttft_ms"] = [round(r.ttft_s * 1e3) for r in longs]
-    summary["short_p99_itl_ms"] = serve.summarize(
+    summary["short_p99_itl_ms"] = serve_report.summarize(
         [r for r in results if r.output_len == 48], 1.0)["p99_itl_ms"]
     summary["records"] = [r.to_record() for r in results]  # to re-score other SLOs
     return summary
@@ -145,10 +146,10 @@ def rescore(path: Path, slo) -> list[dict]:
     """Rows of an earlier run, re-summarized under ``slo`` from their request records."""
     rows = json.loads(path.read_text())["rows"]
     for row in rows:
-        results = [serve.RequestResult(**{k: tuple(v) if k == "itl_s" else v
+        results = [serve_report.RequestResult(**{k: tuple(v) if k == "itl_s" else v
                                           for k, v in r.items() if k != "tpot_s"})
                    for r in row["records"]]
-        row.update(serve.summarize(results, serve.results_duration(results), slo))
+        row.update(serve_report.summarize(results, serve_report.results_duration(results), slo))
         row.update(stalls(results))
     return rows
 
@@ -168,7 +169,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    slo = serve.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    slo = serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.rescore:
         rows = rescore(out.with_suffix(".json"), slo)

@@ -24,17 +24,14 @@ from bench.datasets import (
     trace_requests,
 )
 from bench.serve import (
-    RequestResult,
-    Slo,
     endpoint_url,
     main,
     parse_args,
     prompt_text,
-    results_duration,
     run_benchmark,
     sse_data,
-    summarize,
 )
+from bench.serve_report import RequestResult, Slo, results_duration, summarize
 
 REAL_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 FIRST_DELAY_S = 0.05
