@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from common import protocol as p
-from common.pool_client import PoolClient
+from common.pool.client import PoolClient
 from common.transfer import MultiSender, TransferError
 from common.transfer.negotiate import available_backends
 from common.zmq_rpc import RemoteError, RpcClient

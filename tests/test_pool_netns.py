@@ -37,7 +37,7 @@ def _ucx_importable() -> bool:
 CLIENT = """
 import asyncio, json, random, sys
 import zmq.asyncio
-from common.pool_client import PoolClient
+from common.pool.client import PoolClient
 
 control, backend, host_id, n, size = sys.argv[1:6]
 n, size = int(n), int(size)

@@ -49,7 +49,7 @@ from prometheus_client import start_http_server
 
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
-from common.pool_transfer import BlockInbox, send_blocks
+from common.pool.transfer import BlockInbox, send_blocks
 from common.protocol import (
     MAX_FRAME_BYTES,
     Ack,

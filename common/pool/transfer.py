@@ -21,9 +21,8 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
+from common.pool.keys import Buffer
 from common.transfer import KVReceiver, KVSender, Transfer, TransferError
-
-Buffer = bytes | bytearray | memoryview
 
 WINDOW = 8
 """Chunks one ``send_blocks`` keeps unacknowledged: enough to keep a connection busy

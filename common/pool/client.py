@@ -1,8 +1,8 @@
 """Client of a set of cache-pool instances: placement, batching, and failure as a miss.
 
     put(blocks)    each block to its ``replicas`` rendezvous owners
-                   (``services.cache_pool.placement``): one PoolPut per instance and
-                   batch of ``max_call_blocks``, all concurrently
+                   (``common.pool.placement``): one PoolPut per instance and batch of
+                   ``max_call_blocks``, all concurrently
     get(keys)      the longest retrievable prefix of a hash chain. Consecutive keys with
                    the same owner go in one PoolGet; a key its owner lacks is asked of its
                    next replica; the walk stops at the first key no replica serves
@@ -10,7 +10,7 @@
     remove(keys)   PoolRemove to every replica of every key
 
 Bytes (``transport``): ``"data_plane"`` (the default) moves block bytes over the KV data
-plane (``common/transfer``, ``common/pool_transfer.py``) and only control over ZeroMQ:
+plane (``common/transfer``, ``common/pool/transfer.py``) and only control over ZeroMQ:
 
     put   PoolPut(keys, transfer_id)  ->  PoolReady(the pool's kv_advert)
           blocks as chunks to the pool's receiver (the best backend the two share)
@@ -56,7 +56,9 @@ import zmq
 import zmq.asyncio
 
 from common.address import parse_address, with_host
-from common.pool_transfer import BlockInbox, send_blocks
+from common.pool import placement
+from common.pool.keys import Buffer, check_block, check_key
+from common.pool.transfer import BlockInbox, send_blocks
 from common.protocol import (
     GetStats,
     KVAdvert,
@@ -73,8 +75,6 @@ from common.protocol import (
 from common.transfer import MultiReceiver, MultiSender, TransferError
 from common.transfer.negotiate import check_advert, default_host_id
 from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
-from services.cache_pool import placement
-from services.cache_pool.block import Buffer, check_block, check_key
 
 log = structlog.get_logger(__name__)
 
