@@ -10,6 +10,8 @@ import pytest
 
 from common import protocol as p
 from common.pool.client import PoolClient
+from common.pool.data_plane import DataPlaneCarrier
+from common.pool.frames import FrameCarrier
 from common.transfer import MultiSender, TransferError
 from common.transfer.negotiate import available_backends
 from common.zmq_rpc import RemoteError, RpcClient
@@ -76,6 +78,21 @@ async def test_round_trip_moves_every_byte_on_the_data_plane(ctx, pools, backend
         assert_pool_idle(stats)
     finally:
         await client.close()
+
+
+async def test_the_transport_picks_one_carrier_when_the_client_is_made(ctx):
+    frames = PoolClient(ctx, {"a": f"tcp://127.0.0.1:{free_port()}"}, transport="zmq")
+    plane = PoolClient(ctx, {"a": f"tcp://127.0.0.1:{free_port()}"}, transfer_backend="tcp")
+    try:
+        assert type(frames.carrier) is FrameCarrier
+        assert (frames.receiver, frames.inbox) == (None, None)
+        assert type(plane.carrier) is DataPlaneCarrier and len(plane.inbox) == 0
+        assert plane.carrier.sender.forced == "tcp"
+    finally:
+        await frames.close()
+        await plane.close()
+    with pytest.raises(ValueError, match="transport"):
+        PoolClient(ctx, {"a": "tcp://127.0.0.1:1"}, transport="carrier pigeon")
 
 
 async def test_auto_negotiates_shm_on_one_host_and_zmq_transport_uses_frames(ctx, pools):
@@ -211,14 +228,14 @@ async def test_a_put_broken_mid_transfer_stores_nothing(ctx, pool, mode):
     chain = blocks(12)
     keys = [k for k, _, _ in chain]
     try:
-        client._sender = Flaky(client._sender, good=5, mode=mode)
+        client.carrier.sender = Flaky(client.carrier.sender, good=5, mode=mode)
         assert await client.put(chain) == 0
         assert client.counts["transfers_failed"] == 1
         assert await client.exists(keys) == 0  # all or nothing: no prefix was stored
         assert pool.transfers["in_failed"] == 1 and pool.store.stats().dram_blocks == 0
         await until(lambda: pool_stats(pool).pending_puts == 0)
         assert_pool_idle(pool_stats(pool))
-        client._sender = client._sender.inner
+        client.carrier.sender = client.carrier.sender.inner
         assert await client.put(chain) == 12
         assert await client.exists(keys) == 12
         assert_pool_idle(pool_stats(pool))
@@ -261,7 +278,7 @@ async def test_a_pool_listening_on_every_interface_is_reached_by_its_control_hos
         [(kind, address)] = pool.receiver.advert()["endpoints"].items()
         assert address.startswith("tcp://0.0.0.0:")
         assert await client.put(chain) == 3
-        assert client._put_addrs["a"][1] == address.replace("0.0.0.0", "127.0.0.1")
+        assert client.carrier._put_addrs["a"][1] == address.replace("0.0.0.0", "127.0.0.1")
         assert await client.get([k for k, _, _ in chain]) == [d for _, d, _ in chain]
     finally:
         await client.close()

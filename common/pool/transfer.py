@@ -1,5 +1,5 @@
-"""Cache-pool blocks on the data plane (``common/transfer``), for both ends: ``PoolClient``
-and the cache-pool process.
+"""Cache-pool blocks on the data plane (``common/transfer``), for both ends: the pool
+client's data-plane carrier (``common.pool.data_plane``) and the cache-pool process.
 
 Control stays on ZeroMQ (``pool_put`` / ``pool_commit`` / ``pool_get``, see
 docs/cache_pool.md); the block bytes of one call are one data-plane transfer, named by a
