@@ -201,7 +201,8 @@ async def test_a_get_broken_mid_transfer_is_a_miss(ctx, pool, mode):
     keys, data = [k for k, _, _ in chain], [d for _, d, _ in chain]
     try:
         assert await client.put(chain) == 12
-        real, pool.sender = pool.sender, Flaky(pool.sender, good=5, mode=mode)
+        real = pool.data_plane.sender
+        pool.data_plane.sender = Flaky(real, good=5, mode=mode)
         started = asyncio.get_running_loop().time()
         assert await client.get(keys) == []
         elapsed = asyncio.get_running_loop().time() - started
@@ -214,7 +215,7 @@ async def test_a_get_broken_mid_transfer_is_a_miss(ctx, pool, mode):
         assert pool.transfers["out_failed"] == 1  # "repeat": the client failed it
         assert_client_idle(client)
         assert_pool_idle(pool_stats(pool))
-        pool.sender = real
+        pool.data_plane.sender = real
         assert await client.get(keys) == data  # and the next one works
         assert_client_idle(client)
     finally:
@@ -253,10 +254,11 @@ async def test_a_client_that_vanishes_mid_put_costs_the_pool_one_lease(ctx, pool
         address = sender.address_for(ready.record.kv_advert.as_dict())
         for i, (_, data, _) in enumerate(chain[:2]):
             await sender.send(address, "gone", 0, [i], data)
-        assert pool_stats(pool).live_transfers == 1 and len(pool.inbox) == 1
-        await until(lambda: pool.receiver.live() == 0)  # the lease ended it; nothing stored
-        assert len(pool.inbox) == 0 and pool.store.stats().dram_blocks == 0
-        await until(lambda: not pool._puts, timeout_s=2.0)  # its outcome, kept one lease
+        assert pool_stats(pool).live_transfers == 1 and len(pool.data_plane.inbox) == 1
+        # The lease ended it; nothing stored.
+        await until(lambda: pool.data_plane.receiver.live() == 0)
+        assert len(pool.data_plane.inbox) == 0 and pool.store.stats().dram_blocks == 0
+        await until(lambda: not pool.data_plane.puts, timeout_s=2.0)  # its outcome, kept one lease
         assert_pool_idle(pool_stats(pool))
         with pytest.raises(RemoteError, match="not_found"):
             await rpc.call(p.PoolCommit(transfer_id="gone"))
@@ -275,7 +277,7 @@ async def test_a_pool_listening_on_every_interface_is_reached_by_its_control_hos
     client = PoolClient(ctx, {"a": settings.control_addr}, transfer_backend="tcp")
     chain = blocks(3)
     try:
-        [(kind, address)] = pool.receiver.advert()["endpoints"].items()
+        [(kind, address)] = pool.data_plane.receiver.advert()["endpoints"].items()
         assert address.startswith("tcp://0.0.0.0:")
         assert await client.put(chain) == 3
         assert client.carrier._put_addrs["a"][1] == address.replace("0.0.0.0", "127.0.0.1")
