@@ -66,7 +66,7 @@ async def test_round_trip_moves_every_byte_on_the_data_plane(ctx, pools, backend
         assert await client.get(keys) == data
         assert await client.get(keys[:5] + [7] + keys[6:]) == data[:5]
         assert await client.get([7]) == []  # found 0: nothing sent, nothing left expected
-        assert client.receiver.advert()["endpoints"].keys() == {backend}
+        assert client.receiver.advert().endpoints.keys() == {backend}
         n = 25 * BLOCK
         assert client.counts == {"transfers": 3, "transfer_out_bytes": 20 * BLOCK,
                                  "transfer_in_bytes": n, f"backend_{backend}": 1}
@@ -129,7 +129,7 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
                                          transfer_id="t-1", lease_s=5.0))
         assert isinstance(ready.record, p.PoolReady) and len(ready.bulk) == 0
         assert ready.record.kv_advert == pool.stats().kv_advert
-        address = sender.address_for(ready.record.kv_advert.as_dict())
+        address = sender.address_for(ready.record.kv_advert)
         await sender.send(address, "t-1", 0, [0], d0)
         await sender.finish(address, "t-1", 1)
         done = await rpc.call(p.PoolCommit(transfer_id="t-1"))
@@ -251,7 +251,7 @@ async def test_a_client_that_vanishes_mid_put_costs_the_pool_one_lease(ctx, pool
     try:
         ready = await rpc.call(p.PoolPut(keys=[k for k, _, _ in chain], depths=list(range(5)),
                                          block_bytes=BLOCK, transfer_id="gone", lease_s=0.3))
-        address = sender.address_for(ready.record.kv_advert.as_dict())
+        address = sender.address_for(ready.record.kv_advert)
         for i, (_, data, _) in enumerate(chain[:2]):
             await sender.send(address, "gone", 0, [i], data)
         assert pool_stats(pool).live_transfers == 1 and len(pool.data_plane.inbox) == 1
@@ -277,7 +277,7 @@ async def test_a_pool_listening_on_every_interface_is_reached_by_its_control_hos
     client = PoolClient(ctx, {"a": settings.control_addr}, transfer_backend="tcp")
     chain = blocks(3)
     try:
-        [(kind, address)] = pool.data_plane.receiver.advert()["endpoints"].items()
+        [(kind, address)] = pool.data_plane.receiver.advert().endpoints.items()
         assert address.startswith("tcp://0.0.0.0:")
         assert await client.put(chain) == 3
         assert client.carrier._put_addrs["a"][1] == address.replace("0.0.0.0", "127.0.0.1")

@@ -22,7 +22,6 @@ import collections
 import contextlib
 import socket
 import uuid
-from collections.abc import Mapping
 
 import structlog
 
@@ -58,7 +57,7 @@ class DataPlaneCarrier(Carrier):
         self._host_id = host_id or default_host_id()
         self._kv_host = kv_host
         self.sender = MultiSender(host_id=self._host_id, forced=forced)
-        self._put_addrs: dict[str, tuple[dict, str]] = {}  # instance -> (advert, address)
+        self._put_addrs: dict[str, tuple[KVAdvert, str]] = {}  # instance -> (advert, address)
         self.inbox = BlockInbox()
         self.receiver: MultiReceiver | None = None
         self._starting: asyncio.Task | None = None
@@ -79,7 +78,7 @@ class DataPlaneCarrier(Carrier):
             log.warning("pool_bad_reply", instance=inst, type=reply.envelope.type)
             return False  # the pool's lease ends whatever it expected
         try:
-            address = self._address_for(inst, reply.record.kv_advert.as_dict())
+            address = self._address_for(inst, reply.record.kv_advert)
             async with asyncio.timeout_at(deadline):
                 await send_blocks(self.sender, address, tid, blocks)
         except Exception as exc:  # unexpected ones too: a failed write, not the caller's
@@ -106,8 +105,7 @@ class DataPlaneCarrier(Carrier):
             return []
         try:
             reply = await self._instances.call(inst, PoolGet(
-                keys=keys, transfer_id=tid, kv_advert=KVAdvert.of(receiver.advert()),
-                lease_s=self.timeout_s))
+                keys=keys, transfer_id=tid, kv_advert=receiver.advert(), lease_s=self.timeout_s))
             if reply is None:
                 return []
             found = reply.record.found if isinstance(reply.record, PoolBlocks) else -1
@@ -175,7 +173,7 @@ class DataPlaneCarrier(Carrier):
         self.receiver = receiver
         return receiver
 
-    def _address_for(self, inst: str, advert: Mapping) -> str:
+    def _address_for(self, inst: str, advert: KVAdvert) -> str:
         """Where to send ``inst`` its put blocks: negotiated against its advert (with a
         wildcard host replaced by the host its control address names), once per advert."""
         known = self._put_addrs.get(inst)
@@ -225,7 +223,7 @@ def _route_host(control_addr: str) -> str:
         return "127.0.0.1"
 
 
-def _reachable(advert: Mapping, control_addr: str) -> dict:
+def _reachable(advert: KVAdvert, control_addr: str) -> KVAdvert:
     """``advert`` with each wildcard endpoint host (the pool listens on every interface)
     replaced by the host of the control address we reach the pool by."""
     try:
@@ -233,8 +231,8 @@ def _reachable(advert: Mapping, control_addr: str) -> dict:
     except ValueError:  # ipc: no host to put in their place
         control_host = ""
     endpoints = {}
-    for kind, address in advert["endpoints"].items():
+    for kind, address in advert.endpoints.items():
         with contextlib.suppress(ValueError):  # not host:port: left as it is
             address = with_host(address, control_host)
         endpoints[kind] = address
-    return {"host_id": advert["host_id"], "endpoints": endpoints}
+    return KVAdvert(host_id=advert.host_id, endpoints=endpoints)

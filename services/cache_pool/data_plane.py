@@ -66,7 +66,7 @@ class PoolDataPlane:
         self.transfers = transfers
 
     def advert(self) -> KVAdvert:
-        return KVAdvert.of(self.receiver.advert())
+        return self.receiver.advert()
 
     async def start(self) -> None:
         await self.receiver.start()
@@ -135,15 +135,14 @@ class PoolDataPlane:
     def address_for(self, advert: KVAdvert | None) -> str:
         """Where a client's gets go, negotiated once per advert; BadRequest if none is
         usable."""
-        plain = advert.as_dict() if advert is not None else {}
         try:
-            host_id, endpoints = check_advert(plain)
+            host_id, endpoints = check_advert(advert)
             key = (host_id, tuple(sorted(endpoints.items())))
             address = self._addresses.get(key)
             if address is None:
                 if len(self._addresses) >= _ADDRESSES_KEPT:
                     self._addresses.clear()
-                address = self._addresses[key] = self.sender.address_for(plain)
+                address = self._addresses[key] = self.sender.address_for(advert)
         except (TransferError, ValueError) as exc:
             raise BadRequest(f"no usable data plane to the client: {exc}") from exc
         return address

@@ -115,9 +115,10 @@ class CachePool:
                         asyncio.create_task(self._announce())]
         if self.settings.metrics_port:
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        advert = self.data_plane.advert()
         log.info("cache pool started", instance=self.settings.instance_id,
                  control=self.rpc.address, events=self.events.address,
-                 kv_advert=self.data_plane.advert(),
+                 kv_host_id=advert.host_id, kv_endpoints=advert.endpoints,
                  block_bytes=self.block_bytes, dram_bytes=self.settings.dram_bytes,
                  ssd_bytes=self.settings.ssd_bytes,
                  ssd_recovery=self.ssd.recovery._asdict() if self.ssd is not None else None)
