@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 import zmq.asyncio  # noqa: E402
 
-from common.pool_client import PoolClient, discover_pools  # noqa: E402
+from common.pool.client import PoolClient  # noqa: E402
+from common.pool.discovery import discover_pools  # noqa: E402
 
 
 def _addr() -> str:

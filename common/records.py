@@ -9,7 +9,6 @@ This module must never import torch or numpy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.codec import record
@@ -40,17 +39,10 @@ class WorkerInfo:
 class KVAdvert:
     """Where a data-plane receiver listens: its host id and one address per backend kind
     (``endpoints``: kind -> address; a map because the kinds are the data plane's to
-    extend). ``as_dict`` is the form ``common.transfer`` negotiates with."""
+    extend). ``common.transfer`` makes, checks and negotiates with this record."""
 
     host_id: str
     endpoints: dict
-
-    @classmethod
-    def of(cls, advert: Mapping) -> KVAdvert:
-        return cls(host_id=advert["host_id"], endpoints=dict(advert["endpoints"]))
-
-    def as_dict(self) -> dict:
-        return {"host_id": self.host_id, "endpoints": dict(self.endpoints)}
 
 
 @record

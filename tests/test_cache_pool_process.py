@@ -13,10 +13,10 @@ import zmq.asyncio
 from structlog.testing import capture_logs
 
 from common import protocol as p
-from common.pool_client import PoolClient
+from common.pool import placement
+from common.pool.client import PoolClient
 from common.zmq_io import Subscriber
 from common.zmq_rpc import RemoteError, RpcClient
-from services.cache_pool import placement
 from tests.cluster import free_port
 from tests.pool_procs import BLOCK, PoolProc, blocks
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from services.cache_pool import placement
+from common.pool import placement
 from services.cache_pool.disk_format import BLOCK_HEADER
 from services.cache_pool.eviction import LRUPolicy
 from services.cache_pool.store import BlockStore
@@ -266,7 +266,7 @@ INSTANCES = ["pool-a", "pool-b", "pool-c", "pool-d", "pool-e"]
 
 def test_rendezvous_same_owners_in_another_process():
     keys = [0, 1, 2**63, 2**64 - 1, 123456789]
-    code = ("from services.cache_pool.placement import owners; import json; "
+    code = ("from common.pool.placement import owners; import json; "
             f"print(json.dumps([owners(k, {INSTANCES!r}, 2) for k in {keys!r}]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,

@@ -12,7 +12,7 @@ import time
 import pytest
 import zmq.asyncio
 
-from common.pool_client import PoolClient
+from common.pool.client import PoolClient
 from tests.cluster import Cluster, stats
 from tests.pool_procs import PoolProc, blocks
 

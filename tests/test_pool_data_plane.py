@@ -9,7 +9,9 @@ import asyncio
 import pytest
 
 from common import protocol as p
-from common.pool_client import PoolClient
+from common.pool.client import PoolClient
+from common.pool.data_plane import DataPlaneCarrier
+from common.pool.frames import FrameCarrier
 from common.transfer import MultiSender, TransferError
 from common.transfer.negotiate import available_backends
 from common.zmq_rpc import RemoteError, RpcClient
@@ -64,7 +66,7 @@ async def test_round_trip_moves_every_byte_on_the_data_plane(ctx, pools, backend
         assert await client.get(keys) == data
         assert await client.get(keys[:5] + [7] + keys[6:]) == data[:5]
         assert await client.get([7]) == []  # found 0: nothing sent, nothing left expected
-        assert client.receiver.advert()["endpoints"].keys() == {backend}
+        assert client.receiver.advert().endpoints.keys() == {backend}
         n = 25 * BLOCK
         assert client.counts == {"transfers": 3, "transfer_out_bytes": 20 * BLOCK,
                                  "transfer_in_bytes": n, f"backend_{backend}": 1}
@@ -76,6 +78,21 @@ async def test_round_trip_moves_every_byte_on_the_data_plane(ctx, pools, backend
         assert_pool_idle(stats)
     finally:
         await client.close()
+
+
+async def test_the_transport_picks_one_carrier_when_the_client_is_made(ctx):
+    frames = PoolClient(ctx, {"a": f"tcp://127.0.0.1:{free_port()}"}, transport="zmq")
+    plane = PoolClient(ctx, {"a": f"tcp://127.0.0.1:{free_port()}"}, transfer_backend="tcp")
+    try:
+        assert type(frames.carrier) is FrameCarrier
+        assert (frames.receiver, frames.inbox) == (None, None)
+        assert type(plane.carrier) is DataPlaneCarrier and len(plane.inbox) == 0
+        assert plane.carrier.sender.forced == "tcp"
+    finally:
+        await frames.close()
+        await plane.close()
+    with pytest.raises(ValueError, match="transport"):
+        PoolClient(ctx, {"a": "tcp://127.0.0.1:1"}, transport="carrier pigeon")
 
 
 async def test_auto_negotiates_shm_on_one_host_and_zmq_transport_uses_frames(ctx, pools):
@@ -112,7 +129,7 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
                                          transfer_id="t-1", lease_s=5.0))
         assert isinstance(ready.record, p.PoolReady) and len(ready.bulk) == 0
         assert ready.record.kv_advert == pool.stats().kv_advert
-        address = sender.address_for(ready.record.kv_advert.as_dict())
+        address = sender.address_for(ready.record.kv_advert)
         await sender.send(address, "t-1", 0, [0], d0)
         await sender.finish(address, "t-1", 1)
         done = await rpc.call(p.PoolCommit(transfer_id="t-1"))
@@ -184,7 +201,8 @@ async def test_a_get_broken_mid_transfer_is_a_miss(ctx, pool, mode):
     keys, data = [k for k, _, _ in chain], [d for _, d, _ in chain]
     try:
         assert await client.put(chain) == 12
-        real, pool.sender = pool.sender, Flaky(pool.sender, good=5, mode=mode)
+        real = pool.data_plane.sender
+        pool.data_plane.sender = Flaky(real, good=5, mode=mode)
         started = asyncio.get_running_loop().time()
         assert await client.get(keys) == []
         elapsed = asyncio.get_running_loop().time() - started
@@ -197,7 +215,7 @@ async def test_a_get_broken_mid_transfer_is_a_miss(ctx, pool, mode):
         assert pool.transfers["out_failed"] == 1  # "repeat": the client failed it
         assert_client_idle(client)
         assert_pool_idle(pool_stats(pool))
-        pool.sender = real
+        pool.data_plane.sender = real
         assert await client.get(keys) == data  # and the next one works
         assert_client_idle(client)
     finally:
@@ -211,14 +229,14 @@ async def test_a_put_broken_mid_transfer_stores_nothing(ctx, pool, mode):
     chain = blocks(12)
     keys = [k for k, _, _ in chain]
     try:
-        client._sender = Flaky(client._sender, good=5, mode=mode)
+        client.carrier.sender = Flaky(client.carrier.sender, good=5, mode=mode)
         assert await client.put(chain) == 0
         assert client.counts["transfers_failed"] == 1
         assert await client.exists(keys) == 0  # all or nothing: no prefix was stored
         assert pool.transfers["in_failed"] == 1 and pool.store.stats().dram_blocks == 0
         await until(lambda: pool_stats(pool).pending_puts == 0)
         assert_pool_idle(pool_stats(pool))
-        client._sender = client._sender.inner
+        client.carrier.sender = client.carrier.sender.inner
         assert await client.put(chain) == 12
         assert await client.exists(keys) == 12
         assert_pool_idle(pool_stats(pool))
@@ -233,13 +251,14 @@ async def test_a_client_that_vanishes_mid_put_costs_the_pool_one_lease(ctx, pool
     try:
         ready = await rpc.call(p.PoolPut(keys=[k for k, _, _ in chain], depths=list(range(5)),
                                          block_bytes=BLOCK, transfer_id="gone", lease_s=0.3))
-        address = sender.address_for(ready.record.kv_advert.as_dict())
+        address = sender.address_for(ready.record.kv_advert)
         for i, (_, data, _) in enumerate(chain[:2]):
             await sender.send(address, "gone", 0, [i], data)
-        assert pool_stats(pool).live_transfers == 1 and len(pool.inbox) == 1
-        await until(lambda: pool.receiver.live() == 0)  # the lease ended it; nothing stored
-        assert len(pool.inbox) == 0 and pool.store.stats().dram_blocks == 0
-        await until(lambda: not pool._puts, timeout_s=2.0)  # its outcome, kept one lease
+        assert pool_stats(pool).live_transfers == 1 and len(pool.data_plane.inbox) == 1
+        # The lease ended it; nothing stored.
+        await until(lambda: pool.data_plane.receiver.live() == 0)
+        assert len(pool.data_plane.inbox) == 0 and pool.store.stats().dram_blocks == 0
+        await until(lambda: not pool.data_plane.puts, timeout_s=2.0)  # its outcome, kept one lease
         assert_pool_idle(pool_stats(pool))
         with pytest.raises(RemoteError, match="not_found"):
             await rpc.call(p.PoolCommit(transfer_id="gone"))
@@ -258,10 +277,10 @@ async def test_a_pool_listening_on_every_interface_is_reached_by_its_control_hos
     client = PoolClient(ctx, {"a": settings.control_addr}, transfer_backend="tcp")
     chain = blocks(3)
     try:
-        [(kind, address)] = pool.receiver.advert()["endpoints"].items()
+        [(kind, address)] = pool.data_plane.receiver.advert().endpoints.items()
         assert address.startswith("tcp://0.0.0.0:")
         assert await client.put(chain) == 3
-        assert client._put_addrs["a"][1] == address.replace("0.0.0.0", "127.0.0.1")
+        assert client.carrier._put_addrs["a"][1] == address.replace("0.0.0.0", "127.0.0.1")
         assert await client.get([k for k, _, _ in chain]) == [d for _, d, _ in chain]
     finally:
         await client.close()

@@ -37,7 +37,7 @@ def _ucx_importable() -> bool:
 CLIENT = """
 import asyncio, json, random, sys
 import zmq.asyncio
-from common.pool_client import PoolClient
+from common.pool.client import PoolClient
 
 control, backend, host_id, n, size = sys.argv[1:6]
 n, size = int(n), int(size)
@@ -53,7 +53,7 @@ async def main():
         got = await client.get([k for k, _, _ in chain])
         return {"stored": stored, "exact": got == [d for _, d, _ in chain],
                 "got": len(got), "counts": dict(client.counts),
-                "advert": client.receiver.advert(), "live": client.receiver.live(),
+                "endpoints": client.receiver.advert().endpoints, "live": client.receiver.live(),
                 "inbox": len(client.inbox)}
     finally:
         await client.close()
@@ -112,7 +112,7 @@ def test_put_and_get_cross_the_wire_on_the_negotiated_backend(wire, pool, backen
                                 "transfer_in_bytes": nbytes, f"backend_{expected}": 1}
     assert (result["live"], result["inbox"]) == (0, 0)
     # The client listened on its side of the wire, where the pool could reach it.
-    assert all(f"://{wire.b.ip}:" in a for k, a in result["advert"]["endpoints"].items()
+    assert all(f"://{wire.b.ip}:" in a for k, a in result["endpoints"].items()
                if k != "shm")
     after = wire.b.call(stats, pool)
     gained = {k: v - before.get(k, 0) for k, v in after.transfers.items()

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from common.pool_client import PoolClient
+from common.pool.client import PoolClient
 from common.protocol import KVEvent, WorkerInfo
 from services.cache_pool.server import CachePool
 from services.cache_pool.settings import PoolSettings

@@ -19,6 +19,7 @@ import structlog
 import xxhash
 
 from common.address import dial_target
+from common.records import KVAdvert
 from common.transfer import (
     BackendUnavailable,
     MultiReceiver,
@@ -453,9 +454,12 @@ def test_adverts_are_checked():
     with pytest.raises(ValueError, match="not a ucx address"):
         make_advert("h", {"ucx": "tcp://h:1"})
     with pytest.raises(ValueError, match="host_id"):
-        choose("h", ALL, {"host_id": "", "endpoints": {"tcp": "tcp://h:1"}})
+        choose("h", ALL, KVAdvert(host_id="", endpoints={"tcp": "tcp://h:1"}))
     with pytest.raises(ValueError, match="unknown transfer backend"):
         choose("h", ALL, PEER, forced="rdma")
+    with pytest.raises(ValueError, match="KVAdvert"):  # the record, not a map of it
+        choose("h", ALL, {"host_id": "h", "endpoints": {"tcp": "tcp://h:1"}})
+    assert type(PEER) is KVAdvert and PEER.host_id == "host-a"  # make_advert makes the record
 
 
 async def test_multi_receiver_serves_every_backend_into_one_table():
@@ -465,7 +469,7 @@ async def test_multi_receiver_serves_every_backend_into_one_table():
     near, far = MultiSender(host_id="here"), MultiSender(host_id="away", backends=("ucx", "tcp"))
     try:
         advert = rx.advert()
-        assert set(advert["endpoints"]) == {"shm", "tcp"} | (set() if UCX_MISSING else {"ucx"})
+        assert set(advert.endpoints) == {"shm", "tcp"} | (set() if UCX_MISSING else {"ucx"})
         here, there = near.address_for(advert), far.address_for(advert)
         assert here.startswith("shm://") and there.startswith("tcp://" if UCX_MISSING else "ucx://")
         transfer = rx.expect("mixed", lease_s=10)  # one transfer, chunks over two backends

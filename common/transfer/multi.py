@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 
 import structlog
 
+from common.records import KVAdvert
 from common.transfer.backends import backend_receiver, backend_sender
 from common.transfer.base import ChunkSink, KVReceiver, KVSender, Transfer, TransferError
 from common.transfer.negotiate import (
@@ -92,8 +93,8 @@ class MultiReceiver(KVReceiver):
     def retried(self) -> int:
         return self._table.retried
 
-    def advert(self) -> dict:
-        """``{"host_id": ..., "endpoints": {kind: address}}``; RuntimeError before start."""
+    def advert(self) -> KVAdvert:
+        """Its ``KVAdvert`` (host id, one endpoint per kind); RuntimeError before start."""
         if not self._started:
             raise RuntimeError("receiver has no advert before start()")
         return make_advert(self.host_id, {k: r.address for k, r in self._receivers.items()})
@@ -161,7 +162,7 @@ class MultiSender(KVSender):
     def resent(self) -> int:
         return sum(sender.resent for sender in self._senders.values())
 
-    def address_for(self, peer_advert: Mapping) -> str:
+    def address_for(self, peer_advert: KVAdvert) -> str:
         """Where to send to the advertising peer (see ``negotiate.choose``)."""
         return choose(self.host_id, self.backends, peer_advert, self.forced).address
 

@@ -1,11 +1,11 @@
 """Which backend a sender uses to reach a receiver.
 
-Each receiving peer advertises where it listens, as a plain map that travels over the
-control plane::
+Each receiving peer advertises where it listens as a ``KVAdvert`` record
+(``common.records``), which travels over the control plane as it is::
 
-    {"host_id": "gpu-node-7", "endpoints": {"shm": "shm://127.0.0.1:41001",
-                                            "ucx": "ucx://10.0.0.7:41002",
-                                            "tcp": "tcp://10.0.0.7:41003"}}
+    KVAdvert(host_id="gpu-node-7", endpoints={"shm": "shm://127.0.0.1:41001",
+                                              "ucx": "ucx://10.0.0.7:41002",
+                                              "tcp": "tcp://10.0.0.7:41003"})
 
 ``choose`` picks, in this order, the first backend that both sides have: ``shm`` (only
 when both peers report the same host id), ``ucx``, ``tcp``. A forced backend is used or
@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import structlog
 
+from common.records import KVAdvert
 from common.transfer.base import TransferError
 from common.transfer.shm_segment import SHM_DIR
 
@@ -80,20 +81,19 @@ def available_backends(shm_dir: str = SHM_DIR) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def make_advert(host_id: str, endpoints: Mapping[str, str]) -> dict:
+def make_advert(host_id: str, endpoints: Mapping[str, str]) -> KVAdvert:
     """The advert of a peer; ValueError if an endpoint's kind and address disagree."""
-    advert = {"host_id": host_id, "endpoints": dict(endpoints)}
+    advert = KVAdvert(host_id=host_id, endpoints=dict(endpoints))
     check_advert(advert)
     return advert
 
 
 def check_advert(advert: object) -> tuple[str, dict[str, str]]:
-    """``(host_id, endpoints)`` of a received advert; ValueError if malformed."""
-    if not isinstance(advert, Mapping) or set(advert) != {"host_id", "endpoints"}:
-        raise ValueError(
-            f"an advert is {{'host_id': str, 'endpoints': {{kind: address}}}}, got {advert!r}"
-        )
-    host_id, endpoints = advert["host_id"], advert["endpoints"]
+    """``(host_id, endpoints)`` of a received advert; ValueError if it is not a
+    ``KVAdvert`` or is malformed (the codec checks field types, not what they say)."""
+    if not isinstance(advert, KVAdvert):
+        raise ValueError(f"an advert is a KVAdvert record, got {type(advert).__name__}")
+    host_id, endpoints = advert.host_id, advert.endpoints
     if not isinstance(host_id, str) or not host_id:
         raise ValueError(f"advert host_id must be a non-empty string, got {host_id!r}")
     if not isinstance(endpoints, Mapping) or not endpoints:
@@ -107,7 +107,7 @@ def check_advert(advert: object) -> tuple[str, dict[str, str]]:
 def choose(
     local_host_id: str,
     local_backends: Iterable[str],
-    peer_advert: Mapping,
+    peer_advert: KVAdvert,
     forced: str | None = None,
 ) -> Choice:
     """The backend and address to send to the advertising peer with.

@@ -34,7 +34,6 @@ INDEX_MAGIC = b"PDKVIDX1"
 RECORD = struct.Struct("<B3xIQQQ")
 _RECORD_BODY = RECORD.size - 8
 OP_PUT, OP_TOUCH, OP_DELETE = 1, 2, 3
-MAX_DEPTH = 2**32 - 1
 
 
 class CorruptBlock(ValueError):

@@ -4,7 +4,7 @@ Lifecycle of an instance::
 
     start   open the SSD tier (index replay) -> block size: the setting, else the size of
             the blocks on SSD, else the first stored put's -> start the data-plane
-            receiver (kv_advert in PoolStats and PoolReady) -> bind the control ROUTER
+            receiver (its advert in PoolStats and PoolReady) -> bind the control ROUTER
             (control_addr) and the events PUB (events_addr) -> after ANNOUNCE_DELAY_S,
             publish "cleared" then "stored" of everything held
     serve   PoolPut / PoolCommit / PoolGet / PoolExists / PoolRemove / Resync / GetStats.
@@ -15,19 +15,9 @@ Lifecycle of an instance::
     SIGTERM stop serving -> copy DRAM blocks to SSD (``flush_on_close``) -> sync the
             index -> exit. A restart on the same ``ssd_dir`` then serves them all.
 
-Block bytes on the data plane (a request with a ``transfer_id``; docs/cache_pool.md)::
-
-    put   PoolPut    validate, expect the transfer on the receiver for lease_s (its
-                     blocks collect in ``inbox``), reply PoolReady(kv_advert)
-          (chunks)   a task waits for the transfer: DONE -> store all its blocks at once;
-                     anything else -> store nothing
-          PoolCommit that task's outcome: Ack(new blocks) or Error("transfer_failed");
-                     with ``abort`` the transfer is cancelled first
-    get   PoolGet    read the blocks as for frames, reply PoolBlocks(found), and a task
-                     sends them to the client's advert (negotiated backend) within lease_s
-
-Every transfer ends by its lease at the latest, and each end frees what it held then:
-a vanished client costs the pool one lease of memory, never more.
+Block bytes of a request with a ``transfer_id`` move on the data plane
+(``services/cache_pool/data_plane.py``); without one, as bulk frames of the request and
+its reply.
 
 Bad input is answered with ``Error("bad_request")`` (contents) or the codec's error
 (frames), and the process keeps serving. A frame over ``max(max_request_bytes, 64 MiB)``
@@ -41,6 +31,7 @@ import asyncio
 import collections
 import inspect
 import uuid
+from collections.abc import Sequence
 
 import structlog
 import zmq
@@ -49,14 +40,12 @@ from prometheus_client import start_http_server
 
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
-from common.pool_transfer import BlockInbox, send_blocks
 from common.protocol import (
     MAX_FRAME_BYTES,
     Ack,
     Error,
     GetStats,
     HeldBlocks,
-    KVAdvert,
     Message,
     PoolBlocks,
     PoolCommit,
@@ -64,17 +53,16 @@ from common.protocol import (
     PoolFound,
     PoolGet,
     PoolPut,
-    PoolReady,
     PoolRemove,
     PoolStats,
     Resync,
 )
 from common.service_main import run_service, until_stopped
-from common.transfer import MultiReceiver, MultiSender, TransferError
-from common.transfer.negotiate import check_advert
+from common.transfer import TransferError
 from common.zmq_io import Publisher
 from common.zmq_rpc import RpcServer
 from services.cache_pool import validate
+from services.cache_pool.data_plane import PoolDataPlane
 from services.cache_pool.events import EventOutbox
 from services.cache_pool.metrics import PoolMetrics
 from services.cache_pool.settings import POLICIES, PoolSettings
@@ -85,7 +73,6 @@ from services.cache_pool.validate import BadRequest
 log = structlog.get_logger(__name__)
 
 ANNOUNCE_DELAY_S = 0.5  # lets subscribers that reconnect after a restart see the announce
-_ADDRESSES_KEPT = 1024  # negotiated client addresses remembered
 
 
 class CachePool:
@@ -108,19 +95,11 @@ class CachePool:
         self.metrics = PoolMetrics(self._read_stats)
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.source)
         self.events: Publisher | None = None
-        # The data plane: blocks of puts in, blocks of gets out.
-        forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
-        self.inbox = BlockInbox()
-        self.receiver = MultiReceiver(None if forced is None else (forced,),
-                                      host=settings.resolved_kv_host, port=settings.kv_port,
-                                      sink=self.inbox.sink,
-                                      host_id=settings.resolved_host_id)
-        self.sender = MultiSender(host_id=settings.resolved_host_id, forced=forced)
-        self._puts: dict[str, asyncio.Task] = {}  # transfer id -> its receive-and-store
-        self._sends: set[asyncio.Task] = set()
-        self._addresses: dict[tuple, str] = {}  # client advert -> where its gets go
         # in_/out_bytes, in_/out_ok, in_/out_failed, out_<backend>, frame_in/out_bytes
         self.transfers: collections.Counter[str] = collections.Counter()
+        self.data_plane = PoolDataPlane(settings, store=self._store_put,
+                                        count_bytes=self._count_bytes,
+                                        transfers=self.transfers)
         self._tasks: list[asyncio.Task] = []
         self._handlers = {PoolPut: self._put, PoolCommit: self._commit, PoolGet: self._get,
                           PoolExists: self._exists, PoolRemove: self._remove,
@@ -129,16 +108,17 @@ class CachePool:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.receiver.start()
+        await self.data_plane.start()
         self.events = Publisher(self.ctx, self.settings.events_addr, bind=True)
         await self.rpc.start()
         self._tasks += [asyncio.create_task(self.outbox.run(self.events)),
                         asyncio.create_task(self._announce())]
         if self.settings.metrics_port:
             start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+        advert = self.data_plane.advert()
         log.info("cache pool started", instance=self.settings.instance_id,
                  control=self.rpc.address, events=self.events.address,
-                 kv_advert=self.receiver.advert(),
+                 kv_host_id=advert.host_id, kv_endpoints=advert.endpoints,
                  block_bytes=self.block_bytes, dram_bytes=self.settings.dram_bytes,
                  ssd_bytes=self.settings.ssd_bytes,
                  ssd_recovery=self.ssd.recovery._asdict() if self.ssd is not None else None)
@@ -146,12 +126,10 @@ class CachePool:
     async def close(self) -> None:
         """Stop serving; flush DRAM to SSD if configured; sync and close the SSD tier."""
         await self.rpc.close()
-        tasks = [*self._tasks, *self._sends, *self._puts.values()]
-        for task in tasks:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self.receiver.close()
-        await self.sender.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.data_plane.close()
         if self.events is not None:
             await self.events.close()
         if self.ssd is not None:
@@ -244,65 +222,26 @@ class CachePool:
         if self.store is None and rec.block_bytes > self.settings.dram_bytes:
             raise BadRequest(f"block_bytes {rec.block_bytes} exceeds the DRAM tier's "
                              f"{self.settings.dram_bytes} bytes")
-        if rec.transfer_id in self._puts:
-            raise BadRequest(f"transfer_id {rec.transfer_id!r} is in use")
-        try:
-            transfer = self.inbox.open(self.receiver, rec.transfer_id, len(rec.keys),
-                                       rec.block_bytes, rec.lease_s)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        self._puts[rec.transfer_id] = asyncio.create_task(self._receive_put(rec, transfer))
-        return PoolReady(kv_advert=KVAdvert.of(self.receiver.advert()))
+        return self.data_plane.expect_put(rec)
 
-    async def _receive_put(self, rec: PoolPut, transfer) -> Ack | Error:
-        """Wait for the put's transfer; store its blocks if it ended DONE. The outcome
-        waits in ``_puts`` for the client's PoolCommit, one lease at most."""
-        tid = rec.transfer_id
+    def _store_put(self, rec: PoolPut, blocks: Sequence[bytes]) -> Ack | Error:
+        """Store the blocks a put's transfer delivered; the reply its PoolCommit gets."""
         try:
-            try:
-                await transfer.wait()
-                blocks = self.inbox.take(tid, len(rec.keys))
-                if blocks is None:
-                    raise TransferError("the blocks sent are not the blocks announced", tid)
-            except TransferError as exc:
-                self.transfers["in_failed"] += 1
-                log.warning("pool_put_transfer_failed", transfer_id=tid, error=exc.reason)
-                return Error("transfer_failed", exc.reason)
-            try:
-                new = self._store_items(rec.block_bytes,
-                                        list(zip(rec.keys, blocks, rec.depths, strict=True)))
-            except BadRequest as exc:
-                self.transfers["in_failed"] += 1
-                return Error("bad_request", str(exc))
-            except Exception as exc:  # as the RpcServer answers a handler that raised
-                log.exception("pool_put_store_failed", transfer_id=tid)
-                self.transfers["in_failed"] += 1
-                return Error("internal", str(exc) or type(exc).__name__)
-            finally:
-                self.outbox.flush()
-            self.transfers["in_ok"] += 1
-            self._count_bytes("in", rec.block_bytes * len(blocks))
-            return Ack(detail=str(new))
+            new = self._store_items(rec.block_bytes,
+                                    list(zip(rec.keys, blocks, rec.depths, strict=True)))
+        except BadRequest as exc:
+            return Error("bad_request", str(exc))
+        except Exception as exc:  # as the RpcServer answers a handler that raised
+            log.exception("pool_put_store_failed", transfer_id=rec.transfer_id)
+            return Error("internal", str(exc) or type(exc).__name__)
         finally:
-            self.receiver.cancel(tid)
-            self.inbox.discard(tid)
-            asyncio.get_running_loop().call_later(rec.lease_s, self._forget_put, tid)
-
-    def _forget_put(self, tid: str) -> None:
-        task = self._puts.get(tid)
-        if task is not None and task.done():
-            del self._puts[tid]
+            self.outbox.flush()
+        self._count_bytes("in", rec.block_bytes * len(blocks))
+        return Ack(detail=str(new))
 
     async def _commit(self, rec: PoolCommit, bulk):
         validate.check_no_bulk("pool_commit", bulk)
-        task = self._puts.pop(rec.transfer_id, None)
-        if task is None:
-            return Error("not_found", f"no put transfer {rec.transfer_id!r} (unknown, "
-                                      "committed, or forgotten one lease after it ended)")
-        if rec.abort and not task.done():
-            log.info("pool_put_aborted", transfer_id=rec.transfer_id, reason=rec.abort)
-            self.receiver.cancel(rec.transfer_id)
-        return await asyncio.shield(task)
+        return await self.data_plane.commit(rec)
 
     def _get(self, rec: PoolGet, bulk):
         validate.check_get(rec.keys, bulk, pool_block_bytes=self.block_bytes,
@@ -310,10 +249,7 @@ class CachePool:
         address = None
         if rec.transfer_id:
             validate.check_transfer(rec.transfer_id, rec.lease_s)
-            try:
-                address = self._address_for(rec.kv_advert.as_dict() if rec.kv_advert else {})
-            except (TransferError, ValueError) as exc:
-                raise BadRequest(f"no usable data plane to the client: {exc}") from exc
+            address = self.data_plane.address_for(rec.kv_advert)
         if self.store is None:
             return PoolBlocks(found=0)
         blocks: list[bytes] = []
@@ -329,39 +265,8 @@ class CachePool:
             self._count_bytes("frame_out", sum(map(len, blocks)))
             return PoolBlocks(found=len(blocks)), blocks
         if blocks:
-            task = asyncio.create_task(
-                self._send_get(address, rec.transfer_id, blocks, rec.lease_s))
-            self._sends.add(task)
-            task.add_done_callback(self._sends.discard)
+            self.data_plane.send_get(address, rec.transfer_id, blocks, rec.lease_s)
         return PoolBlocks(found=len(blocks))
-
-    async def _send_get(self, address: str, tid: str, blocks: list[bytes],
-                        lease_s: float) -> None:
-        try:
-            async with asyncio.timeout(lease_s):
-                await send_blocks(self.sender, address, tid, blocks)
-        except Exception as exc:  # the client's lease ends its side in any case
-            self.transfers["out_failed"] += 1
-            expected = isinstance(exc, TransferError | ValueError | TimeoutError)
-            (log.warning if expected else log.exception)(
-                "pool_get_transfer_failed", transfer_id=tid, address=address,
-                error=exc.reason if isinstance(exc, TransferError) else
-                str(exc) or type(exc).__name__)
-            return
-        self.transfers["out_ok"] += 1
-        self.transfers[f"out_{address.partition('://')[0]}"] += 1
-        self._count_bytes("out", sum(map(len, blocks)))
-
-    def _address_for(self, advert: dict) -> str:
-        """Where a client's gets go: negotiated once per advert."""
-        host_id, endpoints = check_advert(advert)
-        key = (host_id, tuple(sorted(endpoints.items())))
-        address = self._addresses.get(key)
-        if address is None:
-            if len(self._addresses) >= _ADDRESSES_KEPT:
-                self._addresses.clear()
-            address = self._addresses[key] = self.sender.address_for(advert)
-        return address
 
     def _count_bytes(self, direction: str, nbytes: int) -> None:
         self.transfers[f"{direction}_bytes"] += nbytes
@@ -397,9 +302,10 @@ class CachePool:
                          block_bytes=self.block_bytes, policy=self.settings.policy,
                          dram_capacity_bytes=capacity["dram"],
                          ssd_capacity_bytes=capacity["ssd"],
-                         kv_advert=KVAdvert.of(self.receiver.advert()),
-                         live_transfers=self.receiver.live(),
-                         pending_puts=len(self._puts), sending_gets=len(self._sends),
+                         kv_advert=self.data_plane.advert(),
+                         live_transfers=self.data_plane.receiver.live(),
+                         pending_puts=len(self.data_plane.puts),
+                         sending_gets=len(self.data_plane.sends),
                          transfers=dict(self.transfers))
 
     def _read_stats(self) -> tuple[StoreStats | None, dict[str, int]]:

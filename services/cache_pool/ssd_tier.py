@@ -9,8 +9,9 @@ from typing import NamedTuple
 
 import structlog
 
+from common.pool.keys import Buffer, check_block
 from services.cache_pool import disk_format as fmt
-from services.cache_pool.block import Buffer, check_block, check_empty_policy
+from services.cache_pool.block import check_empty_policy
 from services.cache_pool.eviction import EvictionPolicy
 
 log = structlog.get_logger(__name__)

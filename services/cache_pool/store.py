@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import structlog
 
-from services.cache_pool.block import Buffer, Evicted, check_block, check_key
+from common.pool.keys import Buffer, check_block, check_key
+from services.cache_pool.block import Evicted
 from services.cache_pool.tiers import DramTier, SsdTier
 
 log = structlog.get_logger(__name__)

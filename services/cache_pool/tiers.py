@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import mmap
 
-from services.cache_pool.block import Buffer, Evicted, check_block, check_empty_policy
+from common.pool.keys import Buffer, check_block
+from services.cache_pool.block import Evicted, check_empty_policy
 from services.cache_pool.eviction import EvictionPolicy
 from services.cache_pool.ssd_tier import Recovery, SsdTier
 

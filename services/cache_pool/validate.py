@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from services.cache_pool.disk_format import MAX_DEPTH
+from common.pool.keys import MAX_DEPTH
 
 KEY_LIMIT = 2**64  # keys are uint64 block hashes
 MAX_TRANSFER_ID = 128  # characters

@@ -47,7 +47,7 @@ import zmq
 import zmq.asyncio
 
 from common.address import parse_address, with_host
-from common.pool_client import discover_pools
+from common.pool.discovery import discover_pools
 from common.protocol import HeldBlocks, KVEvent, PoolInstanceStatus, Resync
 from common.zmq_io import Subscriber
 from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from common.config import load_settings
 from common.cost_profile import load_profile
 from common.logging import configure_logging
-from common.pool_client import parse_pool_addrs
+from common.pool.discovery import parse_pool_addrs
 from common.protocol import (
     ConductorStats,
     CostCoefficients,

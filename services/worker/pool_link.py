@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from common.block_hash import hash_blocks
-from common.pool_client import PoolClient, discover_pools, parse_pool_addrs
+from common.pool.client import PoolClient
+from common.pool.discovery import discover_pools, parse_pool_addrs
 from common.protocol import WorkerPoolCounts
 
 if TYPE_CHECKING:

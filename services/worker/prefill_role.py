@@ -96,7 +96,7 @@ class PrefillRole:
         except ValueError as exc:
             return Error("bad_request", str(exc))
         try:
-            addr = (w.sender.address_for(rec.kv_advert.as_dict()) if rec.kv_advert
+            addr = (w.sender.address_for(rec.kv_advert) if rec.kv_advert
                     else rec.kv_addr)
         except (TransferError, ValueError) as exc:
             return Error("bad_request", f"no usable data plane to the decode worker: {exc}")

@@ -185,9 +185,9 @@ class Worker:
         if self.receiver is None:
             return None
         advert = self.receiver.advert()
-        return KVAdvert(host_id=advert["host_id"],
+        return KVAdvert(host_id=advert.host_id,
                         endpoints={k: advertise(a, self.settings.advertise_host)
-                                   for k, a in advert["endpoints"].items()})
+                                   for k, a in advert.endpoints.items()})
 
     def client(self, addr: str) -> RpcClient:
         client = self._clients.get(addr)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from services.cache_pool.block import check_key
+from common.pool.keys import check_key
 
 
 def weight(key: int, instance: str) -> int:

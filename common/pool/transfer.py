@@ -1,5 +1,5 @@
-"""Cache-pool blocks on the data plane (``common/transfer``), for both ends: ``PoolClient``
-and the cache-pool process.
+"""Cache-pool blocks on the data plane (``common/transfer``), for both ends: the pool
+client's data-plane carrier (``common.pool.data_plane``) and the cache-pool process.
 
 Control stays on ZeroMQ (``pool_put`` / ``pool_commit`` / ``pool_get``, see
 docs/cache_pool.md); the block bytes of one call are one data-plane transfer, named by a
@@ -21,9 +21,8 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
+from common.pool.keys import Buffer
 from common.transfer import KVReceiver, KVSender, Transfer, TransferError
-
-Buffer = bytes | bytearray | memoryview
 
 WINDOW = 8
 """Chunks one ``send_blocks`` keeps unacknowledged: enough to keep a connection busy
