@@ -127,7 +127,8 @@ class PoolClient:
         self.counts: collections.Counter[str] = collections.Counter()
         self._ids = sorted(instances)
         self._controls = dict(instances)
-        self._clients = {i: RpcClient(ctx, addr, name=f"{name}->{i}")
+        self._clients = {i: RpcClient(ctx, addr, name=f"{name}->{i}",
+                                      server="cache-pool")
                          for i, addr in instances.items()}
         self._down_until: dict[str, float] = {}  # present while the instance is down
         self._closed = False
@@ -467,7 +468,7 @@ async def discover_pools(ctx: zmq.asyncio.Context, control_addrs: Sequence[str],
     something else, are left out; a caller that needs them all retries."""
 
     async def ask(addr: str) -> PoolStats | None:
-        client = RpcClient(ctx, addr, name="pool-discovery")
+        client = RpcClient(ctx, addr, name="pool-discovery", server="cache-pool")
         try:
             reply = await client.call(GetStats(), timeout=timeout_s)
             if not isinstance(reply.record, PoolStats):
