@@ -50,15 +50,15 @@ PROMPT = list(range(1000, 1064))
 
 async def latency(cluster, n: int) -> dict:
     import aiohttp
-    import zmq.asyncio
 
     from common.client import AsyncClient
+    from common.zmq_auth import make_context
     from common.zmq_io import PullSocket
     from common.zmq_rpc import RpcClient
 
-    ctx = zmq.asyncio.Context()
-    conductor = RpcClient(ctx, cluster.conductor_addr, name="bench")
-    worker = RpcClient(ctx, cluster.procs["decode-0"].control, name="bench")
+    ctx = make_context(cluster.keys_dir, "gateway")  # it stands in for the gateway
+    conductor = RpcClient(ctx, cluster.conductor_addr, name="bench", server="conductor")
+    worker = RpcClient(ctx, cluster.procs["decode-0"].control, name="bench", server="worker")
     pull = PullSocket(ctx, "tcp://127.0.0.1:0", bind=True)
     sampling = {"max_tokens": 1, "temperature": 0.0}
     times: dict[str, list[float]] = {k: [] for k in ("worker", "route", "gateway_zmq",

@@ -9,6 +9,11 @@ Patterns (see docs/protocol.md, "Socket patterns"):
 Request/reply (ROUTER/DEALER) is ``common.zmq_rpc``, built on the helpers here.
 
 Receivers never die on bad input: a message that fails to decode is logged and skipped.
+
+With CURVE keys on the context (``common.zmq_auth``) a bound socket is a CURVE server
+and a connecting one names the role of the server it expects (``server=``). A bound
+receiver given ``allowed`` (sender role -> message types) drops, logs and counts
+(``forbidden``) any message its sender's role may not send.
 Every socket has LINGER 0, and every ``close()`` may be called more than once. Frames
 passed as ``bulk`` are sent without a copy: do not modify them after the send returns.
 """
@@ -23,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from common.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
+from common.zmq_auth import Policy, allows, peer_role, secure_bind, secure_connect
 
 log = structlog.get_logger(__name__)
 
@@ -51,15 +57,24 @@ def socket_gone(sock: zmq.asyncio.Socket, exc: BaseException) -> bool:
 class _Endpoint:
     """A socket that binds or connects at construction; ``address`` is the bound one."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int, addr: str, *, bind: bool):
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int, addr: str, *, bind: bool,
+                 server: str | None = None, allowed: Policy | None = None,
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
         self._sock = new_socket(ctx, kind)
         self._bound = bind
+        self._max_frame_bytes = max_frame_bytes
+        self.forbidden = 0  # messages dropped because their sender's role may not send them
         try:
             if bind:
+                # Roles are known only on the CURVE server side; a connecting socket
+                # already pinned its peer by the server key.
+                self._allowed = allowed if secure_bind(ctx, self._sock) else None
                 self._sock.bind(addr)
             else:
+                self._allowed = None
+                secure_connect(ctx, self._sock, server)
                 self._sock.connect(addr)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ValueError):
             self._sock.close()
             raise
         self._address = bound_endpoint(self._sock) if bind else addr
@@ -74,26 +89,36 @@ class _Endpoint:
         if not self._sock.closed:
             self._sock.close(linger=0)
 
-
-async def _recv_valid(sock: zmq.asyncio.Socket, skip: int, max_frame_bytes: int,
-                      what: str) -> Message:
-    """Next message that decodes, skipping ``skip`` leading frames; log and drop others."""
-    while True:
-        frames = await sock.recv_multipart(copy=False)
-        try:
-            if len(frames) <= skip:
-                raise ProtocolError("malformed", f"{len(frames)} frames, expected > {skip}")
-            return decode(frames[skip:], max_frame_bytes)
-        except ProtocolError as exc:
-            log.warning("bad_message_dropped", socket=what, code=exc.code, error=exc.message)
+    async def _recv_valid(self, skip: int, what: str) -> Message:
+        """Next message that decodes and that its sender may send, skipping ``skip``
+        leading frames; log and drop others."""
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                if len(frames) <= skip:
+                    raise ProtocolError("malformed", f"{len(frames)} frames, expected > {skip}")
+                msg = decode(frames[skip:], self._max_frame_bytes)
+            except ProtocolError as exc:
+                log.warning("bad_message_dropped", socket=what, code=exc.code,
+                            error=exc.message)
+                continue
+            if self._allowed is None:
+                return msg
+            role = peer_role(frames[-1])
+            if allows(self._allowed, role, msg.envelope.type):
+                return msg
+            self.forbidden += 1
+            log.warning("forbidden_message_dropped", socket=what, role=role,
+                        type=msg.envelope.type, request_id=msg.envelope.request_id)
 
 
 class Publisher(_Endpoint):
     """PUB socket: ``publish`` sends [topic, *message frames]. Never blocks: PUB drops
     messages for subscribers that are slow or not yet connected (ZeroMQ semantics)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, bind: bool):
-        super().__init__(ctx, zmq.PUB, addr, bind=bind)
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, bind: bool,
+                 server: str | None = None):
+        super().__init__(ctx, zmq.PUB, addr, bind=bind, server=server)
 
     async def publish(self, record: Any, topic: bytes = b"") -> None:
         await self._sock.send_multipart([topic, *encode(record)], copy=False)
@@ -103,22 +128,24 @@ class Subscriber(_Endpoint):
     """SUB socket subscribed to ``topics`` (prefix match; b"" is everything)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, bind: bool,
-                 topics: Sequence[bytes] = (b"",), max_frame_bytes: int = MAX_FRAME_BYTES):
-        super().__init__(ctx, zmq.SUB, addr, bind=bind)
+                 topics: Sequence[bytes] = (b"",), max_frame_bytes: int = MAX_FRAME_BYTES,
+                 server: str | None = None, allowed: Policy | None = None):
+        super().__init__(ctx, zmq.SUB, addr, bind=bind, server=server, allowed=allowed,
+                         max_frame_bytes=max_frame_bytes)
         for topic in topics:
             self._sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self._max_frame_bytes = max_frame_bytes
 
     async def recv(self) -> Message:
         """The next valid message; bad ones are logged and skipped."""
-        return await _recv_valid(self._sock, 1, self._max_frame_bytes, "sub")
+        return await self._recv_valid(1, "sub")
 
 
 class PushSocket(_Endpoint):
     """PUSH socket for token streams. ``send`` waits while the peer's queue is full."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, bind: bool):
-        super().__init__(ctx, zmq.PUSH, addr, bind=bind)
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, bind: bool,
+                 server: str | None = None):
+        super().__init__(ctx, zmq.PUSH, addr, bind=bind, server=server)
 
     async def send(self, record: Any, *, request_id: str | None = None) -> None:
         await self._sock.send_multipart(encode(record, request_id=request_id), copy=False)
@@ -128,10 +155,11 @@ class PullSocket(_Endpoint):
     """PULL socket for token streams."""
 
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, bind: bool,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
-        super().__init__(ctx, zmq.PULL, addr, bind=bind)
-        self._max_frame_bytes = max_frame_bytes
+                 max_frame_bytes: int = MAX_FRAME_BYTES, server: str | None = None,
+                 allowed: Policy | None = None):
+        super().__init__(ctx, zmq.PULL, addr, bind=bind, server=server, allowed=allowed,
+                         max_frame_bytes=max_frame_bytes)
 
     async def recv(self) -> Message:
         """The next valid message; bad ones are logged and skipped."""
-        return await _recv_valid(self._sock, 0, self._max_frame_bytes, "pull")
+        return await self._recv_valid(0, "pull")

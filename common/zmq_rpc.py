@@ -6,6 +6,11 @@ socket. A request that fails to decode is answered with ``Error``, a reply that 
 to decode is logged and dropped: neither side's loop dies on bad input. Sockets have
 LINGER 0, ``close()`` may be called more than once, and ``bulk`` frames are sent
 without a copy (do not modify them after the send returns).
+
+With CURVE keys on the context (``common.zmq_auth``) the server is a CURVE server; given
+``allowed`` (sender role -> message types) it answers a request its sender's role may
+not send with ``Error("forbidden")`` and counts it (``forbidden``). A client names the
+role of the server it connects to (``server=``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from common.protocol import MAX_FRAME_BYTES, Error, Message, ProtocolError, decode, encode
+from common.zmq_auth import Policy, allows, peer_role, secure_bind, secure_connect
 from common.zmq_io import RECV_RETRY_S, bound_endpoint, new_socket, socket_gone
 
 log = structlog.get_logger(__name__)
@@ -54,8 +60,11 @@ class RpcServer:
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, bind: str, handler: Handler, *, name: str,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, allowed: Policy | None = None):
         self._ctx = ctx
+        self._allowed = allowed
+        self._checked = False  # whether sender roles are known (CURVE), set at start
+        self.forbidden = 0
         self._bind = bind
         self._handler = handler
         self._name = name
@@ -72,6 +81,7 @@ class RpcServer:
             raise RuntimeError(f"{self._name}: RpcServer already started or closed")
         self._sock = new_socket(self._ctx, zmq.ROUTER)
         try:
+            self._checked = secure_bind(self._ctx, self._sock) and self._allowed is not None
             self._sock.bind(self._bind)
         except zmq.ZMQError:
             self._sock.close()
@@ -139,6 +149,16 @@ class RpcServer:
                               request_id=env.request_id if env else None)
             return
         env = request.envelope
+        if self._checked:
+            role = peer_role(frames[-1])
+            if not allows(self._allowed, role, env.type):
+                self.forbidden += 1
+                log.warning("rpc_forbidden", server=self._name, role=role, type=env.type,
+                            request_id=env.request_id)
+                await self._reply(identity, Error(code="forbidden", message=(
+                    f"{role or 'an unknown peer'} may not send {env.type}")),
+                                  parent=env.id, request_id=env.request_id)
+                return
         try:
             result = await self._handler(request)
         except asyncio.CancelledError:
@@ -182,13 +202,14 @@ class RpcClient:
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, connect: str, *, name: str,
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, server: str | None = None):
         self._name = name
         self._max_frame_bytes = max_frame_bytes
         self._sock = new_socket(ctx, zmq.DEALER)
         try:
+            secure_connect(ctx, self._sock, server)
             self._sock.connect(connect)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ValueError):
             self._sock.close()
             raise
         self._pending: dict[str, asyncio.Future[Message]] = {}

@@ -1,11 +1,15 @@
 """Start the whole system on this machine under supervisord, and wait until it serves.
 
-    python deploy/run_local.py [--config deploy/configs/local.toml] [--timeout 300]
+    python deploy/run_local.py [--config deploy/configs/local.toml] [--timeout 300] [--plain]
 
 Each service section of the config (``[cache_pool]``, ``[conductor]``, ``[prefill]``,
 ``[decode]``, ``[unified]``, ``[gateway]``) runs as a supervisord program
 ``python -m services.<section>`` (``[cache_pool]`` is ``pdserve cache-pool``); logs go to
 a scratch directory printed at start. Ctrl-C stops everything.
+
+The control plane runs with CURVE: ``pdserve keys`` writes fresh keys into the scratch
+directory and every program gets ``PDSERVE_CURVE_KEYS_DIR``. ``--plain`` leaves them out
+(an unauthenticated control plane, for a trusted single host only).
 """
 
 from __future__ import annotations
@@ -35,13 +39,18 @@ SERVICES = {"cache_pool": 5, "conductor": 10, "prefill": 20, "decode": 20, "unif
 STOP_WAIT_S = {"cache_pool": 25}
 
 
-def render(template: Path, out: Path, config: Path, run_dir: Path, sections: list[str]) -> None:
-    """supervisord config: the template's header plus one program per service section."""
+def render(template: Path, out: Path, config: Path, run_dir: Path, sections: list[str],
+           keys_dir: Path | None = None) -> None:
+    """supervisord config: the template's header plus one program per service section;
+    with ``keys_dir``, each program uses those CURVE keys."""
     text = template.read_text().replace("@RUN@", str(run_dir))
     text = "\n".join(line for line in text.splitlines() if not line.startswith("; "))
+    env = f"PDSERVE_CONFIG=\"{config}\""
+    if keys_dir is not None:
+        env += f",PDSERVE_CURVE_KEYS_DIR=\"{keys_dir}\""
     for name in sections:
         text += (f"\n[program:{name}]\ncommand={sys.executable} -m services.{name}\n"
-                 f"directory={ROOT}\nenvironment=PDSERVE_CONFIG=\"{config}\"\n"
+                 f"directory={ROOT}\nenvironment={env}\n"
                  f"priority={SERVICES[name]}\nautorestart=true\nstopasgroup=true\n"
                  f"stopwaitsecs={STOP_WAIT_S.get(name, 10)}\n"
                  f"redirect_stderr=true\nstdout_logfile={run_dir}/{name}.log\n")
@@ -60,6 +69,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "deploy" / "configs" / "local.toml"))
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--plain", action="store_true",
+                    help="no CURVE keys: an unauthenticated control plane")
     args = ap.parse_args()
     config = Path(args.config).resolve()
     table = tomllib.loads(config.read_text())
@@ -73,7 +84,11 @@ def main() -> int:
 
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     conf = run_dir / "supervisord.conf"
-    render(ROOT / "deploy" / "supervisord.conf.in", conf, config, run_dir, sections)
+    keys_dir = None if args.plain else run_dir / "keys"
+    if keys_dir is not None:
+        subprocess.run([sys.executable, "-m", "services.cli", "keys", "--out", str(keys_dir)],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    render(ROOT / "deploy" / "supervisord.conf.in", conf, config, run_dir, sections, keys_dir)
     print(f"pdserve: starting {', '.join(sections)} (logs in {run_dir})")
     proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
                             start_new_session=True)

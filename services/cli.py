@@ -2,6 +2,10 @@
 
     pdserve generate [--model NAME] [--max-tokens N] [--temperature T] [--chat] PROMPT...
     pdserve gateway|conductor|prefill|decode|unified|cache-pool [--config FILE] [--key value ...]
+    pdserve keys --out DIR
+
+``pdserve keys`` writes a CURVE key pair per role into DIR (see docs/security.md);
+point every process at it with ``curve_keys_dir`` (``PDSERVE_CURVE_KEYS_DIR``).
 
 Each service subcommand runs that process; ``pdserve SERVICE --help`` lists its settings.
 """
@@ -32,6 +36,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from common.zmq_auth import generate_keys
+
+    try:
+        written = generate_keys(args.out)
+    except OSError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(written)} key files to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-mib", type=int, default=512)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.set_defaults(func=_generate)
+    keys = sub.add_parser("keys", help="write a CURVE key pair per role into a directory")
+    keys.add_argument("--out", required=True, help="directory for the key files")
+    keys.set_defaults(func=_keys)
     return parser
 
 

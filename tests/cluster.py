@@ -2,7 +2,11 @@
 
 By default every process runs here, on 127.0.0.1. A ``Host`` puts processes in a network
 namespace, binding and advertising that namespace's address (``tests/netns.py`` builds
-two such hosts joined by a veth pair)."""
+two such hosts joined by a veth pair).
+
+The control plane runs with CURVE: a cluster generates keys into its work directory at
+start and hands them to every process (``PDSERVE_CURVE_KEYS_DIR``); the test's own peers
+(``stats``, ``dealer``) hold the ``client`` role's key. ``curve=False`` runs plain."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.zmq_auth import CurveKeys, generate_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,15 +72,38 @@ def make_served_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def stats(addr: str, timeout_s: float = 5.0):
-    """Ask a worker, the conductor or a cache pool for its stats record (a blocking DEALER call).
+def make_keys(workdir: Path) -> str:
+    """CURVE keys for one cluster, in ``workdir/keys`` (made once)."""
+    out = workdir / "keys"
+    if not (out / "client.key_secret").exists():
+        generate_keys(out)
+    return str(out)
+
+
+def dealer(ctx: zmq.Context, addr: str, *, server: str = "conductor",
+           keys_dir: str = "") -> zmq.Socket:
+    """A blocking DEALER connected to ``addr``; with ``keys_dir``, a CURVE client holding
+    the ``client`` role's key, expecting the ``server`` role's."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys_dir:
+        keys = CurveKeys.load(keys_dir, "client")
+        sock.curve_serverkey = keys.server_key(server)
+        sock.curve_publickey = keys.own.public
+        sock.curve_secretkey = keys.own.secret
+    sock.connect(addr)
+    return sock
+
+
+def stats(addr: str, timeout_s: float = 5.0, *, server: str = "conductor",
+          keys_dir: str = ""):
+    """Ask a worker, the conductor or a cache pool (``server``) for its stats record (a
+    blocking DEALER call); with ``keys_dir``, over CURVE.
 
     A context of its own per call: its I/O thread, which opens the connection, is then
     in the caller's network namespace (see ``tests/netns.py``)."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
+    sock = dealer(ctx, addr, server=server, keys_dir=keys_dir)
     try:
         sock.send_multipart(encode(GetStats()))
         if not sock.poll(int(timeout_s * 1000)):
@@ -137,8 +165,10 @@ class Cluster:
     host: Host = field(default_factory=Host)
     worker_hosts: dict[str, Host] = field(default_factory=dict)
     procs: dict[str, Proc] = field(default_factory=dict)
+    curve: bool = True
 
     def __post_init__(self) -> None:
+        self.keys_dir = make_keys(Path(self.workdir)) if self.curve else ""
         ip = self.host.ip
         self.http_port = free_port()
         self.zmq_addr = f"tcp://{ip}:{free_port()}"
@@ -151,7 +181,7 @@ class Cluster:
         host = host or self.host
         log = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_FORMAT": "console",
-               **host.env}
+               "PDSERVE_CURVE_KEYS_DIR": self.keys_dir, **host.env}
         cmd = [sys.executable, "-m", *args]
         if host.netns:  # ip execs the command: the process keeps the pid we signal
             cmd = ["ip", "netns", "exec", host.netns, *cmd]
@@ -205,7 +235,7 @@ class Cluster:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
             try:
-                alive = {w.info.worker_id for w in stats(self.conductor_addr, 1).workers
+                alive = {w.info.worker_id for w in self.conductor_stats(1).workers
                          if w.alive}
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
                     if r.status == 200 and want <= alive:
@@ -217,13 +247,13 @@ class Cluster:
             f"--- {p.name}\n{p.tail(15)}" for p in self.procs.values()))
 
     def worker_stats(self, name: str) -> WorkerStats:
-        return stats(self.procs[name].control)
+        return stats(self.procs[name].control, server="worker", keys_dir=self.keys_dir)
 
-    def conductor_stats(self) -> ConductorStats:
-        return stats(self.conductor_addr)
+    def conductor_stats(self, timeout_s: float = 5.0) -> ConductorStats:
+        return stats(self.conductor_addr, timeout_s, keys_dir=self.keys_dir)
 
     def conductor_workers(self) -> dict[str, WorkerStatus]:
-        return {w.info.worker_id: w for w in stats(self.conductor_addr).workers}
+        return {w.info.worker_id: w for w in self.conductor_stats().workers}
 
     def signal(self, name: str, sig: int) -> None:
         self.procs[name].popen.send_signal(sig)

@@ -1,4 +1,8 @@
-"""Cache-pool instances as real subprocesses (``python -m services.cache_pool``)."""
+"""Cache-pool instances as real subprocesses (``python -m services.cache_pool``).
+
+With ``curve`` (the default) an instance uses the CURVE keys of its work directory, the
+ones a ``tests.cluster.Cluster`` in the same directory uses; ``curve=False`` runs plain,
+for tests whose own sockets speak to it directly."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.protocol import PoolStats
-from tests.cluster import ROOT, free_port, stats
+from tests.cluster import ROOT, free_port, make_keys, stats
 
 BLOCK = 4096
 HDR = 32  # SSD block file header (services.cache_pool.disk_format.BLOCK_HEADER)
@@ -35,8 +39,10 @@ class PoolProc:
     block_bytes: int = BLOCK
     extra: list[str] = field(default_factory=list)
     popen: subprocess.Popen | None = None
+    curve: bool = True
 
     def __post_init__(self) -> None:
+        self.keys_dir = make_keys(Path(self.workdir)) if self.curve else ""
         self.control = f"tcp://127.0.0.1:{free_port()}"
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.ssd_dir = self.workdir / f"ssd-{self.instance}"
@@ -56,7 +62,7 @@ class PoolProc:
 
     def start(self, learn_block_bytes: bool = False, timeout_s: float = 20.0) -> PoolProc:
         self.starts += 1
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_CURVE_KEYS_DIR": self.keys_dir}
         with self.log.open("a") as log:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "services.cache_pool", *self.args(learn_block_bytes)],
@@ -66,14 +72,14 @@ class PoolProc:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"pool {self.instance} exited:\n{self.tail()}")
             try:
-                stats(self.control, 0.3)
+                self.stats(0.3)
                 return self
             except TimeoutError:
                 pass
         raise TimeoutError(f"pool {self.instance} not ready:\n{self.tail()}")
 
-    def stats(self) -> PoolStats:
-        return stats(self.control)
+    def stats(self, timeout_s: float = 5.0) -> PoolStats:
+        return stats(self.control, timeout_s, server="cache-pool", keys_dir=self.keys_dir)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.popen is None or self.popen.poll() is not None:

@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
-import zmq.asyncio
 
 from common.pool.client import PoolClient
-from tests.cluster import Cluster, stats
+from common.zmq_auth import make_context
+from tests.cluster import Cluster
 from tests.pool_procs import PoolProc, blocks
 
 pytestmark = pytest.mark.timeout(90)
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def pool_view(cluster: Cluster) -> tuple[int | None, int, dict]:
     """(blocks of location pool:a or None, index_blocks, cache_pools) from the conductor."""
-    s = stats(cluster.conductor_addr, 1)
+    s = cluster.conductor_stats(1)
     return (s.index_locations.get("pool:a"), s.index_blocks,
             {c.instance_id: c for c in s.cache_pools})
 
@@ -47,7 +47,7 @@ async def test_conductor_index_follows_the_pool_and_rebuilds_after_restarts(tmp_
     cluster = Cluster("unused", tmp_path, [], conductor_args=[
         "--cache-pools", pool.control, "--pool-check-interval-s", "0.25",
         "--pool-dead-after-s", "1.5"])
-    ctx = zmq.asyncio.Context()
+    ctx = make_context(cluster.keys_dir, "decode")  # stores blocks as a worker would
     client = PoolClient(ctx, {"a": pool.control}, timeout_s=5.0)
     try:
         chain = blocks(12, seed=7)

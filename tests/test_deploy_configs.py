@@ -81,3 +81,17 @@ def test_systemd_units_cover_the_services_of_local_toml():
         text = (units / unit).read_text()
         assert re.search(rf"^ExecStart=\S+ -m services\.{section}$", text, re.M), unit
         assert "WantedBy=pdserve.target" in text and unit in target
+
+
+def test_run_local_hands_every_program_the_curve_keys(tmp_path):
+    config = ROOT / "deploy" / "configs" / "local.toml"
+    sections = [n for n in run_local.SERVICES if n in tomllib.loads(config.read_text())]
+    out = tmp_path / "supervisord.conf"
+    keys = tmp_path / "keys"
+    run_local.render(ROOT / "deploy" / "supervisord.conf.in", out, config, tmp_path, sections,
+                     keys)
+    envs = re.findall(r"^environment=(.*)$", out.read_text(), re.M)
+    assert len(envs) == len(sections)
+    assert all(f'PDSERVE_CURVE_KEYS_DIR="{keys}"' in e for e in envs)
+    run_local.render(ROOT / "deploy" / "supervisord.conf.in", out, config, tmp_path, sections)
+    assert "CURVE" not in out.read_text()  # --plain

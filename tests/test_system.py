@@ -18,7 +18,7 @@ import pytest
 from common.client import Client, GenerationError
 from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
-from tests.cluster import Cluster, make_served_tiny_model, stats
+from tests.cluster import Cluster, dealer, make_served_tiny_model
 from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -180,12 +180,10 @@ def test_malformed_frames_get_error_replies_and_processes_keep_serving(disagg, p
     from common.protocol import decode
 
     ctx = zmq.Context.instance()
-    targets = [disagg.conductor_addr, disagg.procs["prefill-0"].control,
-               disagg.procs["decode-1"].control, disagg.zmq_addr]
-    for addr in targets:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
+    targets = [(disagg.conductor_addr, "conductor"), (disagg.procs["prefill-0"].control, "worker"),
+               (disagg.procs["decode-1"].control, "worker"), (disagg.zmq_addr, "")]
+    for addr, server in targets:  # the client port is open to all; the others need a key
+        sock = dealer(ctx, addr, server=server, keys_dir=disagg.keys_dir if server else "")
         for garbage in ([b"\xc1\xff\x00"], [b"\x81\xa1v\x01"]):
             sock.send_multipart(garbage)
             assert sock.poll(5000), f"no reply from {addr}"
@@ -397,7 +395,7 @@ def test_conductor_restart_rebuilds_the_prefix_index(model_dir, tmp_path):
         assert cached_tokens(prompt) == 0
         time.sleep(1.5)  # a heartbeat clears the first request's in-flight load estimate
         deadline = time.monotonic() + 5
-        while stats(cluster.conductor_addr).index_blocks < 300 // 16:
+        while cluster.conductor_stats().index_blocks < 300 // 16:
             assert time.monotonic() < deadline, "KV events never reached the index"
             time.sleep(0.1)
         assert cached_tokens(prompt + [5]) == 288  # routed to the worker holding it
@@ -408,7 +406,7 @@ def test_conductor_restart_rebuilds_the_prefix_index(model_dir, tmp_path):
         cluster.start_conductor()
         while True:
             try:
-                s = stats(cluster.conductor_addr, 1)
+                s = cluster.conductor_stats(1)
                 if s.index_blocks >= 300 // 16 and sum(w.alive for w in s.workers) == 2:
                     break
             except (TimeoutError, KeyError):

@@ -29,7 +29,7 @@ async def discover_pools(ctx: zmq.asyncio.Context, control_addrs: Sequence[str],
     something else, are left out; a caller that needs them all retries."""
 
     async def ask(addr: str) -> PoolStats | None:
-        client = RpcClient(ctx, addr, name="pool-discovery")
+        client = RpcClient(ctx, addr, name="pool-discovery", server="cache-pool")
         try:
             reply = await client.call(GetStats(), timeout=timeout_s)
             if not isinstance(reply.record, PoolStats):

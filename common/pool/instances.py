@@ -33,7 +33,7 @@ class Instances:
         self.timeout_s = timeout_s
         self.down_retry_s = down_retry_s
         self._controls = dict(addrs)
-        self._clients = {i: RpcClient(ctx, addr, name=f"{name}->{i}")
+        self._clients = {i: RpcClient(ctx, addr, name=f"{name}->{i}", server="cache-pool")
                          for i, addr in addrs.items()}
         self._down_until: dict[str, float] = {}  # present while the instance is down
 

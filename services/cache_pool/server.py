@@ -59,7 +59,9 @@ from common.protocol import (
 )
 from common.service_main import run_service, until_stopped
 from common.transfer import TransferError
+from common.zmq_auth import make_context
 from common.zmq_io import Publisher
+from common.zmq_policy import CACHE_POOL_CONTROL
 from common.zmq_rpc import RpcServer
 from services.cache_pool import validate
 from services.cache_pool.data_plane import PoolDataPlane
@@ -82,7 +84,7 @@ class CachePool:
         self.settings = settings
         self.source = f"pool:{settings.instance_id}"
         self.boot_id = uuid.uuid4().hex  # in PoolStats: subscribers tell a restart by it
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = make_context(settings.curve_keys_dir, "cache-pool")
         # Applies to sockets made after this: a peer sending a larger frame is dropped.
         self.ctx.setsockopt(zmq.MAXMSGSIZE, max(settings.max_request_bytes, MAX_FRAME_BYTES))
         self.ssd = (SsdTier(settings.ssd_dir, settings.ssd_bytes, POLICIES[settings.policy]())
@@ -93,7 +95,8 @@ class CachePool:
         if self.block_bytes:
             self._open_store(self.block_bytes)
         self.metrics = PoolMetrics(self._read_stats)
-        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.source)
+        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.source,
+                             allowed=CACHE_POOL_CONTROL)
         self.events: Publisher | None = None
         # in_/out_bytes, in_/out_ok, in_/out_failed, out_<backend>, frame_in/out_bytes
         self.transfers: collections.Counter[str] = collections.Counter()

@@ -37,6 +37,7 @@ class PoolSettings:
     max_request_bytes: int = 256 << 20
     flush_on_close: bool = True
     log_format: str = "json"
+    curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
     metrics_port: int = 0
     kv_host: str = ""
     kv_port: int = 0

@@ -227,7 +227,8 @@ class PoolWatch:
         feed = PoolFeed(location, self.index, self.apply)
         feed.begin_resync()  # hold events from the first one on, until the snapshot
         try:
-            sub = Subscriber(self.ctx, events_addr, bind=False, topics=(TOPIC,))
+            sub = Subscriber(self.ctx, events_addr, bind=False, topics=(TOPIC,),
+                             server="cache-pool")
         except zmq.ZMQError as exc:
             log.warning("cache_pool_events_unreachable", instance=instance_id,
                         events_addr=events_addr, error=str(exc))
@@ -244,7 +245,8 @@ class PoolWatch:
     async def _resync(self, inst: _Instance) -> None:
         feed = inst.feed
         feed.begin_resync()
-        client = RpcClient(self.ctx, inst.control_addr, name="conductor->pool")
+        client = RpcClient(self.ctx, inst.control_addr, name="conductor->pool",
+                           server="cache-pool")
         try:
             held = (await client.call(Resync(), timeout=RESYNC_TIMEOUT_S)).record
             if not isinstance(held, HeldBlocks):

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 
 import structlog
-import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.config import load_settings
@@ -51,7 +50,9 @@ from common.protocol import (
     WorkerStats,
 )
 from common.service_main import run_service, until_stopped
+from common.zmq_auth import make_context
 from common.zmq_io import Subscriber
+from common.zmq_policy import CONDUCTOR_CONTROL, CONDUCTOR_EVENTS
 from common.zmq_rpc import RpcClient, RpcServer
 from services.conductor.cache_policy import Rejection
 from services.conductor.policy import NoWorkers
@@ -82,6 +83,7 @@ class ConductorSettings:
     pool_dead_after_s: float = 5.0  # silent this long: its blocks leave the index
     metrics_port: int = 0
     log_format: str = "json"
+    curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
 
     def __post_init__(self) -> None:
         if not (self.pool_check_interval_s > 0 and self.pool_dead_after_s > 0):
@@ -100,10 +102,12 @@ class Conductor:
     def __init__(self, settings: ConductorSettings) -> None:
         self.settings = settings
         self.router = Router(settings.router_config(), load_profile(settings.cost_profile))
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = make_context(settings.curve_keys_dir, "conductor")
         self.registry = Registry(settings.heartbeat_interval_s)
-        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name="conductor")
-        self.sub = Subscriber(self.ctx, settings.heartbeat_addr, bind=True)
+        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name="conductor",
+                             allowed=CONDUCTOR_CONTROL)
+        self.sub = Subscriber(self.ctx, settings.heartbeat_addr, bind=True,
+                              allowed=CONDUCTOR_EVENTS)
         self._tasks: list[asyncio.Task] = []
         self._discovering: set[str] = set()
         pools = parse_pool_addrs(settings.cache_pools)
@@ -235,7 +239,7 @@ class Conductor:
 
     async def _resync(self, worker_id: str, control_addr: str) -> None:
         """Rebuild a worker's part of the prefix index from the blocks it reports."""
-        client = RpcClient(self.ctx, control_addr, name="conductor")
+        client = RpcClient(self.ctx, control_addr, name="conductor", server="worker")
         try:
             reply = await client.call(Resync(), timeout=5.0)
             if not isinstance(reply.record, HeldBlocks):
@@ -251,7 +255,7 @@ class Conductor:
 
     async def _discover(self, hb: Heartbeat) -> None:
         """Learn about a worker from its heartbeat (after a conductor restart)."""
-        client = RpcClient(self.ctx, hb.control_addr, name="conductor")
+        client = RpcClient(self.ctx, hb.control_addr, name="conductor", server="worker")
         try:
             reply = await client.call(GetStats(), timeout=2.0)
             stats = reply.record

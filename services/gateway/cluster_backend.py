@@ -39,6 +39,7 @@ from common.protocol import (
     WorkerStatus,
 )
 from common.zmq_io import PullSocket
+from common.zmq_policy import GATEWAY_STREAM
 from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
 from services.gateway.backend import (
     BackendOverloaded,
@@ -57,8 +58,8 @@ class ClusterBackend(GenerationBackend):
                  layout_ttl_s: float = 10.0) -> None:
         self.ctx = ctx
         self.model = model
-        self.conductor = RpcClient(ctx, conductor_addr, name="gateway")
-        self.pull = PullSocket(ctx, stream_bind, bind=True)
+        self.conductor = RpcClient(ctx, conductor_addr, name="gateway", server="conductor")
+        self.pull = PullSocket(ctx, stream_bind, bind=True, allowed=GATEWAY_STREAM)
         self._advertise = stream_advertise
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_check_s = stall_check_s
@@ -90,7 +91,8 @@ class ClusterBackend(GenerationBackend):
     def _client(self, addr: str) -> RpcClient:
         client = self._clients.get(addr)
         if client is None:
-            client = self._clients[addr] = RpcClient(self.ctx, addr, name="gateway")
+            client = self._clients[addr] = RpcClient(self.ctx, addr, name="gateway",
+                                                     server="worker")
         return client
 
     async def _dispatch(self) -> None:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import structlog
 import uvicorn
-import zmq.asyncio
 
 from common.config import load_settings
 from common.logging import configure_logging
 from common.service_main import run_service, until_stopped
 from common.tokenizer import TextTokenizer
+from common.zmq_auth import make_context
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.model_info import describe_model
 from services.gateway.openai_api import create_app
@@ -41,6 +41,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()
     request_timeout_s: float = 600.0
     log_format: str = "json"
+    curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
@@ -61,7 +62,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
         tok_dir = settings.tokenizer_dir or info.tokenizer_dir
         max_len = settings.max_model_len or info.max_model_len
     tokenizer = TextTokenizer.from_dir(tok_dir)
-    ctx = zmq.asyncio.Context()
+    ctx = make_context(settings.curve_keys_dir, "gateway")
     backend = ClusterBackend(ctx, settings.conductor_addr, settings.stream_bind, name,
                              stream_advertise=settings.stream_advertise)
     await backend.start()

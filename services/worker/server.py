@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
-import zmq.asyncio
 
 from common.address import format_address, parse_address
 from common.config import apply_ucx_settings, load_settings
@@ -43,7 +42,9 @@ from common.protocol import (
 )
 from common.service_main import run_service, until_stopped
 from common.transfer import MultiReceiver, MultiSender, TransferError
+from common.zmq_auth import make_context
 from common.zmq_io import Publisher
+from common.zmq_policy import WORKER_CONTROL
 from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
 from services.engine.core import NO_HOOKS, EngineHooks
 from services.worker.decode_role import DecodeRole
@@ -112,7 +113,7 @@ class Worker:
         self.settings = settings
         self.worker_id = settings.worker_id or (
             f"{settings.role}-{settings.resolved_host_id}-{os.getpid()}")
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = make_context(settings.curve_keys_dir, settings.role)
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
         # Prefix-cache changes, appended on the engine thread, published in batches.
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
@@ -125,7 +126,8 @@ class Worker:
         self.streams = TokenStreams(self.ctx)
         self.pool = PoolLink(self)
         self.decode = DecodeRole(self) if settings.role != "prefill" else None
-        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
+        self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id,
+                             allowed=WORKER_CONTROL)
         self.receiver = None
         forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
         self.sender = MultiSender(host_id=settings.resolved_host_id, forced=forced) \
@@ -189,10 +191,11 @@ class Worker:
                         endpoints={k: advertise(a, self.settings.advertise_host)
                                    for k, a in advert.endpoints.items()})
 
-    def client(self, addr: str) -> RpcClient:
+    def client(self, addr: str, server: str = "worker") -> RpcClient:
         client = self._clients.get(addr)
         if client is None:
-            client = self._clients[addr] = RpcClient(self.ctx, addr, name=self.worker_id)
+            client = self._clients[addr] = RpcClient(self.ctx, addr, name=self.worker_id,
+                                                     server=server)
         return client
 
     # ---- control plane ---------------------------------------------------------------
@@ -263,7 +266,7 @@ class Worker:
 
     async def _register_and_beat(self) -> None:
         s = self.settings
-        conductor = self.client(s.conductor_addr)
+        conductor = self.client(s.conductor_addr, "conductor")
         hello = Hello(info=self.info(self.engine.block_manager.num_blocks))
         while not self.registered.is_set():
             try:
@@ -273,7 +276,7 @@ class Worker:
             except (RpcTimeout, Exception) as exc:  # keep trying until the conductor is up
                 log.info("conductor not answering yet", error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(0.5)
-        pub = Publisher(self.ctx, s.heartbeat_addr, bind=False)
+        pub = Publisher(self.ctx, s.heartbeat_addr, bind=False, server="conductor")
         seq = 0
         next_beat = 0.0
         try:
