@@ -13,14 +13,12 @@ import collections
 import dataclasses
 import functools
 import os
-import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
 import zmq.asyncio
 
-from common.address import format_address, parse_address
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.protocol import (
@@ -32,20 +30,18 @@ from common.protocol import (
     Heartbeat,
     HeldBlocks,
     Hello,
-    KVAdvert,
     KVEvent,
     Prefill,
     Resync,
-    TokenLogprob,
-    TopLogprob,
     WorkerInfo,
     WorkerStats,
 )
 from common.service_main import run_service, until_stopped
-from common.transfer import MultiReceiver, MultiSender, TransferError
+from common.transfer import TransferError
 from common.zmq_io import Publisher
 from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
 from services.engine.core import NO_HOOKS, EngineHooks
+from services.worker.context import RoleContext, advertise
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
@@ -83,21 +79,6 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         num_threads=s.num_threads or None), hooks=hooks)
 
 
-def advertise(addr: str, host: str = "") -> str:
-    """``addr`` (``scheme://host:port``) as peers should dial it: with ``host`` when
-    given, else with this machine's address in place of a wildcard bind. Addresses
-    without a network host (shm, ipc) are returned as they are."""
-    try:
-        parsed = parse_address(addr)
-    except ValueError:
-        return addr
-    if parsed.scheme not in ("tcp", "ucx"):
-        return addr
-    if not host and parsed.is_wildcard:
-        host = socket.gethostbyname(socket.gethostname())
-    return format_address(parsed.scheme, host, parsed.port) if host else addr
-
-
 def pin_cpus(spec: str) -> None:
     """Pin this process (and the threads it starts later) to the CPUs in ``spec``."""
     cpus = parse_cpus(spec)
@@ -107,6 +88,9 @@ def pin_cpus(spec: str) -> None:
 
 
 class Worker:
+    """The process's parts, wired: the engine on its loop, one role, the pool link, the
+    control socket. The parts get a ``RoleContext``, never the worker."""
+
     def __init__(self, settings: WorkerSettings,
                  make_engine: Callable[[EngineHooks], EngineCore]) -> None:
         self.settings = settings
@@ -114,23 +98,26 @@ class Worker:
             f"{settings.role}-{settings.resolved_host_id}-{os.getpid()}")
         self.ctx = zmq.asyncio.Context()
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
+        self._clients: dict[str, RpcClient] = {}
         # Prefix-cache changes, appended on the engine thread, published in batches.
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
-        self.prefill = PrefillRole(self) if settings.role == "prefill" else None
-        self.engine = engine = make_engine(EngineHooks(
-            on_layer=self.prefill.on_layer if self.prefill else None,
+        prefill = settings.role == "prefill"
+        # The role needs the engine loop, so it is built after the engine; the engine
+        # calls on_layer only while stepping, which starts with start().
+        engine = make_engine(EngineHooks(
+            on_layer=(lambda layer, seqs: self.role.on_layer(layer, seqs)) if prefill
+            else None,
             on_stored=lambda hashes: self._kv_events.append(("stored", hashes)),
             on_removed=lambda hashes: self._kv_events.append(("removed", hashes))))
         self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
         self.streams = TokenStreams(self.ctx)
-        self.pool = PoolLink(self)
-        self.decode = DecodeRole(self) if settings.role != "prefill" else None
+        ctx = RoleContext(worker_id=self.worker_id, settings=settings, loop=self.loop,
+                          streams=self.streams, metrics=self.metrics, zmq=self.ctx,
+                          peer=self.client)
+        self.pool = PoolLink(ctx)
+        self.role: DecodeRole | PrefillRole = (
+            PrefillRole(ctx, self.pool) if prefill else DecodeRole(ctx, self.pool))
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
-        self.receiver = None
-        forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
-        self.sender = MultiSender(host_id=settings.resolved_host_id, forced=forced) \
-            if self.prefill else None
-        self._clients: dict[str, RpcClient] = {}
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
 
@@ -138,20 +125,14 @@ class Worker:
 
     async def start(self) -> None:
         self.loop.start()
-        if self.decode is not None:  # before the control socket: stats name its address
-            s = self.settings
-            kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
-            self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
-                                          sink=self.decode.on_kv_chunk,
-                                          host_id=s.resolved_host_id)
-            await self.receiver.start()
+        await self.role.start()  # before the control socket: stats name its KV address
         await self.rpc.start()
         await self.pool.start()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
         self._tasks.append(asyncio.create_task(self._register_and_beat()))
         log.info("worker started", worker_id=self.worker_id, role=self.settings.role,
-                 control=self.control_addr, kv=self.kv_addr)
+                 control=self.control_addr, kv=self.role.kv_addr)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -161,10 +142,7 @@ class Worker:
         await self.pool.close()
         for client in self._clients.values():
             await client.close()
-        if self.receiver is not None:
-            await self.receiver.close()
-        if self.sender is not None:
-            await self.sender.close()
+        await self.role.close()
         await self.streams.close()
         await self.loop.stop()
         self.ctx.term()
@@ -173,21 +151,6 @@ class Worker:
     def control_addr(self) -> str:
         """Where peers reach this worker's control socket (see ``advertise``)."""
         return advertise(self.rpc.address, self.settings.advertise_host)
-
-    @property
-    def kv_addr(self) -> str:
-        if self.receiver is None:
-            return ""
-        return advertise(self.receiver.address, self.settings.advertise_host)
-
-    def kv_advert(self) -> KVAdvert | None:
-        """The receiver's advert, each network endpoint as peers reach it."""
-        if self.receiver is None:
-            return None
-        advert = self.receiver.advert()
-        return KVAdvert(host_id=advert["host_id"],
-                        endpoints={k: advertise(a, self.settings.advertise_host)
-                                   for k, a in advert["endpoints"].items()})
 
     def client(self, addr: str) -> RpcClient:
         client = self._clients.get(addr)
@@ -202,22 +165,21 @@ class Worker:
         if isinstance(rec, GetStats):
             return self.stats()
         if isinstance(rec, Resync):
-            hashes = await self.loop.call(self.engine.block_manager.cached_hashes)
-            return HeldBlocks(source=self.worker_id, hashes=list(hashes),
+            hashes = list(await self.loop.run(lambda e: e.block_manager.cached_hashes()))
+            return HeldBlocks(source=self.worker_id, hashes=hashes,
                               tiers=["local"] * len(hashes))
         if not rid and isinstance(rec, Generate | Prefill | Abort):
             return Error("bad_request", "request id missing from the envelope")
         if isinstance(rec, Generate):
-            if self.decode is None:
+            if not isinstance(self.role, DecodeRole):
                 return Error("wrong_role", f"{self.worker_id} is a prefill worker")
-            return await self.decode.handle(rid, rec)
+            return await self.role.handle(rid, rec)
         if isinstance(rec, Prefill):
-            if self.prefill is None:
+            if not isinstance(self.role, PrefillRole):
                 return Error("wrong_role", f"{self.worker_id} does not run remote prefills")
-            return await self.prefill.handle(rid, rec)
+            return await self.role.handle(rid, rec)
         if isinstance(rec, Abort):
-            role = self.decode or self.prefill
-            await role.abort(rid)
+            await self.role.abort(rid)
             return Ack(detail="aborted")
         return Error("unsupported", f"{type(rec).__name__} is not handled by a worker")
 
@@ -226,45 +188,26 @@ class Worker:
         for out in outputs:
             if out.queue_time_s is not None:
                 self.metrics.queue_time.observe(out.queue_time_s)
-            if self.prefill is not None:
-                self.prefill.on_output(out)
-            else:
-                self.decode.on_output(out)
+            self.role.on_output(out)
 
-    @staticmethod
-    def logprob_records(logprobs) -> list[TokenLogprob]:
-        return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                             top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                for lp in logprobs if lp is not None]
-
-    def info(self, num_blocks: int) -> WorkerInfo:
-        s = self.settings
+    def info(self) -> WorkerInfo:
+        s, facts = self.settings, self.loop.facts
         return WorkerInfo(worker_id=self.worker_id, role=s.role, model=s.model,
-                          control_addr=self.control_addr, kv_addr=self.kv_addr,
+                          control_addr=self.control_addr, kv_addr=self.role.kv_addr,
                           host_id=s.resolved_host_id, block_size=s.block_size,
-                          num_blocks=num_blocks, fingerprint=self.engine.fingerprint)
+                          num_blocks=facts.num_blocks, fingerprint=facts.fingerprint)
 
     def stats(self) -> WorkerStats:
         load = self.loop.load
-        return WorkerStats(
-            info=self.info(load.total_blocks), executor=self.settings.executor,
+        return self.role.report(WorkerStats(
+            info=self.info(), executor=self.settings.executor,
             free_blocks=load.free_blocks, waiting=load.waiting, running=load.running,
-            num_requests=load.num_requests,
-            live_transfers=self.receiver.live() if self.receiver is not None else 0,
-            local_fallbacks=self.decode.local_fallbacks if self.decode else 0,
-            kv_bytes_received=self.decode.received_bytes if self.decode else 0,
-            kv_bytes_sent=self.prefill.sent_bytes if self.prefill else 0,
-            prefills_done=self.prefill.done if self.prefill else 0,
-            prefill_jobs=len(self.prefill.jobs) if self.prefill else 0,
-            kv_chunks_resent=self.sender.resent if self.sender is not None else 0,
-            kv_chunks_retried=self.receiver.retried if self.receiver is not None else 0,
-            transfer_backends=dict(self.prefill.backends) if self.prefill else {},
-            kv_advert=self.kv_advert(), pool=self.pool.stats())
+            num_requests=load.num_requests, pool=self.pool.stats()))
 
     async def _register_and_beat(self) -> None:
         s = self.settings
         conductor = self.client(s.conductor_addr)
-        hello = Hello(info=self.info(self.engine.block_manager.num_blocks))
+        hello = Hello(info=self.info())
         while not self.registered.is_set():
             try:
                 await conductor.call(hello, timeout=2.0)
