@@ -8,12 +8,15 @@ import ast
 import asyncio
 import dataclasses
 import functools
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from common.protocol import WorkerStats
 from common.sampling_params import SamplingParams
+from services.worker import server
 from services.worker.context import RoleContext
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
@@ -90,9 +93,11 @@ def test_the_context_is_a_frozen_record():
 def test_the_engine_is_reached_through_its_loop_only():
     async def go():
         engine = build_engine(WorkerSettings(executor="sim", sim_time_scale=0))
-        loop = EngineLoop(engine, lambda outputs, step_s: None)
+        loop = EngineLoop(lambda outputs, step_s: None)
         assert not hasattr(loop, "engine")
-        loop.start()
+        with pytest.raises(RuntimeError, match="not built"):
+            _ = loop.facts
+        await loop.start(lambda: engine)
         try:
             seen = await loop.run(lambda e, x: (e, x), 7)
             with pytest.raises(RuntimeError, match="engine thread only"):
@@ -141,3 +146,45 @@ def test_each_role_reports_its_own_counters(role):
         assert (stats.local_fallbacks, stats.kv_bytes_received) == (3, 456)
         assert (stats.kv_bytes_sent, stats.prefills_done, stats.prefill_jobs) == (0, 0, 0)
         assert stats.kv_advert is not None and stats.info.kv_addr.startswith("tcp://")
+
+
+def _sim_settings(**kw) -> WorkerSettings:
+    return WorkerSettings(executor="sim", sim_time_scale=0, conductor_addr="tcp://127.0.0.1:1",
+                          heartbeat_addr="tcp://127.0.0.1:1", **kw)
+
+
+def test_a_stop_during_a_long_model_load_is_obeyed_at_once(monkeypatch):
+    release = threading.Event()
+    loading = threading.Event()
+
+    def slow_build(settings, hooks):  # a model load that has not finished
+        loading.set()
+        release.wait(30)
+        return build_engine(settings, hooks)
+
+    monkeypatch.setattr(server, "build_engine", slow_build)
+
+    async def go():
+        stop = asyncio.Event()
+        serving = asyncio.create_task(server.serve(_sim_settings(), stop))
+        await asyncio.to_thread(loading.wait, 10)
+        began = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(serving, 5)
+        return time.monotonic() - began
+    try:
+        assert asyncio.run(go()) < 2.0
+    finally:
+        release.set()  # the abandoned load ends; its thread does not serve
+
+
+def test_a_model_that_fails_to_load_fails_the_start(monkeypatch):
+    def broken_build(settings, hooks):
+        raise ValueError("no model at /nowhere")
+
+    monkeypatch.setattr(server, "build_engine", broken_build)
+
+    async def go():
+        await server.serve(_sim_settings(), asyncio.Event())
+    with pytest.raises(ValueError, match="no model at /nowhere"):
+        asyncio.run(go())

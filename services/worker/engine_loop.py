@@ -1,6 +1,8 @@
 """The engine on its own thread, driven from an asyncio event loop.
 
-The engine is not thread-safe, and a step can take a while; so one thread owns it.
+The engine is not thread-safe, and a step can take a while; so one thread owns it,
+from the start: that thread builds it (a model load can take minutes, during which the
+event loop keeps answering signals), then serves it.
 Calls from the event loop (add a request, abort, export KV, …) are queued and run on
 that thread between steps; each step's outputs are handed back to the event loop.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -66,15 +69,13 @@ class LoadSnapshot(NamedTuple):
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, on_outputs: OutputHandler, *,
-                 name: str = "engine") -> None:
-        self._engine = engine
-        self.facts = EngineFacts(engine.block_manager.block_size,
-                                 engine.block_manager.num_blocks, engine.kv_store.num_layers,
-                                 engine.kv_store.block_nbytes, engine.fingerprint)
+    def __init__(self, on_outputs: OutputHandler, *, name: str = "engine") -> None:
+        self._engine: EngineCore | None = None
+        self._facts: EngineFacts | None = None
         self._on_outputs = on_outputs
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
@@ -82,16 +83,31 @@ class EngineLoop:
             maxlen=MAX_SAMPLES)
         self._decode_samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_SAMPLES)
         self.prefill_tokens_per_s = 0.0  # smoothed over prefill-only steps; 0: none yet
-        self.load = self._snapshot()
+        self.load = LoadSnapshot()
 
-    def start(self) -> None:
+    @property
+    def facts(self) -> EngineFacts:
+        if self._facts is None:
+            raise RuntimeError("the engine is not built yet")
+        return self._facts
+
+    async def start(self, build: Callable[[], EngineCore]) -> None:
+        """Start the engine thread, which calls ``build`` and then serves the engine;
+        return once it is built, or raise what ``build`` raised. Cancelling this wait
+        leaves the build running: the thread is a daemon, so it holds no process up,
+        and it ends after the build if ``stop`` was called meanwhile."""
         self._loop = asyncio.get_running_loop()
+        built = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(build, built),
+                                        name=self._name, daemon=True)
         self._thread.start()
+        await built
 
     async def stop(self) -> None:
         self._stopping = True
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join, 10)
+        if self._thread is not None and self._engine is not None:
+            await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` on the engine thread; its result or exception."""
@@ -160,7 +176,9 @@ class EngineLoop:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
-        self._loop.call_soon_threadsafe(apply)
+        # A build abandoned by a stop may end after the event loop has closed.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(apply)
 
     def _run_command(self, item) -> None:
         fn, args, kwargs, future = item
@@ -180,7 +198,21 @@ class EngineLoop:
                             engine.block_manager.num_free_blocks, engine.block_manager.num_blocks,
                             len(engine.requests))
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], EngineCore], built: asyncio.Future) -> None:
+        try:
+            engine = build()
+        except BaseException as exc:  # the caller of start() raises it
+            self._settle(built, exc=exc)
+            return
+        self._facts = EngineFacts(engine.block_manager.block_size,
+                                  engine.block_manager.num_blocks, engine.kv_store.num_layers,
+                                  engine.kv_store.block_nbytes, engine.fingerprint)
+        self._engine = engine
+        self.load = self._snapshot()
+        self._settle(built)
+        self._serve()
+
+    def _serve(self) -> None:
         while not self._stopping:
             self.load = self._snapshot()
             busy = self._engine.has_unfinished_requests()

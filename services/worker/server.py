@@ -1,8 +1,9 @@
 """A model worker process: the engine in its role, on the control and data planes.
 
-Startup: load the model, bind the control ROUTER (and, for decode roles, the KV
-receiver), say Hello to the conductor (retrying until it answers), then heartbeat every
-second with the engine's load. Requests arrive on the control socket; tokens leave on
+Startup: load the model (on the engine thread, so that a stop meanwhile is obeyed at
+once), bind the control ROUTER (and, for decode roles, the KV receiver), say Hello to
+the conductor (retrying until it answers), then heartbeat every second with the
+engine's load. Requests arrive on the control socket; tokens leave on
 PUSH sockets to the gateway named in each request.
 """
 
@@ -101,22 +102,19 @@ class Worker:
         self._clients: dict[str, RpcClient] = {}
         # Prefix-cache changes, appended on the engine thread, published in batches.
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
-        prefill = settings.role == "prefill"
-        # The role needs the engine loop, so it is built after the engine; the engine
-        # calls on_layer only while stepping, which starts with start().
-        engine = make_engine(EngineHooks(
-            on_layer=(lambda layer, seqs: self.role.on_layer(layer, seqs)) if prefill
-            else None,
-            on_stored=lambda hashes: self._kv_events.append(("stored", hashes)),
-            on_removed=lambda hashes: self._kv_events.append(("removed", hashes))))
-        self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
+        self.loop = EngineLoop(self._on_outputs, name=self.worker_id)
         self.streams = TokenStreams(self.ctx)
         ctx = RoleContext(worker_id=self.worker_id, settings=settings, loop=self.loop,
                           streams=self.streams, metrics=self.metrics, zmq=self.ctx,
                           peer=self.client)
         self.pool = PoolLink(ctx)
         self.role: DecodeRole | PrefillRole = (
-            PrefillRole(ctx, self.pool) if prefill else DecodeRole(ctx, self.pool))
+            PrefillRole(ctx, self.pool) if settings.role == "prefill"
+            else DecodeRole(ctx, self.pool))
+        self._build_engine = functools.partial(make_engine, EngineHooks(
+            on_layer=self.role.on_layer if isinstance(self.role, PrefillRole) else None,
+            on_stored=lambda hashes: self._kv_events.append(("stored", hashes)),
+            on_removed=lambda hashes: self._kv_events.append(("removed", hashes))))
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id)
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
@@ -124,7 +122,9 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.loop.start()
+        """Load the model (on the engine thread), then bind and register. A failure
+        raises; ``close`` cleans up after a start that failed or was cancelled."""
+        await self.loop.start(self._build_engine)
         await self.role.start()  # before the control socket: stats name its KV address
         await self.rpc.start()
         await self.pool.start()
@@ -255,12 +255,21 @@ class Worker:
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    # Loads the model on this thread: nothing else runs in the process yet.
     worker = Worker(settings, functools.partial(build_engine, settings))
-    await worker.start()
+    starting = asyncio.ensure_future(worker.start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
+        # A stop during a long model load is obeyed at once; the load is left behind
+        # on its daemon thread.
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("stopped while starting", worker_id=worker.worker_id)
+            return
+        starting.result()  # a failure to start raises here
         await until_stopped(stop, worker._tasks)
     finally:
+        starting.cancel()
+        stopping.cancel()
         await worker.close()
 
 
