@@ -9,28 +9,28 @@ import types
 import pytest
 
 from services.worker import pool_link
+from services.worker.engine_loop import EngineFacts
 from services.worker.pool_link import PoolLink
 from services.worker.settings import WorkerSettings
 
 
-def fake_worker(rate: float, block_nbytes: int = 720 * 1024, **settings):
-    engine = types.SimpleNamespace(
-        kv_store=types.SimpleNamespace(block_nbytes=block_nbytes),
-        block_manager=types.SimpleNamespace(block_size=16, block_for_hash=lambda h: None),
-        fingerprint="fp")
+def fake_context(rate: float, block_nbytes: int = 720 * 1024, **settings):
+    """What PoolLink reads of its RoleContext; the engine loop answers no engine calls."""
+    facts = EngineFacts(block_size=16, num_blocks=64, num_layers=2, block_nbytes=block_nbytes,
+                        fingerprint="fp")
     return types.SimpleNamespace(
-        settings=WorkerSettings(**settings), engine=engine,
-        loop=types.SimpleNamespace(prefill_tokens_per_s=rate))
+        settings=WorkerSettings(**settings), worker_id="w",
+        loop=types.SimpleNamespace(prefill_tokens_per_s=rate, facts=facts))
 
 
 @pytest.mark.asyncio
 async def test_fetch_only_when_cheaper_than_computing():
-    link = PoolLink(fake_worker(rate=0.0, cache_pools="tcp://127.0.0.1:1"))
+    link = PoolLink(fake_context(rate=0.0, cache_pools="tcp://127.0.0.1:1"))
     assert link._worth_fetching(100)  # nothing measured yet: fetch
     # 1 GB/s and 720 KiB blocks: ~0.74 ms a block, against 16 tokens at the rate.
-    link.worker.loop.prefill_tokens_per_s = 500.0  # 32 ms a block: fetch
+    link.ctx.loop.prefill_tokens_per_s = 500.0  # 32 ms a block: fetch
     assert link._worth_fetching(1) and link._worth_fetching(100)
-    link.worker.loop.prefill_tokens_per_s = 50_000.0  # 0.32 ms a block: compute
+    link.ctx.loop.prefill_tokens_per_s = 50_000.0  # 0.32 ms a block: compute
     assert not link._worth_fetching(100)
     link.bandwidth = 10e9  # a faster pool tips it back: 0.074 ms a block
     assert link._worth_fetching(100)
@@ -40,7 +40,7 @@ async def test_fetch_only_when_cheaper_than_computing():
 @pytest.mark.asyncio
 async def test_write_back_is_queued_bounded_and_dropped_past_the_bound(monkeypatch):
     monkeypatch.setattr(pool_link, "MAX_QUEUED_BLOCKS", 10)
-    link = PoolLink(fake_worker(rate=0.0, cache_pools="tcp://127.0.0.1:1"))
+    link = PoolLink(fake_context(rate=0.0, cache_pools="tcp://127.0.0.1:1"))
     link.client = object()  # connected; the writer task is not running
     prompt = list(range(16 * 6 + 3))  # six full blocks
     link.computed(prompt, None)
@@ -54,18 +54,19 @@ async def test_write_back_is_queued_bounded_and_dropped_past_the_bound(monkeypat
 
 @pytest.mark.asyncio
 async def test_without_pools_it_neither_fetches_nor_writes():
-    worker = fake_worker(rate=0.0)
+    ctx = fake_context(rate=0.0)
     calls = []
+    engine = object()
 
-    async def call(fn, *args, **kwargs):
-        calls.append(fn(*args, **kwargs))
+    async def run(fn, *args, **kwargs):  # the engine loop: fn(engine, ...) on its thread
+        calls.append(fn(engine, *args, **kwargs))
         return calls[-1]
 
-    worker.loop.call = call
-    link = PoolLink(worker)
+    ctx.loop.run = run
+    link = PoolLink(ctx)
     await link.start()
     assert not link.enabled and link._tasks == []
-    assert await link.with_prefix([1, 2, 3], None, lambda x: x * 2, 21) == 42
+    assert await link.with_prefix([1, 2, 3], None, lambda e, x: x * 2, 21) == 42
     link.computed(list(range(64)), None)
     assert link._queued == 0 and calls == [42]
     await link.close()

@@ -119,8 +119,8 @@ def test_engine_loop_reports_prefill_and_decode_samples():
             finished.extend(o.request_id for o in outputs if o.finished)
             if finished:
                 done.set()
-        loop = EngineLoop(e, on_outputs)
-        loop.start()
+        loop = EngineLoop(on_outputs)
+        await loop.start(lambda: e)
         await loop.call(e.add_request, "a", list(range(1, 65)), SamplingParams(max_tokens=4))
         await asyncio.wait_for(done.wait(), 5)
         await loop.call(e.add_request, "b", list(range(1, 33)), SamplingParams(max_tokens=1))

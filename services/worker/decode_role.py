@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
 
-from common.protocol import Abort, Ack, Error, Generate, Prefill, Tokens
-from common.transfer import Transfer, TransferError
+from common.protocol import Abort, Ack, Error, Generate, KVAdvert, Prefill, Tokens, WorkerStats
+from common.transfer import MultiReceiver, Transfer, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.outputs import RemoteSlots
 from services.engine.sequence import SequenceStatus
-
-if TYPE_CHECKING:
-    from services.worker.server import Worker
+from services.worker.context import RoleContext
+from services.worker.pool_link import PoolLink
+from services.worker.token_streams import logprob_records
 
 log = structlog.get_logger(__name__)
 
@@ -61,51 +61,81 @@ class Remote:
 
 
 class DecodeRole:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    """Generates for the gateway; owns the data-plane receiver KV from prefill lands on."""
+
+    def __init__(self, ctx: RoleContext, pool: PoolLink) -> None:
+        self.ctx = ctx
+        self.pool = pool
         self.streams: dict[str, Stream] = {}
         self.remote: dict[str, Remote] = {}
         self.local_fallbacks = 0
         self.received_bytes = 0
+        s = ctx.settings
+        kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
+        self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
+                                      sink=self.on_kv_chunk, host_id=s.resolved_host_id)
+
+    async def start(self) -> None:
+        await self.receiver.start()
+
+    async def close(self) -> None:
+        await self.receiver.close()
+
+    @property
+    def kv_addr(self) -> str:
+        return self.ctx.advertised(self.receiver.address)
+
+    def kv_advert(self) -> KVAdvert:
+        """The receiver's advert, each network endpoint as peers reach it."""
+        advert = self.receiver.advert()
+        return KVAdvert(host_id=advert.host_id,
+                        endpoints={k: self.ctx.advertised(a)
+                                   for k, a in advert.endpoints.items()})
+
+    def report(self, stats: WorkerStats) -> WorkerStats:
+        """``stats`` with this role's counters filled in."""
+        return dataclasses.replace(
+            stats, live_transfers=self.receiver.live(), local_fallbacks=self.local_fallbacks,
+            kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
+            kv_advert=self.kv_advert())
 
     async def handle(self, rid: str, rec: Generate):
-        w = self.worker
+        ctx = self.ctx
         if rid in self.streams:
             return Error("bad_request", f"request id {rid!r} is already in use")
         params = rec.sampling  # checked by SamplingParams itself when it was decoded
-        self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position,
-                                   rec.prompt_token_ids, rec.cache_salt)
+        prompt, salt = rec.prompt_token_ids, rec.cache_salt
+        self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt, salt)
         try:
             # A resumed stream (start_position > 0) prefills here: the prefill worker
             # only ever streams position 0.
-            if rec.prefill_addr and w.settings.role == "decode" and rec.start_position == 0:
-                slots = await w.pool.with_prefix(
-                    rec.prompt_token_ids, rec.cache_salt, w.engine.reserve_remote_prefill,
-                    rid, rec.prompt_token_ids, params, cache_salt=rec.cache_salt)
+            if rec.prefill_addr and ctx.settings.role == "decode" and rec.start_position == 0:
+                slots = await self.pool.with_prefix(
+                    prompt, salt, lambda e: e.reserve_remote_prefill(
+                        rid, prompt, params, cache_salt=salt))
                 if slots is not None:
-                    transfer = w.receiver.expect(rid, w.settings.kv_lease_s)
+                    transfer = self.receiver.expect(rid, ctx.settings.kv_lease_s)
                     self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
                                               time.monotonic())
                     asyncio.create_task(self._remote_prefill(rid, rec))
                     return Ack(detail="remote")
-            await w.pool.with_prefix(rec.prompt_token_ids, rec.cache_salt,
-                                     w.engine.add_request, rid, rec.prompt_token_ids, params,
-                                     cache_salt=rec.cache_salt)
+            await self.pool.with_prefix(
+                prompt, salt, lambda e: e.add_request(rid, prompt, params, cache_salt=salt))
             return Ack(detail="local")
         except ValueError as exc:
             self.streams.pop(rid, None)
             return Error("bad_request", str(exc))
 
     async def _remote_prefill(self, rid: str, rec: Generate) -> None:
-        w = self.worker
+        ctx = self.ctx
         remote = self.remote[rid]
-        lease = w.settings.kv_lease_s
-        asking = asyncio.create_task(w.client(rec.prefill_addr).call(Prefill(
+        lease = ctx.settings.kv_lease_s
+        asking = asyncio.create_task(ctx.peer(rec.prefill_addr).call(Prefill(
             prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
-            stream_addr=rec.stream_addr, kv_addr=w.kv_addr,
+            stream_addr=rec.stream_addr, kv_addr=self.kv_addr,
             block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
-            lease_s=lease, decode_id=w.worker_id, cache_salt=rec.cache_salt,
-            kv_advert=w.kv_advert()),
+            lease_s=lease, decode_id=ctx.worker_id, cache_salt=rec.cache_salt,
+            kv_advert=self.kv_advert()),
             request_id=rid, timeout=lease))
         arriving = asyncio.create_task(remote.transfer.wait())
         try:
@@ -117,12 +147,11 @@ class DecodeRole:
                 task.result()  # raises the first failure
             if len(done) < 2:
                 raise TimeoutError(f"KV not complete within its {lease} s lease")
-            reply = asking.result()
+            first = asking.result().record.first_token
             if rid not in self.remote:  # aborted meanwhile
                 return
-            out = await w.loop.call(w.engine.complete_remote_prefill, rid,
-                                    reply.record.first_token)
-            w.metrics.kv_transfer_seconds.inc(time.monotonic() - remote.started)
+            out = await ctx.loop.run(lambda e: e.complete_remote_prefill(rid, first))
+            ctx.metrics.kv_transfer_seconds.inc(time.monotonic() - remote.started)
             if out.finished:
                 self._emit_finish(rid, 1, out.finish_reason, out.num_cached_tokens)
         except (RemoteError, RpcTimeout, TransferError, TimeoutError, OSError) as exc:
@@ -134,20 +163,17 @@ class DecodeRole:
             self.remote.pop(rid, None)
 
     async def _fall_back(self, rid: str, remote: Remote, reason: str) -> None:
-        w = self.worker
         log.warning("remote prefill failed, prefilling locally", request_id=rid, reason=reason)
-        w.receiver.cancel(rid)
+        self.receiver.cancel(rid)
         asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
-        seq = w.engine.requests.get(rid)
-        if seq is not None and seq.status is SequenceStatus.WAITING_FOR_KV:
+        if await self.ctx.loop.run(cancel_if_waiting, rid):
             self.local_fallbacks += 1
-            w.metrics.local_fallbacks.inc()
-            await w.loop.call(w.engine.cancel_remote_prefill, rid)
+            self.ctx.metrics.local_fallbacks.inc()
 
     async def _tell_prefill_abort(self, addr: str, rid: str) -> None:
         # The prefill worker may be gone; then there is nothing left to free there.
         with contextlib.suppress(Exception):
-            await self.worker.client(addr).send(Abort(reason="decode gave up"), request_id=rid)
+            await self.ctx.peer(addr).send(Abort(reason="decode gave up"), request_id=rid)
 
     def on_kv_chunk(self, rid: str, layer: int, block_ids: list[int], payload: memoryview):
         """Data-plane sink: write one layer's KV straight into the reserved blocks."""
@@ -158,11 +184,13 @@ class DecodeRole:
         if block_ids != want:
             raise TransferError(f"KV for blocks {block_ids[:4]}…, reserved {want[:4]}…")
         try:
-            self.worker.engine.kv_store.import_layer_bytes(layer, block_ids, payload)
+            # Safe off the engine thread: see EngineLoop.import_layer. Every path that
+            # ends the wait (complete, fall back, abort) stops this sink first.
+            self.ctx.loop.import_layer(layer, block_ids, payload)
         except ValueError as exc:
             raise TransferError(str(exc)) from exc
         self.received_bytes += len(payload)
-        self.worker.metrics.kv_transfer_bytes.inc(len(payload))
+        self.ctx.metrics.kv_transfer_bytes.inc(len(payload))
 
     def on_output(self, out) -> None:
         stream = self.streams.get(out.request_id)
@@ -172,29 +200,38 @@ class DecodeRole:
         if out.num_output_tokens == len(out.new_token_ids) and out.new_token_ids:
             # The first token of a prompt computed here (a remote prefill's first token
             # never passes through): its blocks may serve other workers.
-            self.worker.pool.computed(stream.prompt_token_ids, stream.cache_salt)
-        self.worker.streams.send(stream.addr, out.request_id, Tokens(
+            self.pool.computed(stream.prompt_token_ids, stream.cache_salt)
+        self.ctx.streams.send(stream.addr, out.request_id, Tokens(
             position=position, token_ids=list(out.new_token_ids), finished=out.finished,
             finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
             cached_tokens=out.num_cached_tokens, source="decode",
             error="engine step failed" if out.finish_reason == "error" else None,
-            logprobs=self.worker.logprob_records(out.new_logprobs)))
+            logprobs=logprob_records(out.new_logprobs)))
         if out.finished:
             self.streams.pop(out.request_id, None)
 
     def _emit_finish(self, rid: str, count: int, reason: str | None, cached: int) -> None:
         stream = self.streams.pop(rid, None)
         if stream is not None:
-            self.worker.streams.send(stream.addr, rid, Tokens(
+            self.ctx.streams.send(stream.addr, rid, Tokens(
                 position=stream.start_position + count, token_ids=[], finished=True,
                 finish_reason=reason, prompt_tokens=stream.prompt_tokens,
                 cached_tokens=cached, source="decode"))
 
     async def abort(self, rid: str) -> None:
-        w = self.worker
         self.streams.pop(rid, None)
         remote = self.remote.pop(rid, None)
         if remote is not None:
-            w.receiver.cancel(rid)
+            self.receiver.cancel(rid)
             asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
-        await w.loop.call(w.engine.abort, rid)
+        await self.ctx.loop.run(lambda e: e.abort(rid))
+
+
+def cancel_if_waiting(engine, rid: str) -> bool:
+    """Engine thread: stop waiting for ``rid``'s KV and prefill it here instead; False
+    if it is no longer waiting (aborted, or completed meanwhile)."""
+    seq = engine.requests.get(rid)
+    if seq is None or seq.status is not SequenceStatus.WAITING_FOR_KV:
+        return False
+    engine.cancel_remote_prefill(rid)
+    return True

@@ -1,11 +1,19 @@
 """The engine on its own thread, driven from an asyncio event loop.
 
-The engine is not thread-safe, and a step can take a while; so one thread owns it.
+The engine is not thread-safe, and a step can take a while; so one thread owns it,
+from the start: that thread builds it (a model load can take minutes, during which the
+event loop keeps answering signals), then serves it.
 Calls from the event loop (add a request, abort, export KV, …) are queued and run on
 that thread between steps; each step's outputs are handed back to the event loop.
 
-    event loop ── call(fn) ──► [command queue] ──► engine thread: run commands, step, …
+    event loop ── run(fn) ──► [command queue] ──► engine thread: fn(engine), step, …
     event loop ◄── on_outputs(outputs, step_seconds) ◄──────────────┘
+
+Nothing else holds the engine: its parts reach it through ``run`` (reads and writes
+alike), read its fixed facts from ``facts``, and its load from ``load``. Two calls touch
+the KV store off the command queue, each where no step can race it: ``export_layer``
+from an engine hook (the engine thread itself) and ``import_layer`` from the data
+plane's sink (see there).
 
 Each step is also kept as a timing sample for the conductor's cost model: a step that
 only prefilled as a prefill sample, one that only decoded as a decode sample (a step
@@ -17,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import structlog
 
@@ -35,6 +44,17 @@ log = structlog.get_logger(__name__)
 
 OutputHandler = Callable[[list[RequestOutput], float], None]
 MAX_SAMPLES = 32
+T = TypeVar("T")
+
+
+class EngineFacts(NamedTuple):
+    """What never changes once the engine is built; safe to read from anywhere."""
+
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    block_nbytes: int  # one block across all layers
+    fingerprint: str
 
 
 class LoadSnapshot(NamedTuple):
@@ -49,12 +69,13 @@ class LoadSnapshot(NamedTuple):
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, on_outputs: OutputHandler, *,
-                 name: str = "engine") -> None:
-        self.engine = engine
+    def __init__(self, on_outputs: OutputHandler, *, name: str = "engine") -> None:
+        self._engine: EngineCore | None = None
+        self._facts: EngineFacts | None = None
         self._on_outputs = on_outputs
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
@@ -62,16 +83,31 @@ class EngineLoop:
             maxlen=MAX_SAMPLES)
         self._decode_samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_SAMPLES)
         self.prefill_tokens_per_s = 0.0  # smoothed over prefill-only steps; 0: none yet
-        self.load = self._snapshot()
+        self.load = LoadSnapshot()
 
-    def start(self) -> None:
+    @property
+    def facts(self) -> EngineFacts:
+        if self._facts is None:
+            raise RuntimeError("the engine is not built yet")
+        return self._facts
+
+    async def start(self, build: Callable[[], EngineCore]) -> None:
+        """Start the engine thread, which calls ``build`` and then serves the engine;
+        return once it is built, or raise what ``build`` raised. Cancelling this wait
+        leaves the build running: the thread is a daemon, so it holds no process up,
+        and it ends after the build if ``stop`` was called meanwhile."""
         self._loop = asyncio.get_running_loop()
+        built = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(build, built),
+                                        name=self._name, daemon=True)
         self._thread.start()
+        await built
 
     async def stop(self) -> None:
         self._stopping = True
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join, 10)
+        if self._thread is not None and self._engine is not None:
+            await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` on the engine thread; its result or exception."""
@@ -80,6 +116,27 @@ class EngineLoop:
         future = self._loop.create_future()
         self._commands.put((fn, args, kwargs, future))
         return await future
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(engine, *args, **kwargs)`` on the engine thread; its result or exception."""
+        return await self.call(fn, self._engine, *args, **kwargs)
+
+    def export_layer(self, layer: int, block_ids: Sequence[int]) -> memoryview:
+        """Layer ``layer`` of ``block_ids`` as bytes. Engine thread only (an engine hook
+        streaming a prompt's KV out while the next layer computes)."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError("export_layer runs on the engine thread only")
+        return self._engine.kv_store.export_layer_bytes(layer, block_ids)
+
+    def import_layer(self, layer: int, block_ids: Sequence[int], payload: memoryview) -> None:
+        """Write received KV into ``block_ids``, from the event loop, without waiting for
+        a step to end (the payload is only borrowed for the data plane's sink call).
+
+        Only for blocks reserved for a request waiting for its KV: no step reads or
+        frees them until ``complete_remote_prefill``, ``cancel_remote_prefill`` or
+        ``abort``, and the caller stops writing (drops the request from what it
+        expects) before it asks for any of those."""
+        self._engine.kv_store.import_layer_bytes(layer, block_ids, payload)
 
     def recent_step_ms(self) -> float:
         return 1000 * sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
@@ -96,7 +153,7 @@ class EngineLoop:
         return out[0], out[1]
 
     def _record(self, elapsed: float) -> None:
-        step = self.engine.last_step
+        step = self._engine.last_step
         if step is None:
             return
         if step.prefill and not step.decode_batch:
@@ -119,7 +176,9 @@ class EngineLoop:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
-        self._loop.call_soon_threadsafe(apply)
+        # A build abandoned by a stop may end after the event loop has closed.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(apply)
 
     def _run_command(self, item) -> None:
         fn, args, kwargs, future = item
@@ -131,7 +190,7 @@ class EngineLoop:
             self._settle(future, result)
 
     def _snapshot(self) -> LoadSnapshot:
-        engine, sched = self.engine, self.engine.scheduler
+        engine, sched = self._engine, self._engine.scheduler
         queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
         queued += sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.running
                       if s.num_computed_tokens < s.num_prompt_tokens)
@@ -139,10 +198,24 @@ class EngineLoop:
                             engine.block_manager.num_free_blocks, engine.block_manager.num_blocks,
                             len(engine.requests))
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], EngineCore], built: asyncio.Future) -> None:
+        try:
+            engine = build()
+        except BaseException as exc:  # the caller of start() raises it
+            self._settle(built, exc=exc)
+            return
+        self._facts = EngineFacts(engine.block_manager.block_size,
+                                  engine.block_manager.num_blocks, engine.kv_store.num_layers,
+                                  engine.kv_store.block_nbytes, engine.fingerprint)
+        self._engine = engine
+        self.load = self._snapshot()
+        self._settle(built)
+        self._serve()
+
+    def _serve(self) -> None:
         while not self._stopping:
             self.load = self._snapshot()
-            busy = self.engine.has_unfinished_requests()
+            busy = self._engine.has_unfinished_requests()
             try:
                 item = self._commands.get(block=not busy, timeout=None if not busy else 0)
             except queue.Empty:
@@ -159,11 +232,11 @@ class EngineLoop:
                     if item is None:
                         return
                     self._run_command(item)
-            if not self.engine.has_unfinished_requests():
+            if not self._engine.has_unfinished_requests():
                 continue
             start = time.perf_counter()
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception as exc:  # a broken step must not take the process down
                 log.exception("engine step failed")
                 outputs = self._fail_all(str(exc))
@@ -178,8 +251,8 @@ class EngineLoop:
     def _fail_all(self, reason: str) -> list[RequestOutput]:
         """Abort every running request after a failed step, reporting each as an error."""
         failed = []
-        for rid, seq in list(self.engine.requests.items()):
-            if self.engine.abort(rid):
+        for rid, seq in list(self._engine.requests.items()):
+            if self._engine.abort(rid):
                 failed.append(RequestOutput(rid, [], len(seq.output_token_ids), finished=True,
                                             finish_reason="error",
                                             num_prompt_tokens=seq.num_prompt_tokens))

@@ -10,6 +10,8 @@ the blocks it computed out after.
                 in one engine call adopt them into the prefix cache and make ``call``
                 (add_request, reserve_remote_prefill): admission finds them as ordinary
                 prefix hits, so a pooled block and a local one are reused alike
+        Every engine access (the local look-up, the adoption, the call, the exports
+        below) runs on the engine thread, through the engine loop.
     computed(prompt)
         the prompt's full blocks are computed here: queue the chain for write-back. A
         background task asks the pool which leading blocks it already holds, exports the
@@ -31,7 +33,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -39,9 +41,7 @@ from common.block_hash import hash_blocks
 from common.pool.client import PoolClient
 from common.pool.discovery import discover_pools, parse_pool_addrs
 from common.protocol import WorkerPoolCounts
-
-if TYPE_CHECKING:
-    from services.worker.server import Worker
+from services.worker.context import RoleContext
 
 log = structlog.get_logger(__name__)
 
@@ -53,9 +53,9 @@ FETCH_OVERHEAD_S = 1e-3  # a round trip and the engine call, per fetch
 
 
 class PoolLink:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        s = worker.settings
+    def __init__(self, ctx: RoleContext) -> None:
+        self.ctx = ctx
+        s = ctx.settings
         self.addrs = parse_pool_addrs(s.cache_pools)
         self.client: PoolClient | None = None
         self.bandwidth = s.pool_bandwidth_mbs * 1e6  # bytes/s, refined by each fetch
@@ -94,21 +94,20 @@ class PoolLink:
     # ---- in: fetch and adopt --------------------------------------------------------
 
     def _chain(self, prompt: list[int], salt: str | None, num_tokens: int) -> list[int]:
-        engine = self.worker.engine
-        bs = engine.block_manager.block_size
-        return hash_blocks(prompt[: num_tokens // bs * bs], bs, engine.fingerprint, salt)
+        facts = self.ctx.loop.facts
+        bs = facts.block_size
+        return hash_blocks(prompt[: num_tokens // bs * bs], bs, facts.fingerprint, salt)
 
     async def with_prefix(self, prompt: list[int], salt: str | None,
                           call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``call(*args, **kwargs)`` on the engine thread, the prompt's pooled prefix
-        blocks adopted into the prefix cache first (in the same engine call)."""
-        loop = self.worker.loop
+        """``call(engine, *args, **kwargs)`` on the engine thread, the prompt's pooled
+        prefix blocks adopted into the prefix cache first (in the same engine call)."""
+        loop = self.ctx.loop
         fetched = await self._fetch(prompt, salt) if self.client is not None else None
         if fetched is None:
-            return await loop.call(call, *args, **kwargs)
-        engine = self.worker.engine
+            return await loop.run(call, *args, **kwargs)
 
-        def adopt_then_call():
+        def adopt_then_call(engine):
             start = time.perf_counter()
             try:
                 adopted = engine.pool_blocks.adopt(*fetched)
@@ -117,22 +116,17 @@ class PoolLink:
                 adopted = 0
             self.seconds["adopt_seconds"] += time.perf_counter() - start
             self.counts["fetched_blocks"] += adopted
-            return call(*args, **kwargs)
+            return call(engine, *args, **kwargs)
 
-        return await loop.call(adopt_then_call)
+        return await loop.run(adopt_then_call)
 
     async def _fetch(self, prompt: list[int], salt: str | None):
         """``pool_blocks.adopt`` arguments ``(chain, prompt, start, blocks)`` worth adopting,
         or None."""
-        s = self.worker.settings
-        engine = self.worker.engine
+        s = self.ctx.settings
         chain = self._chain(prompt, salt, len(prompt) - 1)
-        # Read off the event loop's thread: a dict look-up per block, a hint only; the
-        # engine call that adopts checks the prefix again.
-        cached = engine.block_manager
-        local = 0
-        while local < len(chain) and cached.block_for_hash(chain[local]) is not None:
-            local += 1
+        # A hint only: the engine call that adopts checks the prefix again.
+        local = await self.ctx.loop.run(cached_prefix_blocks, chain)
         rest = chain[local:]
         if len(rest) < s.pool_min_fetch_blocks:
             return None
@@ -156,12 +150,12 @@ class PoolLink:
         return chain, prompt, local, blocks
 
     def _worth_fetching(self, n: int) -> bool:
-        engine = self.worker.engine
-        rate = self.worker.loop.prefill_tokens_per_s
+        loop = self.ctx.loop
+        rate = loop.prefill_tokens_per_s
         if not rate:
             return True
-        fetch_s = FETCH_OVERHEAD_S + n * engine.kv_store.block_nbytes / self.bandwidth
-        compute_s = n * engine.block_manager.block_size / rate
+        fetch_s = FETCH_OVERHEAD_S + n * loop.facts.block_nbytes / self.bandwidth
+        compute_s = n * loop.facts.block_size / rate
         return fetch_s < compute_s
 
     # ---- out: write back -------------------------------------------------------------
@@ -169,7 +163,7 @@ class PoolLink:
     def computed(self, prompt: list[int], salt: str | None) -> None:
         """The prompt's KV was computed here: write its full blocks back, in the
         background."""
-        if self.client is None or not self.worker.settings.pool_write_back:
+        if self.client is None or not self.ctx.settings.pool_write_back:
             return
         chain = self._chain(prompt, salt, len(prompt))
         if not chain:
@@ -195,10 +189,9 @@ class PoolLink:
 
     async def _write(self, chain: list[int]) -> None:
         held = await self.client.exists(chain)
-        engine, loop = self.worker.engine, self.worker.loop
         for first in range(held, len(chain), EXPORT_BATCH):
             batch = chain[first:first + EXPORT_BATCH]
-            blocks = await loop.call(engine.pool_blocks.export, batch)
+            blocks = await self.ctx.loop.run(export_blocks, batch)
             if blocks:
                 await self.client.put([(key, data, first + i) for i, (key, data)
                                        in enumerate(zip(batch, blocks, strict=False))])
@@ -211,19 +204,19 @@ class PoolLink:
     async def _connect(self) -> None:
         """Find the instances; use them all, or those found after PARTIAL_AFTER_S, and
         keep looking until every configured one has answered."""
-        s = self.worker.settings
+        s = self.ctx.settings
         began = time.monotonic()
         while True:
-            found = await discover_pools(self.worker.ctx, self.addrs)
+            found = await discover_pools(self.ctx.zmq, self.addrs)
             ids = frozenset(found)
             complete = len(found) == len(self.addrs)
             if ids and ids != self._instances and (
                     complete or time.monotonic() - began > PARTIAL_AFTER_S):
                 old = self.client
                 self.client = PoolClient(
-                    self.worker.ctx, {i: v.control_addr for i, v in found.items()},
+                    self.ctx.zmq, {i: v.control_addr for i, v in found.items()},
                     replicas=min(s.pool_replicas, len(found)),
-                    timeout_s=s.pool_timeout_s, name=f"{self.worker.worker_id}-pool",
+                    timeout_s=s.pool_timeout_s, name=f"{self.ctx.worker_id}-pool",
                     transfer_backend=s.transfer_backend, host_id=s.resolved_host_id)
                 self._instances = ids
                 log.info("cache pool connected", instances=sorted(ids),
@@ -233,3 +226,17 @@ class PoolLink:
             if complete:
                 return
             await asyncio.sleep(DISCOVER_RETRY_S)
+
+
+def cached_prefix_blocks(engine, chain: list[int]) -> int:
+    """Engine thread: how many leading blocks of ``chain`` the prefix cache holds."""
+    cached = engine.block_manager
+    local = 0
+    while local < len(chain) and cached.block_for_hash(chain[local]) is not None:
+        local += 1
+    return local
+
+
+def export_blocks(engine, hashes: list[int]) -> list:
+    """Engine thread: the cached blocks of ``hashes`` as bytes (``PoolBlocks.export``)."""
+    return engine.pool_blocks.export(hashes)

@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from common.protocol import Error, Prefill, PrefillDone, Tokens
+from common.protocol import Error, Prefill, PrefillDone, Tokens, WorkerStats
 from common.sampling_params import SamplingParams
-from common.transfer import TransferError
+from common.transfer import MultiSender, TransferError
 from services.engine.outputs import RequestOutput
+from services.worker.context import RoleContext
+from services.worker.pool_link import PoolLink
+from services.worker.token_streams import logprob_records
 
 if TYPE_CHECKING:
     from services.engine.sequence import Sequence
-    from services.worker.server import Worker
 
 log = structlog.get_logger(__name__)
 
@@ -53,13 +55,36 @@ class Job:
 
 
 class PrefillRole:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    """Runs prompts for decode workers; owns the data-plane sender their KV leaves by."""
+
+    def __init__(self, ctx: RoleContext, pool: PoolLink) -> None:
+        self.ctx = ctx
+        self.pool = pool
         self.jobs: dict[str, Job] = {}
         self.sent_bytes = 0
         self.backends: collections.Counter[str] = collections.Counter()
         self.done = 0
         self._aio = asyncio.get_running_loop()
+        s = ctx.settings
+        forced = None if s.transfer_backend == "auto" else s.transfer_backend
+        self.sender = MultiSender(host_id=s.resolved_host_id, forced=forced)
+
+    async def start(self) -> None:
+        pass  # the sender connects per peer, on first use
+
+    async def close(self) -> None:
+        await self.sender.close()
+
+    @property
+    def kv_addr(self) -> str:
+        return ""  # KV leaves a prefill worker; none arrives
+
+    def report(self, stats: WorkerStats) -> WorkerStats:
+        """``stats`` with this role's counters filled in."""
+        return dataclasses.replace(
+            stats, kv_bytes_sent=self.sent_bytes, prefills_done=self.done,
+            prefill_jobs=len(self.jobs), kv_chunks_resent=self.sender.resent,
+            transfer_backends=dict(self.backends))
 
     def on_output(self, out) -> bool:
         """Claim a finished prefill's output; False if it is not ours."""
@@ -72,23 +97,24 @@ class PrefillRole:
 
     def on_layer(self, layer: int, seqs: list[Sequence]) -> None:
         """Engine thread: copy out layer ``layer`` of every prompt completing this step."""
-        kv = self.worker.engine.kv_store
+        loop = self.ctx.loop
+        block_size = loop.facts.block_size
         for seq in seqs:
             job = self.jobs.get(seq.request_id)
             if job is None:
                 continue
             rec = job.rec
-            blocks = seq.block_table[:-(-seq.num_prompt_tokens // kv.block_size)]
+            blocks = seq.block_table[:-(-seq.num_prompt_tokens // block_size)]
             if len(blocks) != len(rec.block_ids):
                 job.error = (f"decode reserved {len(rec.block_ids)} blocks, "
                              f"prompt fills {len(blocks)}")
                 self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, None))
                 continue
-            payload = kv.export_layer_bytes(layer, blocks[rec.skip_blocks:])
+            payload = loop.export_layer(layer, blocks[rec.skip_blocks:])
             self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, payload))
 
     async def handle(self, rid: str, rec: Prefill):
-        w = self.worker
+        ctx = self.ctx
         if rid in self.jobs:  # a re-routed request while its first prefill still runs
             return Error("bad_request", f"request id {rid!r} is already being prefilled here")
         try:
@@ -96,32 +122,33 @@ class PrefillRole:
         except ValueError as exc:
             return Error("bad_request", str(exc))
         try:
-            addr = (w.sender.address_for(rec.kv_advert) if rec.kv_advert
+            addr = (self.sender.address_for(rec.kv_advert) if rec.kv_advert
                     else rec.kv_addr)
         except (TransferError, ValueError) as exc:
             return Error("bad_request", f"no usable data plane to the decode worker: {exc}")
         backend = addr.partition("://")[0]
         self.backends[backend] += 1
-        w.metrics.transfer_backend.labels(backend=backend).inc()
+        ctx.metrics.transfer_backend.labels(backend=backend).inc()
         job = self.jobs[rid] = Job(rec, addr, self._aio.create_future())
         deadline = self._aio.time() + rec.lease_s  # the decode worker gives up then
         sending = asyncio.create_task(self._send_layers(rid, job))
         try:
             try:
-                await w.pool.with_prefix(rec.prompt_token_ids, rec.cache_salt,
-                                         w.engine.add_request, rid, rec.prompt_token_ids,
-                                         params, cache_salt=rec.cache_salt, hold_blocks=True)
+                await self.pool.with_prefix(
+                    rec.prompt_token_ids, rec.cache_salt, lambda e: e.add_request(
+                        rid, rec.prompt_token_ids, params, cache_salt=rec.cache_salt,
+                        hold_blocks=True))
             except ValueError as exc:
                 return Error("bad_request", str(exc))
             out = await job.done
             if out.finish_reason in ("abort", "error") or not out.new_token_ids:
                 raise TransferError(f"prefill ended with {out.finish_reason}")
             first = out.new_token_ids[0]
-            w.pool.computed(rec.prompt_token_ids, rec.cache_salt)
-            w.streams.send(rec.stream_addr, rid, Tokens(
+            self.pool.computed(rec.prompt_token_ids, rec.cache_salt)
+            ctx.streams.send(rec.stream_addr, rid, Tokens(
                 position=0, token_ids=[first], prompt_tokens=out.num_prompt_tokens,
                 cached_tokens=out.num_cached_tokens, source="prefill",
-                logprobs=w.logprob_records(out.new_logprobs)))
+                logprobs=logprob_records(out.new_logprobs)))
             try:  # finish waits for the decode worker's verdicts: not past its lease
                 chunks = await asyncio.wait_for(sending, deadline - self._aio.time())
             except TimeoutError:
@@ -132,17 +159,17 @@ class PrefillRole:
         except (TransferError, OSError) as exc:
             log.warning("prefill failed", request_id=rid, error=str(exc))
             with contextlib.suppress(TransferError, OSError):
-                await w.sender.abort(job.addr, rid, str(exc))
+                await self.sender.abort(job.addr, rid, str(exc))
             return Error("prefill_failed", str(exc))
         finally:
             sending.cancel()
             self.jobs.pop(rid, None)
-            await w.loop.call(self._drop, rid)
+            await ctx.loop.run(_drop, rid)
 
     async def _send_layers(self, rid: str, job: Job) -> int:
         """Send each layer as the engine hands it over; then close the transfer."""
-        w = self.worker
-        num_layers = w.engine.kv_store.num_layers
+        ctx = self.ctx
+        num_layers = ctx.loop.facts.num_layers
         dest = list(job.rec.block_ids[job.rec.skip_blocks:])
         start = None
         for _ in range(num_layers):
@@ -150,22 +177,23 @@ class PrefillRole:
             if payload is None or job.error:
                 raise TransferError(job.error or "KV export failed")
             start = start or time.perf_counter()
-            await w.sender.send(job.addr, rid, layer, dest, payload)
+            await self.sender.send(job.addr, rid, layer, dest, payload)
             self.sent_bytes += payload.nbytes
-            w.metrics.kv_transfer_bytes.inc(payload.nbytes)
-        await w.sender.finish(job.addr, rid, num_layers)
-        w.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
+            ctx.metrics.kv_transfer_bytes.inc(payload.nbytes)
+        await self.sender.finish(job.addr, rid, num_layers)
+        ctx.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
         return num_layers
-
-    def _drop(self, rid: str) -> None:
-        engine = self.worker.engine
-        engine.abort(rid)
-        engine.release(rid)
 
     async def abort(self, rid: str) -> None:
         job = self.jobs.get(rid)
         if job is not None and not job.done.done():
-            await self.worker.loop.call(self.worker.engine.abort, rid)
+            await self.ctx.loop.run(lambda e: e.abort(rid))
             if not job.done.done():
                 job.done.set_result(RequestOutput(rid, [], 0, finished=True,
                                                   finish_reason="abort"))
+
+
+def _drop(engine, rid: str) -> None:
+    """Engine thread: end ``rid`` if it still runs, and free the blocks it held."""
+    engine.abort(rid)
+    engine.release(rid)

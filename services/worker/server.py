@@ -1,8 +1,9 @@
 """A model worker process: the engine in its role, on the control and data planes.
 
-Startup: load the model, bind the control ROUTER (and, for decode roles, the KV
-receiver), say Hello to the conductor (retrying until it answers), then heartbeat every
-second with the engine's load. Requests arrive on the control socket; tokens leave on
+Startup: load the model (on the engine thread, so that a stop meanwhile is obeyed at
+once), bind the control ROUTER (and, for decode roles, the KV receiver), say Hello to
+the conductor (retrying until it answers), then heartbeat every second with the
+engine's load. Requests arrive on the control socket; tokens leave on
 PUSH sockets to the gateway named in each request.
 """
 
@@ -13,13 +14,11 @@ import collections
 import dataclasses
 import functools
 import os
-import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
 
-from common.address import format_address, parse_address
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.protocol import (
@@ -31,22 +30,20 @@ from common.protocol import (
     Heartbeat,
     HeldBlocks,
     Hello,
-    KVAdvert,
     KVEvent,
     Prefill,
     Resync,
-    TokenLogprob,
-    TopLogprob,
     WorkerInfo,
     WorkerStats,
 )
 from common.service_main import run_service, until_stopped
-from common.transfer import MultiReceiver, MultiSender, TransferError
+from common.transfer import TransferError
 from common.zmq_auth import make_context
 from common.zmq_io import Publisher
 from common.zmq_policy import WORKER_CONTROL
 from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
 from services.engine.core import NO_HOOKS, EngineHooks
+from services.worker.context import RoleContext, advertise
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
@@ -84,21 +81,6 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         num_threads=s.num_threads or None), hooks=hooks)
 
 
-def advertise(addr: str, host: str = "") -> str:
-    """``addr`` (``scheme://host:port``) as peers should dial it: with ``host`` when
-    given, else with this machine's address in place of a wildcard bind. Addresses
-    without a network host (shm, ipc) are returned as they are."""
-    try:
-        parsed = parse_address(addr)
-    except ValueError:
-        return addr
-    if parsed.scheme not in ("tcp", "ucx"):
-        return addr
-    if not host and parsed.is_wildcard:
-        host = socket.gethostbyname(socket.gethostname())
-    return format_address(parsed.scheme, host, parsed.port) if host else addr
-
-
 def pin_cpus(spec: str) -> None:
     """Pin this process (and the threads it starts later) to the CPUs in ``spec``."""
     cpus = parse_cpus(spec)
@@ -108,6 +90,9 @@ def pin_cpus(spec: str) -> None:
 
 
 class Worker:
+    """The process's parts, wired: the engine on its loop, one role, the pool link, the
+    control socket. The parts get a ``RoleContext``, never the worker."""
+
     def __init__(self, settings: WorkerSettings,
                  make_engine: Callable[[EngineHooks], EngineCore]) -> None:
         self.settings = settings
@@ -115,45 +100,41 @@ class Worker:
             f"{settings.role}-{settings.resolved_host_id}-{os.getpid()}")
         self.ctx = make_context(settings.curve_keys_dir, settings.role)
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
+        self._clients: dict[str, RpcClient] = {}
         # Prefix-cache changes, appended on the engine thread, published in batches.
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
-        self.prefill = PrefillRole(self) if settings.role == "prefill" else None
-        self.engine = engine = make_engine(EngineHooks(
-            on_layer=self.prefill.on_layer if self.prefill else None,
+        self.loop = EngineLoop(self._on_outputs, name=self.worker_id)
+        self.streams = TokenStreams(self.ctx)
+        ctx = RoleContext(worker_id=self.worker_id, settings=settings, loop=self.loop,
+                          streams=self.streams, metrics=self.metrics, zmq=self.ctx,
+                          peer=self.client)
+        self.pool = PoolLink(ctx)
+        self.role: DecodeRole | PrefillRole = (
+            PrefillRole(ctx, self.pool) if settings.role == "prefill"
+            else DecodeRole(ctx, self.pool))
+        self._build_engine = functools.partial(make_engine, EngineHooks(
+            on_layer=self.role.on_layer if isinstance(self.role, PrefillRole) else None,
             on_stored=lambda hashes: self._kv_events.append(("stored", hashes)),
             on_removed=lambda hashes: self._kv_events.append(("removed", hashes))))
-        self.loop = EngineLoop(engine, self._on_outputs, name=self.worker_id)
-        self.streams = TokenStreams(self.ctx)
-        self.pool = PoolLink(self)
-        self.decode = DecodeRole(self) if settings.role != "prefill" else None
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.worker_id,
                              allowed=WORKER_CONTROL)
-        self.receiver = None
-        forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
-        self.sender = MultiSender(host_id=settings.resolved_host_id, forced=forced) \
-            if self.prefill else None
-        self._clients: dict[str, RpcClient] = {}
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.loop.start()
-        if self.decode is not None:  # before the control socket: stats name its address
-            s = self.settings
-            kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
-            self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
-                                          sink=self.decode.on_kv_chunk,
-                                          host_id=s.resolved_host_id)
-            await self.receiver.start()
+        """Load the model (on the engine thread), then bind and register. A failure
+        raises; ``close`` cleans up after a start that failed or was cancelled."""
+        await self.loop.start(self._build_engine)
+        await self.role.start()  # before the control socket: stats name its KV address
         await self.rpc.start()
         await self.pool.start()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_port)
         self._tasks.append(asyncio.create_task(self._register_and_beat()))
         log.info("worker started", worker_id=self.worker_id, role=self.settings.role,
-                 control=self.control_addr, kv=self.kv_addr)
+                 control=self.control_addr, kv=self.role.kv_addr)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -163,10 +144,7 @@ class Worker:
         await self.pool.close()
         for client in self._clients.values():
             await client.close()
-        if self.receiver is not None:
-            await self.receiver.close()
-        if self.sender is not None:
-            await self.sender.close()
+        await self.role.close()
         await self.streams.close()
         await self.loop.stop()
         self.ctx.term()
@@ -175,21 +153,6 @@ class Worker:
     def control_addr(self) -> str:
         """Where peers reach this worker's control socket (see ``advertise``)."""
         return advertise(self.rpc.address, self.settings.advertise_host)
-
-    @property
-    def kv_addr(self) -> str:
-        if self.receiver is None:
-            return ""
-        return advertise(self.receiver.address, self.settings.advertise_host)
-
-    def kv_advert(self) -> KVAdvert | None:
-        """The receiver's advert, each network endpoint as peers reach it."""
-        if self.receiver is None:
-            return None
-        advert = self.receiver.advert()
-        return KVAdvert(host_id=advert.host_id,
-                        endpoints={k: advertise(a, self.settings.advertise_host)
-                                   for k, a in advert.endpoints.items()})
 
     def client(self, addr: str, server: str = "worker") -> RpcClient:
         client = self._clients.get(addr)
@@ -205,22 +168,21 @@ class Worker:
         if isinstance(rec, GetStats):
             return self.stats()
         if isinstance(rec, Resync):
-            hashes = await self.loop.call(self.engine.block_manager.cached_hashes)
-            return HeldBlocks(source=self.worker_id, hashes=list(hashes),
+            hashes = list(await self.loop.run(lambda e: e.block_manager.cached_hashes()))
+            return HeldBlocks(source=self.worker_id, hashes=hashes,
                               tiers=["local"] * len(hashes))
         if not rid and isinstance(rec, Generate | Prefill | Abort):
             return Error("bad_request", "request id missing from the envelope")
         if isinstance(rec, Generate):
-            if self.decode is None:
+            if not isinstance(self.role, DecodeRole):
                 return Error("wrong_role", f"{self.worker_id} is a prefill worker")
-            return await self.decode.handle(rid, rec)
+            return await self.role.handle(rid, rec)
         if isinstance(rec, Prefill):
-            if self.prefill is None:
+            if not isinstance(self.role, PrefillRole):
                 return Error("wrong_role", f"{self.worker_id} does not run remote prefills")
-            return await self.prefill.handle(rid, rec)
+            return await self.role.handle(rid, rec)
         if isinstance(rec, Abort):
-            role = self.decode or self.prefill
-            await role.abort(rid)
+            await self.role.abort(rid)
             return Ack(detail="aborted")
         return Error("unsupported", f"{type(rec).__name__} is not handled by a worker")
 
@@ -229,45 +191,26 @@ class Worker:
         for out in outputs:
             if out.queue_time_s is not None:
                 self.metrics.queue_time.observe(out.queue_time_s)
-            if self.prefill is not None:
-                self.prefill.on_output(out)
-            else:
-                self.decode.on_output(out)
+            self.role.on_output(out)
 
-    @staticmethod
-    def logprob_records(logprobs) -> list[TokenLogprob]:
-        return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                             top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                for lp in logprobs if lp is not None]
-
-    def info(self, num_blocks: int) -> WorkerInfo:
-        s = self.settings
+    def info(self) -> WorkerInfo:
+        s, facts = self.settings, self.loop.facts
         return WorkerInfo(worker_id=self.worker_id, role=s.role, model=s.model,
-                          control_addr=self.control_addr, kv_addr=self.kv_addr,
+                          control_addr=self.control_addr, kv_addr=self.role.kv_addr,
                           host_id=s.resolved_host_id, block_size=s.block_size,
-                          num_blocks=num_blocks, fingerprint=self.engine.fingerprint)
+                          num_blocks=facts.num_blocks, fingerprint=facts.fingerprint)
 
     def stats(self) -> WorkerStats:
         load = self.loop.load
-        return WorkerStats(
-            info=self.info(load.total_blocks), executor=self.settings.executor,
+        return self.role.report(WorkerStats(
+            info=self.info(), executor=self.settings.executor,
             free_blocks=load.free_blocks, waiting=load.waiting, running=load.running,
-            num_requests=load.num_requests,
-            live_transfers=self.receiver.live() if self.receiver is not None else 0,
-            local_fallbacks=self.decode.local_fallbacks if self.decode else 0,
-            kv_bytes_received=self.decode.received_bytes if self.decode else 0,
-            kv_bytes_sent=self.prefill.sent_bytes if self.prefill else 0,
-            prefills_done=self.prefill.done if self.prefill else 0,
-            prefill_jobs=len(self.prefill.jobs) if self.prefill else 0,
-            kv_chunks_resent=self.sender.resent if self.sender is not None else 0,
-            kv_chunks_retried=self.receiver.retried if self.receiver is not None else 0,
-            transfer_backends=dict(self.prefill.backends) if self.prefill else {},
-            kv_advert=self.kv_advert(), pool=self.pool.stats())
+            num_requests=load.num_requests, pool=self.pool.stats()))
 
     async def _register_and_beat(self) -> None:
         s = self.settings
         conductor = self.client(s.conductor_addr, "conductor")
-        hello = Hello(info=self.info(self.engine.block_manager.num_blocks))
+        hello = Hello(info=self.info())
         while not self.registered.is_set():
             try:
                 await conductor.call(hello, timeout=2.0)
@@ -315,12 +258,21 @@ class Worker:
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    # Loads the model on this thread: nothing else runs in the process yet.
     worker = Worker(settings, functools.partial(build_engine, settings))
-    await worker.start()
+    starting = asyncio.ensure_future(worker.start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
+        # A stop during a long model load is obeyed at once; the load is left behind
+        # on its daemon thread.
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("stopped while starting", worker_id=worker.worker_id)
+            return
+        starting.result()  # a failure to start raises here
         await until_stopped(stop, worker._tasks)
     finally:
+        starting.cancel()
+        stopping.cancel()
         await worker.close()
 
 

@@ -19,7 +19,7 @@ import collections
 import structlog
 import zmq.asyncio
 
-from common.protocol import Tokens
+from common.protocol import TokenLogprob, Tokens, TopLogprob
 from common.zmq_io import PushSocket
 
 log = structlog.get_logger(__name__)
@@ -95,3 +95,10 @@ class TokenStreams:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
         self._queues.clear()
+
+
+def logprob_records(logprobs) -> list[TokenLogprob]:
+    """The engine's per-token logprobs as the records ``Tokens`` carries."""
+    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                         top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in logprobs if lp is not None]

@@ -1,0 +1,190 @@
+"""The worker's parts and their seams: the roles and the pool link see a RoleContext,
+never the worker; the engine is reached only through its loop; each role reports its
+own counters."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+import functools
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from common.protocol import WorkerStats
+from common.sampling_params import SamplingParams
+from services.worker import server
+from services.worker.context import RoleContext
+from services.worker.decode_role import DecodeRole
+from services.worker.engine_loop import EngineLoop
+from services.worker.prefill_role import PrefillRole
+from services.worker.server import Worker, build_engine
+from services.worker.settings import WorkerSettings
+
+PACKAGE = "services.worker"
+ROOT = Path(__file__).resolve().parents[1] / "services" / "worker"
+MODULES = {path.stem: path for path in ROOT.glob("*.py")}
+
+
+def intra_imports(name: str) -> set[str]:
+    """Modules of services/worker that ``name`` imports: every import statement,
+    those inside functions and under TYPE_CHECKING included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for module in modules:
+            if module.startswith(PACKAGE + "."):
+                found.add(module[len(PACKAGE) + 1:].split(".")[0])
+    found.discard(name)
+    return found & set(MODULES)
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_worker_imports_its_parts_and_no_part_imports_the_worker():
+    edges = {name: intra_imports(name) for name in MODULES}
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle(edges) is None, edges
+    assert {"decode_role", "prefill_role", "pool_link", "context"} <= edges["server"]
+    assert [m for m, deps in edges.items() if "server" in deps] == []
+    for part in ("decode_role", "prefill_role", "pool_link"):
+        assert "context" in edges[part], part
+
+
+def test_every_module_is_short():
+    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert max(lines.values()) < 400, lines
+
+
+def test_the_context_is_a_frozen_record():
+    assert RoleContext.__dataclass_params__.frozen and hasattr(RoleContext, "__slots__")
+    fields = {f.name for f in dataclasses.fields(RoleContext)}
+    assert fields == {"worker_id", "settings", "loop", "streams", "metrics", "zmq", "peer"}
+
+
+def test_the_engine_is_reached_through_its_loop_only():
+    async def go():
+        engine = build_engine(WorkerSettings(executor="sim", sim_time_scale=0))
+        loop = EngineLoop(lambda outputs, step_s: None)
+        assert not hasattr(loop, "engine")
+        with pytest.raises(RuntimeError, match="not built"):
+            _ = loop.facts
+        await loop.start(lambda: engine)
+        try:
+            seen = await loop.run(lambda e, x: (e, x), 7)
+            with pytest.raises(RuntimeError, match="engine thread only"):
+                loop.export_layer(0, [0])
+            # From the engine thread (an engine call, as from a hook) it exports.
+            out = await loop.run(lambda e: loop.export_layer(0, [0]))
+            added = await loop.run(lambda e: e.add_request(
+                "r", [1, 2, 3], SamplingParams(max_tokens=1)))
+        finally:
+            await loop.stop()
+        return engine, loop, seen, out, added
+    engine, loop, seen, out, added = asyncio.run(go())
+    assert seen == (engine, 7) and added == "r"
+    assert out.nbytes == engine.kv_store.block_nbytes // engine.kv_store.num_layers
+    assert loop.facts.block_size == 16 and loop.facts.fingerprint == engine.fingerprint
+    assert loop.facts.num_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "unified"])
+def test_each_role_reports_its_own_counters(role):
+    async def go():
+        settings = WorkerSettings(role=role, executor="sim", sim_time_scale=0,
+                                  conductor_addr="tcp://127.0.0.1:1",
+                                  heartbeat_addr="tcp://127.0.0.1:1")
+        worker = Worker(settings, functools.partial(build_engine, settings))
+        await worker.start()
+        try:
+            if role == "prefill":
+                worker.role.sent_bytes, worker.role.done = 123, 2
+                worker.role.backends["tcp"] += 1
+            else:
+                worker.role.local_fallbacks, worker.role.received_bytes = 3, 456
+            return worker.role, worker.stats()
+        finally:
+            await worker.close()
+    part, stats = asyncio.run(go())
+    assert isinstance(stats, WorkerStats) and stats.info.role == role
+    if role == "prefill":
+        assert isinstance(part, PrefillRole)
+        assert (stats.kv_bytes_sent, stats.prefills_done, stats.transfer_backends) == (
+            123, 2, {"tcp": 1})
+        assert (stats.local_fallbacks, stats.kv_bytes_received) == (0, 0)
+        assert stats.kv_advert is None and stats.info.kv_addr == ""
+    else:
+        assert isinstance(part, DecodeRole)
+        assert (stats.local_fallbacks, stats.kv_bytes_received) == (3, 456)
+        assert (stats.kv_bytes_sent, stats.prefills_done, stats.prefill_jobs) == (0, 0, 0)
+        assert stats.kv_advert is not None and stats.info.kv_addr.startswith("tcp://")
+
+
+def _sim_settings(**kw) -> WorkerSettings:
+    return WorkerSettings(executor="sim", sim_time_scale=0, conductor_addr="tcp://127.0.0.1:1",
+                          heartbeat_addr="tcp://127.0.0.1:1", **kw)
+
+
+def test_a_stop_during_a_long_model_load_is_obeyed_at_once(monkeypatch):
+    release = threading.Event()
+    loading = threading.Event()
+
+    def slow_build(settings, hooks):  # a model load that has not finished
+        loading.set()
+        release.wait(30)
+        return build_engine(settings, hooks)
+
+    monkeypatch.setattr(server, "build_engine", slow_build)
+
+    async def go():
+        stop = asyncio.Event()
+        serving = asyncio.create_task(server.serve(_sim_settings(), stop))
+        await asyncio.to_thread(loading.wait, 10)
+        began = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(serving, 5)
+        return time.monotonic() - began
+    try:
+        assert asyncio.run(go()) < 2.0
+    finally:
+        release.set()  # the abandoned load ends; its thread does not serve
+
+
+def test_a_model_that_fails_to_load_fails_the_start(monkeypatch):
+    def broken_build(settings, hooks):
+        raise ValueError("no model at /nowhere")
+
+    monkeypatch.setattr(server, "build_engine", broken_build)
+
+    async def go():
+        await server.serve(_sim_settings(), asyncio.Event())
+    with pytest.raises(ValueError, match="no model at /nowhere"):
+        asyncio.run(go())
