@@ -1,16 +1,14 @@
 """The worker's parts and their seams: the roles and the pool link see a RoleContext,
-never the worker; the engine is reached only through its loop; each role reports its
-own counters."""
+never the worker (their imports: tests/test_layering.py); the engine is reached only
+through its loop; each role reports its own counters."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import dataclasses
 import functools
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,65 +21,6 @@ from services.worker.engine_loop import EngineLoop
 from services.worker.prefill_role import PrefillRole
 from services.worker.server import Worker, build_engine
 from services.worker.settings import WorkerSettings
-
-PACKAGE = "services.worker"
-ROOT = Path(__file__).resolve().parents[1] / "services" / "worker"
-MODULES = {path.stem: path for path in ROOT.glob("*.py")}
-
-
-def intra_imports(name: str) -> set[str]:
-    """Modules of services/worker that ``name`` imports: every import statement,
-    those inside functions and under TYPE_CHECKING included."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(MODULES[name].read_text())):
-        if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
-        for module in modules:
-            if module.startswith(PACKAGE + "."):
-                found.add(module[len(PACKAGE) + 1:].split(".")[0])
-    found.discard(name)
-    return found & set(MODULES)
-
-
-def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(edges.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(edges):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
-
-
-def test_the_worker_imports_its_parts_and_no_part_imports_the_worker():
-    edges = {name: intra_imports(name) for name in MODULES}
-    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
-    assert find_cycle(edges) is None, edges
-    assert {"decode_role", "prefill_role", "pool_link", "context"} <= edges["server"]
-    assert [m for m, deps in edges.items() if "server" in deps] == []
-    for part in ("decode_role", "prefill_role", "pool_link"):
-        assert "context" in edges[part], part
-
-
-def test_every_module_is_short():
-    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
-    assert max(lines.values()) < 400, lines
 
 
 def test_the_context_is_a_frozen_record():
