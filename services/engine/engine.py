@@ -13,7 +13,7 @@ from functools import cached_property
 import torch
 
 from common.sampling_params import SamplingParams
-from services.engine.attention import TorchAttention
+from services.engine.attention_backends import make_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
 from services.engine.executor import LayerHook, Sampled
@@ -53,12 +53,12 @@ class LLMEngine(EngineCore):
             torch.set_num_threads(config.num_threads)
         self.weights = weights or load_weights(config.model)
         self.model_config = cfg = self.weights.config
-        self.device = torch.device(config.device)
+        self.device = config.torch_device
         dtype = config.torch_dtype
 
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                             cfg.max_position_embeddings)
-        model = LlamaModel(cfg, TorchAttention())
+        model = LlamaModel(cfg, make_attention_backend(config.attention_backend, self.device))
         model.load_hf_weights(self.weights.tensors)
         self.model = model.to(device=self.device, dtype=dtype).eval()
 
@@ -73,7 +73,8 @@ class LLMEngine(EngineCore):
                                  Sampler(tuple(cfg.eos_token_ids)))
         super().__init__(
             executor, kv_cache,
-            fingerprint=cfg.fingerprint(self.weights.digest, config.dtype, config.block_size),
+            fingerprint=cfg.fingerprint(self.weights.digest, config.dtype_name,
+                                       config.block_size),
             max_model_len=max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=cfg.eos_token_ids,
             scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
