@@ -145,3 +145,94 @@ async def test_dead_dispatcher_fails_waiting_requests_at_once(cluster):
     with pytest.raises(BackendUnavailable):
         await _consume(backend, "r-late")
     await fake.wait_aborted("r-orphan")  # the worker is told, too
+
+
+@pytest.fixture
+async def gateway(tok_dir, monkeypatch):
+    """The whole gateway (``serve``) in this process over the fake cluster:
+    (fake, backend, http client, the serve task). ``shutdown_grace_s`` is 1 s."""
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from services.gateway import server
+    from services.gateway.openai_api import create_app
+    from tests.cluster import free_port
+
+    made: list[ClusterBackend] = []
+
+    class Recorded(ClusterBackend):
+        async def start(self) -> None:
+            made.append(self)
+            await super().start()
+
+    monkeypatch.setattr(server, "ClusterBackend", Recorded)
+    # serve registers its metrics globally, once per process; here it runs per test.
+    monkeypatch.setattr(server, "create_app", lambda *a, **kw: create_app(
+        *a, metrics_registry=CollectorRegistry(), **kw))
+    ctx = zmq.asyncio.Context()
+    fake = FakeCluster(ctx)
+    await fake.start()
+    port = free_port()
+    settings = server.GatewaySettings(
+        model="m", http_port=port, zmq_addr=f"tcp://127.0.0.1:{free_port()}",
+        conductor_addr=fake.conductor.address, stream_bind="tcp://127.0.0.1:*",
+        tokenizer_dir=tok_dir, max_model_len=512, request_timeout_s=120, shutdown_grace_s=1)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(server.serve(settings, stop))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        await c.get("/health")  # 503: no worker listed; but it serves
+                        break
+                    except httpx.TransportError:
+                        if serving.done():
+                            serving.result()  # raises why it did not start
+                        await asyncio.sleep(0.05)
+            assert made and made[0].dispatching
+            yield fake, made[0], c, serving, stop
+    finally:
+        stop.set()
+        await asyncio.gather(serving, return_exceptions=True)
+        await fake.close()
+        ctx.term()
+
+
+async def _open_request(fake: FakeCluster, c) -> asyncio.Task:
+    pending = asyncio.create_task(c.post("/v1/completions", json={
+        "model": "m", "prompt": [1, 2, 3], "max_tokens": 100}))
+    async with asyncio.timeout(10):
+        while not fake.generated:
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)  # admitted
+    return pending
+
+
+async def test_gateway_with_a_dead_dispatcher_answers_and_stops_at_once(gateway):
+    """When the token dispatcher dies, the request waiting for tokens is answered at
+    once and serve ends with LoopFailed, instead of holding the HTTP server's shutdown
+    until the request times out."""
+    from common.service_main import LoopFailed
+
+    fake, backend, c, serving, _ = gateway
+    pending = await _open_request(fake, c)
+    backend._task.cancel()
+    async with asyncio.timeout(3):
+        r = await pending
+    assert r.status_code == 500 and "token stream" in r.json()["error"]["message"]
+    with pytest.raises(LoopFailed, match="_dispatch"):
+        async with asyncio.timeout(8):
+            await serving
+
+
+async def test_stop_gives_open_requests_a_grace_then_aborts_them(gateway):
+    fake, _, c, serving, stop = gateway
+    pending = await _open_request(fake, c)
+    started = asyncio.get_running_loop().time()
+    stop.set()
+    async with asyncio.timeout(8):
+        await serving
+    assert asyncio.get_running_loop().time() - started < 5  # grace 1 s, not the timeout
+    await fake.wait_aborted(fake.generated[0])
+    await asyncio.gather(pending, return_exceptions=True)
