@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from common.client import Client
-from common.protocol import ClientRequest, Error, decode, encode
+from common.protocol import Abort, ClientRequest, Error, decode, encode
 from services.engine.tokenizer_export import tokenizer_dir_for
 from services.engine.weights import DEFAULT_MODEL
 from tests.cluster import Cluster, stats
@@ -148,3 +148,25 @@ def test_a_request_id_two_clients_share_is_two_requests(cluster, prompt):
         got = [next(lines) for _ in range(5)]  # the first request still streams
         assert all(line.startswith("data: {") for line in got)
     _assert_freed(cluster, start)
+
+
+def test_abort_during_a_remote_prefill_frees_both_workers(cluster):
+    long_prompt = random_prompts([4000], vocab=49152, seed=4)[0]  # seconds of prefill
+    start = _snapshot(cluster)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(cluster.zmq_addr)
+    try:
+        req = ClientRequest(model="", sampling={"max_tokens": 4000, "temperature": 0},
+                            prompt_token_ids=long_prompt)
+        sock.send_multipart(encode(req, request_id="mid-prefill"))
+        deadline = time.monotonic() + 20
+        while stats(cluster.procs["prefill-0"].control).prefill_jobs == 0:
+            assert time.monotonic() < deadline, "the prefill never started"
+            time.sleep(0.05)
+        sock.send_multipart(encode(Abort(), request_id="mid-prefill"))
+        _assert_freed(cluster, start)
+    finally:
+        sock.close(0)
+        ctx.term()
