@@ -207,15 +207,24 @@ class Cluster:
         return self._spawn(name, old.args, old.control, old.host, old.starts + 1)
 
     def wait_alive(self, name: str, timeout_s: float = 60.0) -> None:
-        """Until the conductor lists worker ``name`` as alive."""
+        """Until process ``name`` answers for itself and the conductor lists it (a
+        worker) or every worker (the conductor) as alive."""
         deadline = time.monotonic() + timeout_s
+        answered = False
         while time.monotonic() < deadline:
             if self.procs[name].popen.poll() is not None:
                 raise RuntimeError(f"{name} exited:\n{self.procs[name].tail()}")
             try:
-                if self.conductor_workers()[name].alive:
+                if not answered:  # the new process, not the dead one's registration
+                    if name != "conductor":
+                        self.worker_stats(name)
+                    answered = True
+                workers = self.conductor_workers()
+                want = set(self.procs) - {"conductor", "gateway"} if name == "conductor" \
+                    else {name}
+                if all(w in workers and workers[w].alive for w in want):
                     return
-            except (TimeoutError, KeyError):
+            except TimeoutError:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"{name} not alive within {timeout_s} s")
