@@ -217,7 +217,8 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
         token = authorize(request)
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # RecursionError: nesting deeper than the decoder's stack (a 400, not a 500).
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
