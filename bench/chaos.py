@@ -1,6 +1,6 @@
 """Fault injection under load: nothing completed is wrong, nothing streamed is lost.
 
-    python bench/chaos.py [--duration 150] [--rate 3] [--seed 0] [--faults a,b,c]
+    python bench/chaos.py [--duration 90] [--rate 3] [--seed 0] [--faults a,b,c]
                           [--short] [--out chaos.json] [--model DIR] [--workdir DIR]
 
 Real processes on loopback (``tests.cluster``): gateway, conductor, one prefill worker,
@@ -148,7 +148,11 @@ def compare(ref: list[Outcome], got: list[Outcome], strikes: list[Strike],
         worst = p99(added)
         per_fault[s.name] = {**asdict(s), "in_flight": len(added),
                              "p99_added_ms": None if worst is None else round(worst * 1e3)}
-    return {"sent": len(got), "completed_exact": exact, "completed_different": len(different),
+    failures = [{"index": o.req.index, "start_s": round(o.start_s, 2),
+                 "end_s": round(o.end_s, 2), "http": o.req.http, "error": o.error}
+                for o in got if o.error is not None]
+    return {"failures": failures, "sent": len(got), "completed_exact": exact,
+            "completed_different": len(different),
             "different_indices": different, "completed_unreferenced": unreferenced,
             "failed": dict(sorted(failed.items())), "failed_total": sum(failed.values()),
             "tokens_lost": lost, "tokens_repeated": repeated,
@@ -182,7 +186,7 @@ def format_table(res: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=None,
-                    help="seconds of load (default 150, --short 40)")
+                    help="seconds of load (default 90, --short 40)")
     ap.add_argument("--rate", type=float, default=None,
                     help="requests per second (default 3, --short 2)")
     ap.add_argument("--seed", type=int, default=0)
@@ -192,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="", help="model dir (default: a tiny random model)")
     ap.add_argument("--workdir", default="", help="logs and keys (default: a temp dir)")
     args = ap.parse_args(argv)
-    args.duration = args.duration or (40.0 if args.short else 150.0)
+    args.duration = args.duration or (40.0 if args.short else 90.0)
     args.rate = args.rate or (2.0 if args.short else 3.0)
     names = [n for n in args.faults.split(",") if n] or (SHORT if args.short else
                                                         [n for n, _ in SCHEDULE])

@@ -95,7 +95,7 @@ def pool_restart(t: Target) -> tuple[bool, str]:
     pid = t.pool.popen.pid
     code = t.pool.stop(signal.SIGTERM)
     gone = pid_gone(pid)
-    t.pool.start()
+    t.pool.start(learn_block_bytes=True)  # as at first: the workers' block size
     t.restarts.append(t.pool.instance)
     return gone, f"pid {pid} exited {code}, restarted as pid {t.pool.popen.pid}"
 
@@ -194,8 +194,8 @@ def _zmq_junk(addr: str) -> int:
 
 
 def junk(t: Target) -> tuple[bool, str]:
-    """Garbage to every listening port; it struck if each port took it and every process
-    is still running afterwards."""
+    """Garbage to every listening port; it struck, and was handled, if the ports took it,
+    no HTTP answer was a 5xx and every process is still running afterwards."""
     http = _http_junk(t)
     replies = _zmq_junk(t.cluster.zmq_addr)
     internal = internal_ports(t)
@@ -204,7 +204,8 @@ def junk(t: Target) -> tuple[bool, str]:
     dead = [n for n, p in t.cluster.procs.items() if p.popen.poll() is not None]
     if t.pool.popen.poll() is not None:
         dead.append(t.pool.instance)
-    return (bool(http) and sent > 0 and not dead,
+    return (bool(http) and not any(h.startswith("5") for h in http) and sent > 0
+            and not dead,
             f"http statuses {http}, zmq client port {replies}/5 error replies, "
             f"{sent} junk connections to {len(internal)} internal ports; dead after: {dead}")
 
