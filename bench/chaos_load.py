@@ -6,8 +6,8 @@ Over the ZeroMQ client port a request's output is its token ids and every chunk'
 one starting before it repeats them. Over HTTP SSE the output is the text; a completion
 with fewer tokens than ``max_tokens`` (``ignore_eos`` is set, so it must have them all)
 lost the rest. A request that fails is counted by reason: a clean failure is an error the
-gateway answered with (an error chunk, an HTTP status, an SSE error event); anything else
-(a timeout, a dropped connection) is not clean.
+gateway answered with (an error chunk, an HTTP status, an SSE error event) other than its
+request timeout; a timeout (the cluster lost the request) or a dropped connection is not.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from bench.serve import error_message, sse_data
 from common.client import AsyncClient, GenerationError
 from tests.cluster import Cluster
 
-REQUEST_TIMEOUT_S = 60.0
+# Sent along as the request's timeout: a request lost inside the cluster ends by it.
+REQUEST_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +85,8 @@ async def _zmq(client: AsyncClient, req: Req) -> tuple[list[int], int, int, str 
                     repeated += min(nxt - c.position, len(c.token_ids))
                 ids.extend(c.token_ids)
                 nxt = max(nxt, c.position + len(c.token_ids))
-    except GenerationError as e:
-        return ids, lost, repeated, reason(str(e)), True
+    except GenerationError as e:  # the gateway's own timeout: the cluster lost it
+        return ids, lost, repeated, reason(str(e)), e.code != "timeout"
     except TimeoutError:
         return ids, lost, repeated, "no answer within the client timeout", False
     lost += max(0, req.max_tokens - nxt)
@@ -102,14 +103,15 @@ async def _http(session: aiohttp.ClientSession, url: str, model: str,
         async with session.post(url, json=body) as resp:
             if resp.status >= 300:
                 return "", 0, 0, reason(f"HTTP {resp.status}: "
-                                        f"{error_message(await resp.text())}"), True
+                                        f"{error_message(await resp.text())}"), \
+                    resp.status != 504
             async for data, _ in sse_data(resp.content):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return "".join(text), 0, 0, reason(
-                        "SSE error: " + error_message(data)), True
+                        "SSE error: " + error_message(data)), "request_timeout" not in data
                 usage = chunk.get("usage") or usage
                 text += [c.get("text") or "" for c in chunk.get("choices") or ()]
     # Whatever went wrong belongs to this request; the load goes on.
