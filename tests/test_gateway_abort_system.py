@@ -17,7 +17,7 @@ from common.client import Client
 from common.protocol import Abort, ClientRequest, Error, decode, encode
 from services.engine.tokenizer_export import tokenizer_dir_for
 from services.engine.weights import DEFAULT_MODEL
-from tests.cluster import Cluster, stats
+from tests.cluster import Cluster
 from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,21 +43,22 @@ def prompt():
 
 
 def _snapshot(cluster: Cluster) -> dict[str, int]:
-    return {n: stats(cluster.procs[n].control).free_blocks for n in WORKERS}
+    return {n: cluster.worker_stats(n).free_blocks for n in WORKERS}
 
 
 def _wait_running(cluster: Cluster, within_s: float = 20.0) -> None:
     deadline = time.monotonic() + within_s
-    while stats(cluster.procs["decode-1"].control).running == 0:
+    while cluster.worker_stats("decode-1").running == 0:
         if time.monotonic() > deadline:
             raise AssertionError("the request never started decoding")
         time.sleep(0.05)
 
 
-def _assert_freed(cluster: Cluster, start: dict[str, int], within_s: float = 5.0) -> None:
+def _assert_freed(cluster: Cluster, start: dict[str, int], within_s: float = 15.0) -> None:
+    # A quarter of the minute the request would run on; generous for a loaded machine.
     deadline = time.monotonic() + within_s
     while True:
-        now = {n: stats(cluster.procs[n].control) for n in WORKERS}
+        now = {n: cluster.worker_stats(n) for n in WORKERS}
         if all(s.free_blocks == start[n] and s.running == 0 and s.waiting == 0
                for n, s in now.items()):
             return
@@ -162,7 +163,7 @@ def test_abort_during_a_remote_prefill_frees_both_workers(cluster):
                             prompt_token_ids=long_prompt)
         sock.send_multipart(encode(req, request_id="mid-prefill"))
         deadline = time.monotonic() + 20
-        while stats(cluster.procs["prefill-0"].control).prefill_jobs == 0:
+        while cluster.worker_stats("prefill-0").prefill_jobs == 0:
             assert time.monotonic() < deadline, "the prefill never started"
             time.sleep(0.05)
         sock.send_multipart(encode(Abort(), request_id="mid-prefill"))
