@@ -5,6 +5,7 @@ bounded whatever addresses requests name."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 
@@ -157,7 +158,10 @@ async def test_tokens_are_taken_only_from_worker_roles(contexts):
     tool = PushSocket(contexts("client"), backend.stream_addr, bind=False, server="gateway")
     real = PushSocket(contexts("decode"), backend.stream_addr, bind=False, server="gateway")
     try:
-        await keyless.send(forged, request_id="r1")
+        # A PUSH whose only peer refused the handshake may have no pipe to queue into:
+        # its send then waits for a peer that never comes. Not arriving is the point.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(keyless.send(forged, request_id="r1"), 2)
         await tool.send(forged, request_id="r1")
         for _ in range(40):
             if backend.pull.forbidden:
