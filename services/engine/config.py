@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Kept in sync with services.engine.weights.quantize.QUANTIZATIONS, which imports torch
+# kernels this module does not need.
+QUANTIZATIONS = ("none", "int8")
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,6 +28,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
+    quantization: str = "none"  # "int8": int8 projections (CPU, float32); see weights/quantize
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +47,16 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.quantization != "none" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("quantization int8 runs on device cpu with dtype float32 only")
+
+    @property
+    def precision(self) -> str:
+        """The dtype, and the quantization when there is one (it changes KV bytes)."""
+        return self.dtype if self.quantization == "none" else f"{self.dtype}+{self.quantization}"
 
     @property
     def torch_dtype(self) -> torch.dtype:
