@@ -7,7 +7,10 @@ Three figures per side, all batch 1 and greedy:
 
 * ``decode_tok_s``: tokens per second of the steps after the first (prompt of 16 tokens);
 * ``ttft_s``: seconds from a 100-token prompt to its first token;
-* ``prefill_tok_s``: 1,024 prompt tokens over the seconds to their first token.
+* ``prefill_tok_s``: 1,024 prompt tokens over the seconds to their first token;
+
+and each Python side's peak RSS (``rss_mib``, in the JSON). ``--quantization int8``
+runs pdserve with int8 weights (services/engine/weights/quantize.py).
 
 Sides: ``pdserve`` (LLMEngine), ``transformers`` (the same weights in float32, prefill
 with ``logits_to_keep=1`` so neither side computes logits it throws away) and, when
@@ -45,12 +48,20 @@ def _prompts(seed: int) -> dict[str, list[int]]:
             "decode": draw(DECODE_PROMPT_LEN)}
 
 
-def child_pdserve(model: str, threads: int, n: int, seed: int) -> dict:
+def _rss_mib() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child_pdserve(model: str, threads: int, n: int, seed: int, quantization: str) -> dict:
     from common.sampling_params import SamplingParams
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, num_threads=threads,
+    engine = LLMEngine(EngineConfig(model=model, num_threads=threads, quantization=quantization,
                                     kv_cache_bytes=256 << 20, max_num_seqs=4))
     p = _prompts(seed)
 
@@ -69,10 +80,11 @@ def child_pdserve(model: str, threads: int, n: int, seed: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     decode = time.perf_counter() - t0
-    return {"decode_tok_s": n / decode, "ttft_s": ttft, "prefill_tok_s": PREFILL_LEN / prefill}
+    return {"decode_tok_s": n / decode, "ttft_s": ttft, "prefill_tok_s": PREFILL_LEN / prefill,
+            "rss_mib": _rss_mib()}
 
 
-def child_transformers(model: str, threads: int, n: int, seed: int) -> dict:
+def child_transformers(model: str, threads: int, n: int, seed: int, quantization: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -105,7 +117,8 @@ def child_transformers(model: str, threads: int, n: int, seed: int) -> dict:
             out = hf(torch.tensor([[token]]), use_cache=True, **{cache_arg: cache})
             cache, token = _cache_of(out), int(out.logits[0, -1].argmax())
     decode = time.perf_counter() - t0
-    return {"decode_tok_s": n / decode, "ttft_s": ttft, "prefill_tok_s": PREFILL_LEN / prefill}
+    return {"decode_tok_s": n / decode, "ttft_s": ttft, "prefill_tok_s": PREFILL_LEN / prefill,
+            "rss_mib": _rss_mib()}
 
 
 def _cache_of(out):
@@ -129,7 +142,7 @@ def run_side(side: str, args: argparse.Namespace, seed: int) -> dict:
         return run_llama_bench(args.llama_bench, args.model, args.threads, args.decode_tokens)
     cmd = [sys.executable, __file__, "--child", side, "--model", args.model,
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens),
-           "--seed", str(seed)]
+           "--seed", str(seed), "--quantization", args.quantization]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -161,11 +174,13 @@ def main() -> None:
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench")
     ap.add_argument("--out", default="latency.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none", help="pdserve's weights: none or int8")
     ap.add_argument("--child", choices=("pdserve", "transformers"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         fn = child_pdserve if args.child == "pdserve" else child_transformers
-        print(json.dumps(fn(args.model, args.threads, args.decode_tokens, args.seed)))
+        print(json.dumps(fn(args.model, args.threads, args.decode_tokens, args.seed,
+                             args.quantization)))
         return
     if args.runs < 3:
         raise SystemExit("--runs must be at least 3: one run says nothing about the spread")
