@@ -18,14 +18,15 @@ def test_int8_linear_is_close_and_keeps_bias():
     ref = torch.nn.Linear(64, 48)
     q = Int8Linear(ref.weight, ref.bias)
     assert q.weight.dtype == torch.int8
-    x = torch.randn(3, 5, 64)
-    with torch.no_grad():
-        want = ref(x)
-    got = q(x)
-    assert got.shape == want.shape
-    # Per-channel int8: each weight is off by at most half a step of its row's scale.
-    bound = (q.scale / 2)[None, None, :] * x.abs().sum(-1, keepdim=True) + 1e-5
-    assert ((got - want).abs() <= bound).all()
+    for rows in (3, 40):  # the int8 kernel, then the expanded weight of a prefill
+        x = torch.randn(rows, 5, 64)
+        with torch.no_grad():
+            want = ref(x)
+        got = q(x)
+        assert got.shape == want.shape
+        # Per-channel int8: each weight is off by at most half a step of its row's scale.
+        bound = (q.scale / 2)[None, None, :] * x.abs().sum(-1, keepdim=True) + 1e-5
+        assert ((got - want).abs() <= bound).all()
 
 
 def test_int8_embedding_rows():

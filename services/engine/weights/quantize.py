@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 QUANTIZATIONS = ("none", "int8")
+# Above this many rows per matmul the weight is expanded to float for the call.
+DEQUANTIZE_ROWS = 16
 
 
 def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -48,7 +50,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
+        if flat.shape[0] > DEQUANTIZE_ROWS:
+            # A prefill chunk: expanding the weight costs one pass over it, which the
+            # float GEMM amortizes over many rows; the int8 kernel does not.
+            y = torch.mm(flat, (self.weight.float() * self.scale[:, None]).t())
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.weight.shape[0])
