@@ -15,7 +15,9 @@ repetition_penalty, stop_token_ids, ignore_eos, min_tokens, logprobs). Imports n
 Wire: the client's DEALER sends ``ClientRequest`` (request id in the envelope); the
 gateway answers with ``ClientChunk`` messages for that id, the last one ``finished``;
 ``Abort`` with the same id stops it. A chunk carrying ``error`` raises
-:class:`GenerationError`.
+:class:`GenerationError`. Request ids are the client's own: they are scoped by its socket,
+so only this client can abort its requests. ``api_key`` is required when the gateway
+has API keys configured (code ``unauthorized`` otherwise).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Completion(NamedTuple):
 
 
 def _request(model: str, prompt, messages, prompt_token_ids, stop, stream, cache_salt,
-             timeout_s, sampling: dict[str, Any]) -> ClientRequest:
+             timeout_s, api_key, sampling: dict[str, Any]) -> ClientRequest:
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
     if isinstance(stop, str):
@@ -59,7 +61,7 @@ def _request(model: str, prompt, messages, prompt_token_ids, stop, stream, cache
     return ClientRequest(model=model, sampling=sampling, prompt=prompt,
                          prompt_token_ids=list(prompt_token_ids) if prompt_token_ids else None,
                          messages=messages, stop=list(stop or ()), stream=stream,
-                         cache_salt=cache_salt, timeout_s=timeout_s)
+                         cache_salt=cache_salt, timeout_s=timeout_s, api_key=api_key)
 
 
 def _check(msg) -> ClientChunk:
@@ -85,8 +87,8 @@ class Client:
     """Blocking client; one request at a time per instance."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, model: str = "",
-                 timeout_s: float = 600.0) -> None:
-        self.model, self.timeout_s = model, timeout_s
+                 timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        self.model, self.timeout_s, self.api_key = model, timeout_s, api_key
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -98,7 +100,7 @@ class Client:
                **sampling: Any) -> Iterator[ClientChunk]:
         rid = request_id or f"sdk-{uuid.uuid4().hex}"
         req = _request(self.model, prompt, messages, prompt_token_ids, stop, True,
-                       cache_salt, self.timeout_s, sampling)
+                       cache_salt, self.timeout_s, self.api_key, sampling)
         self._sock.send_multipart(encode(req, request_id=rid))
         deadline = time.monotonic() + self.timeout_s
         finished = False
@@ -139,8 +141,8 @@ class AsyncClient:
     """asyncio client; many concurrent requests share one socket."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, model: str = "",
-                 timeout_s: float = 600.0) -> None:
-        self.model, self.timeout_s = model, timeout_s
+                 timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        self.model, self.timeout_s, self.api_key = model, timeout_s, api_key
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -167,7 +169,7 @@ class AsyncClient:
             self._reader = asyncio.create_task(self._read())
         rid = request_id or f"sdk-{uuid.uuid4().hex}"
         req = _request(self.model, prompt, messages, prompt_token_ids, stop, True,
-                       cache_salt, self.timeout_s, sampling)
+                       cache_salt, self.timeout_s, self.api_key, sampling)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         finished = False

@@ -107,7 +107,7 @@ class CostProfile:
                              f"pool_bandwidth >= 0")
 
     def coefficients(self) -> tuple[float, ...]:
-        """The six cost terms in ``COEFFICIENTS`` order (``Calibration``'s order)."""
+        """The six cost terms in ``COEFFICIENTS`` order (``CostCoefficients``'s order)."""
         return tuple(getattr(self, name) for name in COEFFICIENTS)
 
     @property

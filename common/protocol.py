@@ -259,6 +259,7 @@ class ClientRequest:
     stream: bool = True
     cache_salt: str | None = None
     timeout_s: float | None = None
+    api_key: str | None = None  # required when the gateway has API keys configured
 
 
 @message("client_chunk")

@@ -124,7 +124,9 @@ class WorkerPoolCounts:
 @record
 @dataclass(frozen=True, slots=True)
 class CostCoefficients:
-    """The conductor's fitted cost model (seconds; the calibration's fields)."""
+    """A cost model's coefficients in seconds (per token, per token pair, per sequence,
+    per context token), all > 0: a calibration, or what the conductor fitted online. The
+    terms they multiply are in ``common/cost_profile.py``."""
 
     prefill_fixed_s: float
     prefill_per_token_s: float
@@ -132,6 +134,12 @@ class CostCoefficients:
     decode_fixed_s: float
     decode_per_seq_s: float
     decode_per_ctx_token_s: float
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"cost coefficient {name} must be > 0, got {value!r}")
 
 
 @record

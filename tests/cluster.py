@@ -131,6 +131,9 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     control: str = ""
+    args: list[str] = field(default_factory=list)
+    host: Host | None = None
+    starts: int = 1
 
     def tail(self, n: int = 40) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
@@ -177,9 +180,11 @@ class Cluster:
         self.base_url = f"http://{ip}:{self.http_port}"
 
     def _spawn(self, name: str, args: list[str], control: str = "",
-               host: Host | None = None) -> Proc:
+               host: Host | None = None, starts: int = 1) -> Proc:
         host = host or self.host
         log = self.workdir / f"{name}.log"
+        if starts > 1:  # a restart keeps the dead process's log
+            log = self.workdir / f"{name}.{starts}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG_FORMAT": "console",
                "PDSERVE_CURVE_KEYS_DIR": self.keys_dir, **host.env}
         cmd = [sys.executable, "-m", *args]
@@ -187,8 +192,42 @@ class Cluster:
             cmd = ["ip", "netns", "exec", host.netns, *cmd]
         popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"),
                                  stderr=subprocess.STDOUT)
-        proc = self.procs[name] = Proc(name, popen, log, control)
+        proc = self.procs[name] = Proc(name, popen, log, control, args, host, starts)
         return proc
+
+    def restart(self, name: str, timeout_s: float = 15.0) -> Proc:
+        """Start ``name`` again with its own arguments and addresses, as a supervisor
+        would, once the old process has exited (killed after ``timeout_s``)."""
+        old = self.procs[name]
+        try:
+            old.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            old.popen.kill()
+            old.popen.wait()
+        return self._spawn(name, old.args, old.control, old.host, old.starts + 1)
+
+    def wait_alive(self, name: str, timeout_s: float = 60.0) -> None:
+        """Until process ``name`` answers for itself and the conductor lists it (a
+        worker) or every worker (the conductor) as alive."""
+        deadline = time.monotonic() + timeout_s
+        answered = False
+        while time.monotonic() < deadline:
+            if self.procs[name].popen.poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{self.procs[name].tail()}")
+            try:
+                if not answered:  # the new process, not the dead one's registration
+                    if name != "conductor":
+                        self.worker_stats(name)
+                    answered = True
+                workers = self.conductor_workers()
+                want = set(self.procs) - {"conductor", "gateway"} if name == "conductor" \
+                    else {name}
+                if all(w in workers and workers[w].alive for w in want):
+                    return
+            except TimeoutError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{name} not alive within {timeout_s} s")
 
     def start_worker(self, name: str, role: str) -> Proc:
         host = self.worker_hosts.get(name, self.host)

@@ -11,14 +11,15 @@ from collections import Counter
 import pytest
 
 from common.protocol import Heartbeat, WorkerInfo
+from common.records import CostCoefficients
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
-from services.conductor.cost_model import Calibration, CostModel
+from services.conductor.cost_model import CostModel
 from services.conductor.policy import Decision, NoWorkers
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import Registry, WorkerView
 from services.conductor.routing_policy import PolicyRequest
 
-CAL = Calibration(prefill_fixed_s=0.01, prefill_per_token_s=1e-4, prefill_per_pair_s=1e-9,
+CAL = CostCoefficients(prefill_fixed_s=0.01, prefill_per_token_s=1e-4, prefill_per_pair_s=1e-9,
                   decode_fixed_s=0.02, decode_per_seq_s=1e-3, decode_per_ctx_token_s=1e-7)
 CFG = PolicyConfig(kv_bytes_per_token=1000, link_bandwidth=1e9, pool_bandwidth=1e8)
 BS = 512  # index block size

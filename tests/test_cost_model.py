@@ -7,29 +7,29 @@ import random
 
 import pytest
 
+from common.records import CostCoefficients
 from services.conductor.cost_model import (
-    Calibration,
     CostModel,
     pool_fetch_time,
     transfer_time,
 )
 
-TRUE = Calibration(prefill_fixed_s=0.02, prefill_per_token_s=79e-6, prefill_per_pair_s=1.5e-9,
+TRUE = CostCoefficients(prefill_fixed_s=0.02, prefill_per_token_s=79e-6, prefill_per_pair_s=1.5e-9,
                    decode_fixed_s=0.015, decode_per_seq_s=1e-4, decode_per_ctx_token_s=35e-9)
 # A calibration off by 2x, 0.5x and 3x: what the fit has to walk away from.
-PRIOR = Calibration(prefill_fixed_s=0.04, prefill_per_token_s=40e-6, prefill_per_pair_s=4.5e-9,
+PRIOR = CostCoefficients(prefill_fixed_s=0.04, prefill_per_token_s=40e-6, prefill_per_pair_s=4.5e-9,
                     decode_fixed_s=0.03, decode_per_seq_s=0.5e-4, decode_per_ctx_token_s=70e-9)
 
 
-def true_prefill(k: Calibration, n: int, c: int) -> float:
+def true_prefill(k: CostCoefficients, n: int, c: int) -> float:
     return k.prefill_fixed_s + k.prefill_per_token_s * n + k.prefill_per_pair_s * n * (n / 2 + c)
 
 
-def true_decode(k: Calibration, b: int, ctx: int) -> float:
+def true_decode(k: CostCoefficients, b: int, ctx: int) -> float:
     return k.decode_fixed_s + k.decode_per_seq_s * b + k.decode_per_ctx_token_s * ctx
 
 
-def feed(model: CostModel, truth: Calibration, rng: random.Random, count: int,
+def feed(model: CostModel, truth: CostCoefficients, rng: random.Random, count: int,
          noise: float) -> None:
     for _ in range(count):
         n, c = rng.randint(1, 16_000), rng.choice([0, rng.randint(0, 32_000)])
@@ -52,7 +52,7 @@ def test_fit_converges_to_true_coefficients_from_a_wrong_prior_under_noise():
     m = CostModel(PRIOR)
     feed(m, TRUE, random.Random(7), 3000, noise=0.05)
     got, want = m.coefficients(), TRUE
-    for name in Calibration.__slots__:
+    for name in CostCoefficients.__slots__:
         assert getattr(got, name) == pytest.approx(getattr(want, name), rel=0.08), name
     for n, c in [(100, 0), (8192, 0), (512, 16_000), (64_000, 0)]:
         assert m.predict_prefill(n, c) == pytest.approx(true_prefill(TRUE, n, c), rel=0.02)
@@ -62,7 +62,7 @@ def test_fit_converges_to_true_coefficients_from_a_wrong_prior_under_noise():
 
 
 def test_forgetting_follows_a_worker_that_slows_down():
-    slow = Calibration(*(2 * getattr(TRUE, n) for n in Calibration.__slots__))
+    slow = CostCoefficients(*(2 * getattr(TRUE, n) for n in CostCoefficients.__slots__))
     m = CostModel(TRUE, forgetting=0.99)
     rng = random.Random(3)
     feed(m, TRUE, rng, 500, noise=0.0)
@@ -91,7 +91,7 @@ def test_transfer_and_pool_fetch_times():
 
 def test_bad_inputs_are_explicit_errors():
     with pytest.raises(ValueError, match="prefill_per_pair_s"):
-        Calibration(0.01, 1e-4, 0.0, 0.01, 1e-3, 1e-7)
+        CostCoefficients(0.01, 1e-4, 0.0, 0.01, 1e-3, 1e-7)
     m = CostModel(TRUE)
     with pytest.raises(ValueError, match="cached"):
         m.predict_prefill(10, -1)
@@ -120,7 +120,7 @@ def test_one_formula_behind_profile_model_and_fit():
 
     prof = CostProfile("t", *(getattr(TRUE, f) for f in TRUE.__slots__),
                        kv_bytes_per_token=1, block_size=16, link_bandwidth=1.0)
-    model = CostModel(Calibration(*prof.coefficients()))
+    model = CostModel(CostCoefficients(*prof.coefficients()))
     assert prefill_terms(100, 30) == (1.0, 100, 100 * (50 + 30))
     assert decode_terms(8, 5000) == (1.0, 8, 5000)
     for n, c in [(1, 0), (100, 30), (512, 7680), (8192, 0), (3, 100_000)]:

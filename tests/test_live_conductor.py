@@ -15,9 +15,10 @@ from bench.sim.profiles import Profile
 from bench.sim.simulator import SimRequest, Simulator
 from common.cost_profile import CostProfile, save_profile
 from common.protocol import GetStats, Heartbeat, Hello, Route, StepSample, WorkerInfo
+from common.records import CostCoefficients
 from common.zmq_rpc import RemoteError, RpcClient
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
-from services.conductor.cost_model import Calibration, CostModel
+from services.conductor.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import WorkerView
 from services.conductor.router import Router, RouterConfig, RouteRequest
@@ -26,7 +27,7 @@ from services.conductor.server import Conductor, ConductorSettings
 from tests.cluster import free_port
 
 # prefill(n, c) = 0.05 + 1e-3 n + 1e-6 n (n/2 + c); step(B, K) = 0.01 + 1e-3 B + 1e-5 K
-COST = Calibration(0.05, 1e-3, 1e-6, 0.01, 1e-3, 1e-5)
+COST = CostCoefficients(0.05, 1e-3, 1e-6, 0.01, 1e-3, 1e-5)
 PROFILE = CostProfile("test", *(getattr(COST, k) for k in COST.__slots__),
                       kv_bytes_per_token=1000, block_size=64, link_bandwidth=1e7,
                       pool_bandwidth=1e7)
@@ -244,7 +245,7 @@ async def test_burst_of_identical_prefix_between_heartbeats_is_spread(profile_pa
 async def test_heartbeat_step_samples_fit_the_cost_model(profile_path):
     async with Live(profile_path) as live:
         await live.hello("decode-0", "decode")
-        truth = Calibration(0.1, 2e-3, 2e-6, 0.02, 2e-3, 2e-5)  # everything twice as slow
+        truth = CostCoefficients(0.1, 2e-3, 2e-6, 0.02, 2e-3, 2e-5)  # everything twice as slow
         rng = random.Random(1)
         for seq in range(40):
             pre, dec = [], []
@@ -266,7 +267,7 @@ async def test_heartbeat_step_samples_fit_the_cost_model(profile_path):
         stats = (await live.client.call(GetStats(), timeout=5)).record
     assert stats.cost_observations == [320, 320] and stats.bad_samples == 80
     # What the conductor now predicts:
-    fitted = CostModel(Calibration(**dataclasses.asdict(stats.cost_model)))
+    fitted = CostModel(CostCoefficients(**dataclasses.asdict(stats.cost_model)))
     want = CostModel(truth)
     # The fixed cost shows only in the few short prompts, so the prior still pulls there.
     for n, c, rel in ((64, 0, 0.1), (500, 0, 0.03), (1500, 0, 0.03), (300, 1024, 0.03)):

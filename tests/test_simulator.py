@@ -11,15 +11,16 @@ import pytest
 
 from bench.sim.profiles import LLAMA70B_H100X4, Profile
 from bench.sim.simulator import SimRequest, Simulator, load_trace, percentile
+from common.records import CostCoefficients
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
-from services.conductor.cost_model import Calibration, CostModel
+from services.conductor.cost_model import CostModel
 from services.conductor.policy import Decision
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.routing_policy import PolicyRequest
 
 # prefill(n, c) = 0.1 + 1e-3 n + 1e-6 n (n/2 + c); step(B, K) = 0.01 + 1e-3 B + 1e-5 K;
 # 1000 B of KV per token over 1 MB/s: 1 s per 1000-token prompt.
-TINY = Profile(name="tiny", cost=Calibration(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5),
+TINY = Profile(name="tiny", cost=CostCoefficients(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5),
                kv_bytes_per_token=1000, block_size=512, kv_blocks=100, cache_blocks=100,
                link_bandwidth=1e6, pool_bandwidth=1e6)
 

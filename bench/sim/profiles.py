@@ -33,13 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.cost_profile import cost, decode_terms, prefill_terms
-from services.conductor.cost_model import Calibration
+from common.records import CostCoefficients
 
 
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
-    cost: Calibration
+    cost: CostCoefficients
     kv_bytes_per_token: int
     block_size: int  # tokens per KV block (the prefix-hash block of the trace)
     kv_blocks: int  # decode KV capacity in blocks
@@ -77,7 +77,7 @@ class Profile:
 
 LLAMA70B_H100X4 = Profile(
     name="llama70b-h100x4",
-    cost=Calibration(prefill_fixed_s=0.02, prefill_per_token_s=79e-6,
+    cost=CostCoefficients(prefill_fixed_s=0.02, prefill_per_token_s=79e-6,
                      prefill_per_pair_s=1.5e-9, decode_fixed_s=0.015,
                      decode_per_seq_s=1e-4, decode_per_ctx_token_s=35e-9),
     kv_bytes_per_token=327_680, block_size=512, kv_blocks=950, cache_blocks=3000,
@@ -85,7 +85,7 @@ LLAMA70B_H100X4 = Profile(
 
 SMALL_CPU2 = Profile(
     name="small-cpu2",
-    cost=Calibration(prefill_fixed_s=0.01, prefill_per_token_s=1 / 700,
+    cost=CostCoefficients(prefill_fixed_s=0.01, prefill_per_token_s=1 / 700,
                      prefill_per_pair_s=1e-7, decode_fixed_s=0.045,
                      decode_per_seq_s=2.6e-3, decode_per_ctx_token_s=4.6e-6),
     kv_bytes_per_token=46_080, block_size=16, kv_blocks=2048, cache_blocks=2048,

@@ -8,10 +8,9 @@ import socket
 import structlog
 
 from common.transfer import control, wire
-from common.transfer.base import ChunkSink
 from common.transfer.shm import CHUNK_EXTRA, MAX_SLOTS, OK_FRAMES, SCHEME, VERSION, verdict_frame
 from common.transfer.shm_segment import SHM_DIR, Segment, is_valid_name, unlink_prefix
-from common.transfer.table import TableReceiver, TransferTable
+from common.transfer.table import TableReceiver
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -152,17 +151,10 @@ class ShmReceiver(TableReceiver):
 
     SCHEME = SCHEME
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        sink: ChunkSink | None = None,
-        table: TransferTable | None = None,
-        directory: str = SHM_DIR,
-        max_payload_bytes: int = 1 << 30,
-    ) -> None:
-        super().__init__(host, port, sink=sink, table=table, max_payload_bytes=max_payload_bytes)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, directory: str = SHM_DIR,
+                 **common) -> None:
+        """``common``: ``TableReceiver``'s sink, table and max_payload_bytes."""
+        super().__init__(host, port, **common)
         self.directory = directory
         self._server: asyncio.Server | None = None
 

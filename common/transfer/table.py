@@ -210,12 +210,12 @@ class TableReceiver(KVReceiver):
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
         *,
-        sink: ChunkSink | None,
-        table: TransferTable | None,
-        max_payload_bytes: int,
+        sink: ChunkSink | None = None,
+        table: TransferTable | None = None,
+        max_payload_bytes: int = 1 << 30,
     ) -> None:
         if (sink is None) == (table is None):
             raise TypeError("give exactly one of sink and table")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from common.transfer.base import ChunkSink
 from common.transfer.frame_reader import FrameReader
-from common.transfer.table import TableReceiver, TransferTable
+from common.transfer.table import TableReceiver
 from common.transfer.tcp import SCHEME, SOCKET_BUFFER_BYTES, tune_socket
 
 
@@ -23,17 +22,10 @@ class TcpReceiver(TableReceiver):
 
     SCHEME = SCHEME
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        sink: ChunkSink | None = None,
-        table: TransferTable | None = None,
-        max_payload_bytes: int = 1 << 30,
-        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
-    ) -> None:
-        super().__init__(host, port, sink=sink, table=table, max_payload_bytes=max_payload_bytes)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, **common) -> None:
+        """``common``: ``TableReceiver``'s sink, table and max_payload_bytes."""
+        super().__init__(host, port, **common)
         self._buffer_bytes = socket_buffer_bytes
         self._server: asyncio.Server | None = None
 

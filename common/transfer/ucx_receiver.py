@@ -9,7 +9,6 @@ from typing import NamedTuple
 import structlog
 
 from common.transfer import wire
-from common.transfer.base import ChunkSink
 from common.transfer.frame_reader import VERDICT_BATCH, VERDICT_BATCH_BYTES
 from common.transfer.table import TableReceiver, TransferTable
 from common.transfer.ucx import BATCH_LENGTH, RUN_BUFFER_BYTES, SCHEME, load_ucxx, split_run
@@ -23,16 +22,9 @@ class UcxReceiver(TableReceiver):
 
     SCHEME = SCHEME
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        sink: ChunkSink | None = None,
-        table: TransferTable | None = None,
-        max_payload_bytes: int = 1 << 30,
-    ) -> None:
-        super().__init__(host, port, sink=sink, table=table, max_payload_bytes=max_payload_bytes)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **common) -> None:
+        """``common``: ``TableReceiver``'s sink, table and max_payload_bytes."""
+        super().__init__(host, port, **common)
         self._ucxx = load_ucxx()
         self._listener = None
         self._answering: set[asyncio.Future] = set()  # verdict batches being sent

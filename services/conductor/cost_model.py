@@ -22,32 +22,13 @@ negative (a fitted coefficient below zero is clamped to zero).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from common.cost_profile import (
     cost,
     decode_terms,
     prefill_step_terms,
     prefill_terms,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Calibration:
-    """Coefficients in seconds (per token, per token pair, per sequence); all > 0."""
-
-    prefill_fixed_s: float
-    prefill_per_token_s: float
-    prefill_per_pair_s: float
-    decode_fixed_s: float
-    decode_per_seq_s: float
-    decode_per_ctx_token_s: float
-
-    def __post_init__(self) -> None:
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"calibration {name} must be > 0, got {value!r}")
+from common.records import CostCoefficients
 
 
 def transfer_time(nbytes: float, bandwidth: float) -> float:
@@ -142,7 +123,7 @@ def _check(**values: float) -> None:
 class CostModel:
     """Predicts prefill and decode-step seconds; refits as workers report timings."""
 
-    def __init__(self, calibration: Calibration, *, forgetting: float = 0.999,
+    def __init__(self, calibration: CostCoefficients, *, forgetting: float = 0.999,
                  prior_weight: float = 1.0) -> None:
         c = calibration
         self._prefill = _RelativeRLS(
@@ -200,11 +181,11 @@ class CostModel:
         r = max(1, requests)
         return r * cost(self._prefill.theta(), prefill_terms(tokens / r, 0))
 
-    def coefficients(self) -> Calibration:
+    def coefficients(self) -> CostCoefficients:
         """The current fit, as a calibration (for logging, or to seed another model)."""
         p, q = self._prefill.theta(), self._decode.theta()
         floor = 1e-15  # a clamped coefficient is reported as tiny, not zero
-        return Calibration(*(max(v, floor) for v in (*p, *q)))
+        return CostCoefficients(*(max(v, floor) for v in (*p, *q)))
 
     @property
     def observations(self) -> tuple[int, int]:

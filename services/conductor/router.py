@@ -31,8 +31,9 @@ from typing import NamedTuple
 
 from common.cost_profile import CostProfile
 from common.protocol import StepSample
+from common.records import CostCoefficients
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig
-from services.conductor.cost_model import Calibration, CostModel
+from services.conductor.cost_model import CostModel
 from services.conductor.policy import PICKERS, StaticDisaggregation, make_picker
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import WorkerView
@@ -91,7 +92,7 @@ class Router:
         self.config = config
         self.profile = profile
         self.index = PrefixIndex() if index is None else index
-        self.cost = CostModel(Calibration(*profile.coefficients()))
+        self.cost = CostModel(CostCoefficients(*profile.coefficients()))
         self.bad_samples = 0
         self.policy = (make_policy(config, profile, self.index, self.cost)
                        if policy is None else policy)

@@ -34,7 +34,6 @@ from common.logging import configure_logging
 from common.pool.discovery import parse_pool_addrs
 from common.protocol import (
     ConductorStats,
-    CostCoefficients,
     Error,
     GetStats,
     Heartbeat,
@@ -170,7 +169,7 @@ class Conductor:
         return ConductorStats(
             workers=[w.status() for w in self.registry.workers.values()],
             policy=self.router.name, cost_profile=self.router.profile.name,
-            cost_model=CostCoefficients(**{k: getattr(fitted, k) for k in fitted.__slots__}),
+            cost_model=fitted,
             cost_observations=list(cost.observations),
             bad_samples=self.router.bad_samples, index_blocks=len(self.router.index),
             index_locations=self.router.index.counts(),

@@ -11,8 +11,8 @@ Every token's K and V are written into the cache at ``slot_mapping`` (block id *
 block size + offset) before attention reads it, so a chunk attends to its cached prefix
 and to itself through the same paged path.
 
-Backends implement :class:`AttentionBackend`; the torch one here runs anywhere, a
-Triton one can replace it on CUDA.
+Backends implement :class:`AttentionBackend`; the torch one here runs anywhere, the
+Triton one (``attention_triton.py``) on CUDA; ``attention_backends.py`` picks one.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSegment]
+    # What a backend derives from this step's metadata once, on its first layer, and
+    # reuses for the others (the Triton backend's merged block tables).
+    prepared: object = None
 
 
 class AttentionBackend(ABC):

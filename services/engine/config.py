@@ -1,7 +1,9 @@
-"""Engine settings: which model, in what precision, and how big a KV cache."""
+"""Engine settings: which model, on which device, in what precision, and how big a KV
+cache."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -12,13 +14,31 @@ QUANTIZATIONS = ("none", "int8")
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``auto``: bfloat16 on a GPU (half the bytes, tensor cores), float32 on the CPU
+    (where bfloat16 matmuls are slow and the reference results are float32)."""
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return name
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU; or a DTYPES name
+    device: str = "auto"  # auto: cuda when present, else cpu; or cpu, cuda, cuda:N
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
     kv_cache_bytes: int = 1 << 30
@@ -31,8 +51,14 @@ class EngineConfig:
     quantization: str = "none"  # "int8": int8 projections (CPU, float32); see weights/quantize
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -50,14 +76,25 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
-        if self.quantization != "none" and (self.device != "cpu" or self.dtype != "float32"):
+        if self.quantization != "none" and (self.torch_device.type != "cpu"
+                                            or self.dtype_name != "float32"):
             raise ValueError("quantization int8 runs on device cpu with dtype float32 only")
 
     @property
     def precision(self) -> str:
         """The dtype, and the quantization when there is one (it changes KV bytes)."""
-        return self.dtype if self.quantization == "none" else f"{self.dtype}+{self.quantization}"
+        dtype = self.dtype_name
+        return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype ``auto`` stands for on this config's device (the fingerprint's)."""
+        return resolve_dtype(self.dtype, self.torch_device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.dtype_name]

@@ -13,7 +13,7 @@ from functools import cached_property
 import torch
 
 from common.sampling_params import SamplingParams
-from services.engine.attention import TorchAttention
+from services.engine.attention_backends import make_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
 from services.engine.executor import LayerHook, Sampled
@@ -54,12 +54,12 @@ class LLMEngine(EngineCore):
             torch.set_num_threads(config.num_threads)
         self.weights = weights or load_weights(config.model)
         self.model_config = cfg = self.weights.config
-        self.device = torch.device(config.device)
+        self.device = config.torch_device
         dtype = config.torch_dtype
 
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                             cfg.max_position_embeddings)
-        model = LlamaModel(cfg, TorchAttention())
+        model = LlamaModel(cfg, make_attention_backend(config.attention_backend, self.device))
         model.load_hf_weights(self.weights.tensors)
         quantize_model(model, config.quantization)
         self.model = model.to(device=self.device, dtype=dtype).eval()

@@ -10,10 +10,16 @@ Exports use one byte layout, the same in every engine that shares a model finger
 
 Bytes exported from one engine's blocks can be imported into any block ids of another
 engine with the same model, dtype and block size.
+
+On the CPU an export is one gather whose memory the returned view shares, and an import
+reads the caller's bytes in place. On CUDA the blocks are packed on the device (the
+Triton kernel where triton is installed) and copied once into pinned host memory;
+imports go the other way.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from collections.abc import Sequence
 
@@ -29,6 +35,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        # The pack/unpack kernels serve CUDA caches; elsewhere torch's gathers do.
+        self._kernels = (self.k.device.type == "cuda"
+                         and importlib.util.find_spec("triton") is not None)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -37,14 +46,18 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
     def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.k.device)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+        ids = [int(i) for i in block_ids]  # checked on the host: no device round trip
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
             raise ValueError(f"block ids out of range 0..{self.num_blocks - 1}")
-        return ids
+        return torch.tensor(ids, dtype=torch.long, device=self.k.device)
 
     def _export_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
         """One layer's K and V of ``block_ids`` as a new contiguous ``[2, n, ...]`` tensor."""
         ids = self._ids(block_ids)
+        if self._kernels:
+            from kernels.kv_pack import kv_pack
+
+            return kv_pack(self.k[layer], self.v[layer], ids)
         return torch.stack([self.k[layer].index_select(0, ids),
                             self.v[layer].index_select(0, ids)])
 
@@ -55,12 +68,17 @@ class KVCache:
         if tuple(buffer.shape) != expected or buffer.dtype != self.k.dtype:
             raise ValueError(f"KV buffer must be {expected} {self.k.dtype}, "
                              f"got {tuple(buffer.shape)} {buffer.dtype}")
+        if self._kernels:
+            from kernels.kv_pack import kv_unpack
+
+            kv_unpack(buffer.to(self.k.device), self.k[layer], self.v[layer], ids)
+            return
         self.k[layer].index_copy_(0, ids, buffer[0].to(self.k.device))
         self.v[layer].index_copy_(0, ids, buffer[1].to(self.v.device))
 
     def export_layer_bytes(self, layer: int, block_ids: Sequence[int]) -> memoryview:
         """:meth:`_export_layer` as raw bytes, in a new buffer the view keeps alive."""
-        return memoryview(self._export_layer(layer, block_ids).view(torch.uint8).numpy()).cast("B")
+        return _host_bytes(self._export_layer(layer, block_ids))
 
     def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
                            payload: Buffer) -> None:
@@ -87,7 +105,7 @@ class KVCache:
         bytes."""
         self._ids([block_id])
         both = torch.stack([self.k[:, block_id], self.v[:, block_id]], dim=1)
-        return memoryview(both.view(torch.uint8).numpy()).cast("B")
+        return _host_bytes(both)
 
     def import_block_bytes(self, block_id: int, data: Buffer) -> None:
         """Write bytes from :meth:`export_block_bytes` into ``block_id``; ``ValueError``
@@ -100,5 +118,18 @@ class KVCache:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(data, dtype=torch.uint8)
         both = raw.view(self.k.dtype).view(self.num_layers, 2, *self.k.shape[2:])
+        if self.k.device.type != "cpu":
+            both = both.to(self.k.device)  # one host-to-device copy, not two strided ones
         self.k[:, block_id].copy_(both[:, 0])
         self.v[:, block_id].copy_(both[:, 1])
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes in host memory: the tensor's own on the CPU, else one
+    copy into pinned memory (``.numpy()`` works only on CPU tensors)."""
+    if tensor.device.type != "cpu":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype,
+                           pin_memory=tensor.device.type == "cuda")
+        host.copy_(tensor)  # synchronous: the bytes are complete when this returns
+        tensor = host
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")

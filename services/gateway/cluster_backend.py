@@ -15,6 +15,13 @@ reads it from the conductor's worker list (ListWorkers) and keeps it ``layout_tt
 seconds; with no live worker of the model known yet, a Route goes without hashes.
 The request's SLOs and ``max_tokens`` go along. A conductor's ``overloaded`` error
 becomes ``BackendOverloaded`` (HTTP 429, Retry-After from its ``retry_after_s``).
+
+A request that ends without its final event (the consumer cancelled or closed the
+stream, a timeout, a ``Generate`` that timed out after the worker may have admitted it)
+is aborted on its decode worker, which passes the abort on to the prefill worker. The
+abort is sent from a task of its own, so a cancelled consumer cannot cancel it too.
+If the token dispatcher dies, every waiting request ends with an error event at once
+and ``ready`` is False: the process is about to go down.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class ClusterBackend(GenerationBackend):
         self.layout_ttl_s = layout_ttl_s
         self._layout: tuple[str, int] | None = None  # (fingerprint, block size)
         self._layout_at = -float("inf")
+        self._aborts: set[asyncio.Task] = set()  # aborts in flight, kept from the GC
 
     @property
     def stream_addr(self) -> str:
@@ -78,11 +86,24 @@ class ClusterBackend(GenerationBackend):
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._dispatch())
+        self._task.add_done_callback(self._dispatch_ended)
+
+    @property
+    def dispatching(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def _dispatch_ended(self, _: asyncio.Task) -> None:
+        # No more tokens will arrive: wake every waiting request instead of leaving it
+        # to its timeout (which would also hold the HTTP server's shutdown).
+        for q in self.queues.values():
+            q.put_nowait(_STREAM_LOST)
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._aborts:
+            await asyncio.wait(self._aborts, timeout=self.rpc_timeout_s)
         for client in self._clients.values():
             await client.close()
         await self.conductor.close()
@@ -112,6 +133,8 @@ class ClusterBackend(GenerationBackend):
         return reply.record.workers if isinstance(reply.record, WorkerList) else None
 
     async def ready(self) -> bool:
+        if not self.dispatching:
+            return False
         workers = await self._workers() or []
         return any(w.alive and w.info.role in ("decode", "unified") for w in workers)
 
@@ -184,11 +207,16 @@ class ClusterBackend(GenerationBackend):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Tokens]:
         rid = request.request_id
+        if rid in self.queues:  # front-ends make ids unique; a clash must not hijack one
+            raise ValueError(f"request id {rid} is already running")
+        if not self.dispatching:
+            raise BackendUnavailable("the gateway's token stream has failed")
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
         generated: list[int] = []
         pending: dict[int, Tokens] = {}
         exclude: list[str] = []
+        finished = False
         try:
             decode_id = await self._start(request, generated, exclude)
             while True:
@@ -203,24 +231,43 @@ class ClusterBackend(GenerationBackend):
                     pending.clear()
                     decode_id = await self._start(request, generated, exclude)
                     continue
+                if tokens is _STREAM_LOST:
+                    yield Tokens(position=len(generated), token_ids=[], finished=True,
+                                 finish_reason="error",
+                                 error="the gateway's token stream has failed")
+                    return
                 pending[tokens.position] = tokens
                 for event in _release(pending, generated):
+                    finished = finished or event.finished
                     yield event
                     if event.finished:
                         return
         finally:
             self.queues.pop(rid, None)
-            self.decoders.pop(rid, None)
+            addr = self.decoders.pop(rid, None)
+            if addr is not None and not finished:
+                self._abort_soon(addr, rid)
 
-    async def abort(self, request_id: str) -> None:
-        addr = self.decoders.get(request_id)
-        if addr is None:
-            return
+    def _abort_soon(self, addr: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_abort(addr, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _send_abort(self, addr: str, request_id: str) -> None:
         try:
             await self._client(addr).call(Abort(reason="client"), request_id=request_id,
                                           timeout=self.rpc_timeout_s)
-        except (RemoteError, RpcTimeout) as exc:
+        except (RemoteError, RpcTimeout, ConnectionError) as exc:
             log.warning("abort not confirmed", request_id=request_id, error=str(exc))
+
+    async def abort(self, request_id: str) -> None:
+        # Popped: the generator's own close then has nothing left to abort.
+        addr = self.decoders.pop(request_id, None)
+        if addr is not None:
+            await self._send_abort(addr, request_id)
+
+
+_STREAM_LOST = object()  # queued to every request when the token dispatcher has died
 
 
 def _release(pending: dict[int, Tokens], generated: list[int]):

@@ -8,20 +8,27 @@ streaming), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. One request::
     -> stream: SSE chunks ... data: [DONE]    or    non-stream: one JSON object
 
 Errors are OpenAI bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-malformed request (FastAPI's 422 included), 401 bad API key, 404 unknown model, 429
-``BackendOverloaded`` (with Retry-After), 503 ``BackendUnavailable``, 504 timeout, 500
-backend failure. Once a stream has started, a failure is sent as an ``error`` event
-followed by ``[DONE]``. A request that ends early for any reason (client disconnect,
-timeout, shutdown) is aborted in the backend exactly once; a streaming request notices a
-disconnect at once, a non-streaming one within ``_DISCONNECT_POLL_S``.
+malformed request (FastAPI's 422 included), 401 bad API key, 404 unknown model, 413 a
+body over ``max_body_bytes``, 429 ``BackendOverloaded`` (with Retry-After), 503
+``BackendUnavailable``, 504 timeout, 500 backend failure. Once a stream has started, a
+failure is sent as an ``error`` event followed by ``[DONE]``. A request that ends early
+for any reason (client disconnect, timeout, shutdown) is aborted in the backend exactly
+once; a streaming request notices a disconnect at once, a non-streaming one within
+``_DISCONNECT_POLL_S``.
+
+Request ids: the backend sees an id the gateway makes (unique across all clients and
+both front-ends); ``X-Request-Id``, when given, is only the label the response carries,
+so two clients choosing the same one cannot touch each other's request.
+
+Tokenization and chat templates run on worker threads (``tokenizers`` releases the GIL
+while it encodes), so a large prompt does not stall other requests or ``/health``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -51,10 +58,14 @@ from services.gateway.pipeline import (
     TextDelta,
     get_field,
 )
+from services.gateway.tenancy import ApiKeys, tenant_salt
 
 log = structlog.get_logger(__name__)
 _ABORT_TIMEOUT_S = 5.0
 _DISCONNECT_POLL_S = 0.5
+MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Run:
@@ -156,28 +167,36 @@ class _SSEResponse(StreamingResponse):
             await self._run.close()
 
 
-def tenant_salt(api_key: bytes, given: Any) -> Any:
-    """The cache salt of a request made with ``api_key``: tenants never share KV blocks,
-    and a salt the client gives only partitions its own tenant's cache further. A
-    malformed ``given`` is passed through for validation to reject."""
-    tenant = "key-" + hashlib.sha256(api_key).hexdigest()[:16]
-    if given is None or given == "":
-        return tenant
-    return f"{tenant}/{given}" if isinstance(given, str) else given
+def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise ``ValueError`` for JSON nested deeper than ``max_depth`` or holding a lone
+    surrogate (``"\\ud800"`` parses, but is no text: it can be neither tokenized nor
+    sent back as UTF-8)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise ValueError("a string holds a lone UTF-16 surrogate (not valid Unicode)")
+        elif isinstance(item, dict | list):
+            if depth > max_depth:
+                raise ValueError(f"JSON is nested deeper than {max_depth} levels")
+            subs = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((sub, depth + 1) for sub in subs if isinstance(sub, str | dict | list))
 
 
 def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_name: str,
                max_model_len: int, api_keys: Sequence[str] = (), request_timeout_s: float = 600,
+               max_body_bytes: int = MAX_BODY_BYTES,
                metrics_registry: CollectorRegistry | None = None) -> FastAPI:
     """The HTTP app serving ``model_name`` from ``backend``.
 
     ``api_keys``: when non-empty, ``/v1/*`` requires ``Authorization: Bearer <key>``
     with one of them; ``/health`` and ``/metrics`` stay open. ``request_timeout_s``
-    bounds a request from arrival to its last token.
+    bounds a request from arrival to its last token; ``max_body_bytes`` its body (413).
     """
     pipeline = RequestPipeline(tokenizer, max_model_len)
     metrics = GatewayMetrics(metrics_registry)
-    keys = [k.encode() for k in api_keys]
+    keys = ApiKeys(api_keys)
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -204,21 +223,44 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
 
     def authorize(request: Request) -> bytes | None:
         """The caller's API key, checked; None when the server has no keys."""
-        if not keys:
+        if not keys.required:
             return None
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         token = given.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token, k) for k in keys):
+        if scheme.lower() != "bearer" or not keys.valid(token):
             raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
         return token
 
-    async def read_body(request: Request) -> dict[str, Any]:
-        token = authorize(request)
+    async def read_raw(request: Request) -> bytes:
+        too_large = ApiError(413, f"the request body is larger than {max_body_bytes} bytes",
+                             code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(raw: bytes) -> Any:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
+            check_json(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ApiError(400, "request body is not valid JSON: nested too deeply") from exc
+        except ValueError as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        return body
+
+    async def read_body(request: Request) -> dict[str, Any]:
+        token = authorize(request)
+        body = await asyncio.to_thread(parse, await read_raw(request))
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         model = body.get("model")
@@ -231,13 +273,15 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
             body["cache_salt"] = tenant_salt(token, body.get("cache_salt"))
         return body
 
-    def request_id_for(request: Request, prefix: str) -> str:
+    def request_ids(request: Request, prefix: str) -> tuple[str, str]:
+        """(the label the client sees, the id the backend sees)."""
+        internal = f"{prefix}-{uuid.uuid4().hex}"
         given = request.headers.get("x-request-id")
         if given is None:
-            return f"{prefix}-{uuid.uuid4().hex}"
+            return internal, internal
         if not 0 < len(given) <= 128 or not given.isprintable():
             raise ApiError(400, "X-Request-Id must be 1 to 128 printable characters")
-        return given
+        return given, internal
 
     async def serve(request: Request, body: dict[str, Any], prepared: PreparedRequest,
                     chat: bool) -> Response:
@@ -247,10 +291,13 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
             raise RequestError("stream_options must be an object, and only with stream=true",
                                "stream_options")
         include_usage = get_field(options or {}, "include_usage", bool, False)
-        request_id = request_id_for(request, "chatcmpl" if chat else "cmpl")
+        request_id, internal_id = request_ids(request, "chatcmpl" if chat else "cmpl")
+        if internal_id != request_id:
+            log.debug("request_labelled", request_id=internal_id, label=request_id)
         writer = fmt.ResponseWriter(tokenizer, chat=chat, request_id=request_id,
                                     model=model_name)
-        run = _Run(backend, pipeline, prepared, request_id, metrics.track(), request_timeout_s)
+        run = _Run(backend, pipeline, prepared, internal_id, metrics.track(),
+                   request_timeout_s)
         first = await run.first()
         headers = {"X-Request-Id": request_id}
         if stream:
@@ -270,8 +317,10 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
     async def completions(request: Request) -> Response:
         body = await read_body(request)
         fmt.reject_unsupported(body, chat=False)
-        prompt = fmt.completion_prompt(body, tokenizer)
-        return await serve(request, body, pipeline.prepare(body, prompt), chat=False)
+
+        def prepare() -> PreparedRequest:
+            return pipeline.prepare(body, fmt.completion_prompt(body, tokenizer))
+        return await serve(request, body, await asyncio.to_thread(prepare), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -279,13 +328,16 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
         fmt.reject_unsupported(body, chat=True)
         messages = fmt.chat_messages(body)
         add_generation_prompt = get_field(body, "add_generation_prompt", bool, True)
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
-        except ValueError as exc:
-            raise RequestError(str(exc), "messages") from exc
-        # The template wrote the special tokens it wants; transformers encodes it the same way.
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-        return await serve(request, body, pipeline.prepare(body, prompt, chat=True), chat=True)
+
+        def prepare() -> PreparedRequest:
+            try:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            except ValueError as exc:
+                raise RequestError(str(exc), "messages") from exc
+            # The template wrote the special tokens it wants; transformers encodes it so too.
+            prompt = tokenizer.encode(text, add_special_tokens=False)
+            return pipeline.prepare(body, prompt, chat=True)
+        return await serve(request, body, await asyncio.to_thread(prepare), chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

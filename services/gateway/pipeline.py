@@ -24,6 +24,9 @@ from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from services.gateway.stop_strings import StopMatcher
 
 MAX_LOGPROBS = 20
+# The least latency target a request may ask for. Every token takes a gateway -> worker
+# round trip and a model step; no deployment serves one in under a millisecond.
+MIN_SLO_MS = 1.0
 _SEED_LIMIT = 2**64
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
 
@@ -228,10 +231,15 @@ class RequestPipeline:
 
     @staticmethod
     def _slo(body: Mapping[str, Any], name: str) -> float | None:
-        """An SLO extension field in milliseconds: absent/null, or a number > 0."""
+        """An SLO extension field in milliseconds: absent/null, or at least ``MIN_SLO_MS``.
+
+        A target below the floor is refused here (400) rather than by admission (429,
+        "try again later"): no retry could ever meet it.
+        """
         value = get_field(body, name, float, None)
-        if value is not None and value <= 0:
-            raise RequestError(f"{name} must be > 0 milliseconds, got {value}", name)
+        if value is not None and value < MIN_SLO_MS:
+            raise RequestError(f"{name} must be at least {MIN_SLO_MS:g} milliseconds (no "
+                               f"request is served faster), got {value:g}", name)
         return value
 
     # ---- streaming --------------------------------------------------------------------

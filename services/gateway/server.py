@@ -1,6 +1,10 @@
 """The gateway process: OpenAI-compatible HTTP and the ZeroMQ client protocol, in front
 of the cluster. Imports no torch: the model's tokenizer and context length come from a
 child process (:mod:`services.gateway.model_info`) or from settings.
+
+Stopping: on SIGINT/SIGTERM, or at once when a loop it cannot live without dies (the
+token dispatcher, the ZeroMQ front-end, the HTTP server). Requests still open get
+``shutdown_grace_s`` to finish; then their connections are closed.
 """
 
 from __future__ import annotations
@@ -38,10 +42,18 @@ class GatewaySettings:
     stream_advertise: str = ""  # address workers should use, if not stream_bind
     tokenizer_dir: str = ""  # empty: derived from the model
     max_model_len: int = 0  # 0: the model's context length
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # required on HTTP and the ZeroMQ port when set
     request_timeout_s: float = 600.0
+    max_body_bytes: int = 4 << 20  # larger HTTP bodies are answered 413
+    shutdown_grace_s: float = 5.0  # how long open requests may run on after a stop
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not 0 <= self.shutdown_grace_s < float("inf"):
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
@@ -68,13 +80,15 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     await backend.start()
     pipeline = RequestPipeline(tokenizer, max_len)
     frontend = ZmqFrontend(ctx, settings.zmq_addr, backend, pipeline, tokenizer, name,
-                           request_timeout_s=settings.request_timeout_s)
+                           request_timeout_s=settings.request_timeout_s,
+                           api_keys=settings.api_keys)
     await frontend.start()
     app = create_app(backend, tokenizer, model_name=name, max_model_len=max_len,
-                     api_keys=settings.api_keys, request_timeout_s=settings.request_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.http_host,
-                                           port=settings.http_port, log_level="warning",
-                                           lifespan="off"))
+                     api_keys=settings.api_keys, request_timeout_s=settings.request_timeout_s,
+                     max_body_bytes=settings.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.http_host, port=settings.http_port, log_level="warning",
+        lifespan="off", timeout_graceful_shutdown=settings.shutdown_grace_s))
     http = asyncio.create_task(_run_http(server, http_sock, stop))
     log.info("gateway started", http=f"http://{settings.http_host}:{settings.http_port}",
              zmq=frontend.address, model=name, max_model_len=max_len)

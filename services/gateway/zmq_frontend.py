@@ -4,11 +4,20 @@ A ROUTER socket: ``ClientRequest`` starts a request (its id in the envelope) and
 answered by ``ClientChunk`` messages, the last one ``finished``; ``Abort`` stops it and is
 answered by ``Ack``. A bad frame, a bad request or a backend refusal is answered with
 ``Error``; the socket keeps serving.
+
+Ids: a request's id is the client's own name for it, scoped by the client's socket
+(its routing identity): a second request with an id still running from that socket is
+refused and the first goes on; other sockets have ids of their own, and an ``Abort``
+reaches only its own socket's requests. The backend sees an id the gateway makes.
+
+Keys: with ``api_keys`` configured, a ``ClientRequest`` must carry one of them, as HTTP
+requests must; the cache salt is then bound to the key (``tenancy``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 
 import structlog
@@ -25,7 +34,8 @@ from services.gateway.backend import (
     GenerationBackend,
     GenerationRequest,
 )
-from services.gateway.pipeline import RequestError, RequestPipeline
+from services.gateway.pipeline import PreparedRequest, RequestError, RequestPipeline
+from services.gateway.tenancy import ApiKeys, tenant_salt
 
 log = structlog.get_logger(__name__)
 
@@ -33,14 +43,15 @@ log = structlog.get_logger(__name__)
 class ZmqFrontend:
     def __init__(self, ctx: zmq.asyncio.Context, bind: str, backend: GenerationBackend,
                  pipeline: RequestPipeline, tokenizer: TextTokenizer, model_name: str, *,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0, api_keys: tuple[str, ...] = ()) -> None:
         self.backend, self.pipeline, self.tokenizer = backend, pipeline, tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
+        self.keys = ApiKeys(api_keys)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(bind)
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}  # (identity, client's id)
         self._loop_task: asyncio.Task | None = None
 
     @property
@@ -70,22 +81,30 @@ class ZmqFrontend:
             except ProtocolError as exc:
                 env = exc.envelope
                 log.warning("bad client frame", code=exc.code, error=str(exc))
-                await self._send(identity, Error(exc.code, str(exc)),
+                await self._send(identity, Error(exc.code, exc.message),
                                  env.request_id if env else None, env.id if env else None)
                 continue
             rid, rec = msg.envelope.request_id, msg.record
             if isinstance(rec, Abort):
-                task = self.tasks.pop(rid or "", None)
+                task = self.tasks.pop((identity, rid or ""), None)
                 if task is not None:
                     task.cancel()
                 await self._send(identity, Ack(detail="aborted"), rid, msg.envelope.id)
             elif isinstance(rec, ClientRequest):
-                rid = rid or f"zmq-{uuid.uuid4().hex}"
-                if rid in self.tasks:
-                    await self._send(identity, Error("bad_request", f"request id {rid} in use"),
+                if self.keys.required and not self.keys.valid(
+                        rec.api_key.encode() if isinstance(rec.api_key, str) else None):
+                    await self._send(identity, Error("unauthorized",
+                                                     "missing or incorrect API key (api_key)"),
                                      rid, msg.envelope.id)
                     continue
-                self.tasks[rid] = asyncio.create_task(
+                rid = rid or f"zmq-{uuid.uuid4().hex}"
+                key = (identity, rid)
+                if key in self.tasks:
+                    await self._send(identity, Error(
+                        "bad_request", f"request id {rid!r} is already running from this "
+                                       "client; use a new id"), rid, msg.envelope.id)
+                    continue
+                self.tasks[key] = asyncio.create_task(
                     self._run(identity, rid, msg.envelope.id, rec))
             else:
                 await self._send(identity, Error("unsupported", type(rec).__name__), rid,
@@ -101,22 +120,41 @@ class ZmqFrontend:
             return self.tokenizer.encode(rec.prompt), False
         return list(rec.prompt_token_ids), False
 
+    def _prepare(self, rec: ClientRequest) -> PreparedRequest:
+        if rec.model and rec.model != self.model_name:
+            raise RequestError(f"model {rec.model!r} is not served here "
+                               f"(serving {self.model_name!r})", "model")
+        ids, chat = self._prompt_ids(rec)
+        salt = rec.cache_salt
+        if self.keys.required and isinstance(rec.api_key, str):
+            salt = tenant_salt(rec.api_key.encode(), salt)
+        body = {**rec.sampling, "stop": rec.stop or None, "cache_salt": salt}
+        return self.pipeline.prepare(body, ids, chat=chat)
+
+    def _timeout(self, rec: ClientRequest) -> float:
+        """The request's own timeout, capped by the gateway's."""
+        given = rec.timeout_s
+        if given is None:
+            return self.request_timeout_s
+        if isinstance(given, bool) or not isinstance(given, int | float) \
+                or not math.isfinite(given) or given <= 0:
+            raise RequestError(f"timeout_s must be a number > 0 seconds, got {given!r}",
+                               "timeout_s")
+        return min(float(given), self.request_timeout_s)
+
     async def _run(self, identity: bytes, rid: str, parent: str, rec: ClientRequest) -> None:
         started = False
+        internal = f"zmq-{uuid.uuid4().hex}"  # client ids are per socket; the backend's are not
         try:
-            if rec.model and rec.model != self.model_name:
-                raise RequestError(f"model {rec.model!r} is not served here "
-                                   f"(serving {self.model_name!r})", "model")
-            ids, chat = self._prompt_ids(rec)
-            body = {**rec.sampling, "stop": rec.stop or None, "cache_salt": rec.cache_salt}
-            prepared = self.pipeline.prepare(body, ids, chat=chat)
+            timeout_s = self._timeout(rec)
+            prepared = await asyncio.to_thread(self._prepare, rec)
             events = self.backend.generate(GenerationRequest(
-                rid, prepared.prompt_token_ids, prepared.sampling, prepared.cache_salt,
+                internal, prepared.prompt_token_ids, prepared.sampling, prepared.cache_salt,
                 prepared.slo_ttft_ms, prepared.slo_tbt_ms))
             started = True
-            async with asyncio.timeout(rec.timeout_s or self.request_timeout_s):
-                async for d in self.pipeline.stream(prepared, events,
-                                                    on_stop=lambda: self.backend.abort(rid)):
+            async with asyncio.timeout(timeout_s):
+                async for d in self.pipeline.stream(
+                        prepared, events, on_stop=lambda: self.backend.abort(internal)):
                     await self._send(identity, ClientChunk(
                         text=d.text, token_ids=list(d.token_ids), position=d.position,
                         finished=d.finished, finish_reason=d.finish_reason,
@@ -128,14 +166,15 @@ class ZmqFrontend:
         except BackendUnavailable as exc:
             await self._send(identity, Error("unavailable", str(exc)), rid, parent)
         except TimeoutError:
-            await self.backend.abort(rid)
+            await self.backend.abort(internal)
             await self._send(identity, Error("timeout", "request timed out"), rid, parent)
         except asyncio.CancelledError:
             if started:
-                await self.backend.abort(rid)
+                await self.backend.abort(internal)
             raise
         except Exception as exc:  # one request's failure never stops the front-end
-            log.exception("client request failed", request_id=rid)
+            log.exception("client request failed", request_id=internal, label=rid)
             await self._send(identity, Error("internal", str(exc)), rid, parent)
         finally:
-            self.tasks.pop(rid, None)
+            if self.tasks.get((identity, rid)) is asyncio.current_task():
+                del self.tasks[(identity, rid)]

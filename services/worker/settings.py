@@ -14,7 +14,9 @@ class WorkerSettings:
     role: str = "unified"
     worker_id: str = ""  # empty: <role>-<host>-<pid>
     model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str = "auto"  # auto: cuda when present, else cpu; or cpu, cuda, cuda:N
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere; or force one
     block_size: int = 16
     kv_cache_mib: int = 1024
     max_num_seqs: int = 64
@@ -58,6 +60,9 @@ class WorkerSettings:
             raise ValueError("kv_lease_s must be positive")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be positive")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be auto, torch or triton, "
+                             f"got {self.attention_backend!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.sim_time_scale < 0:

@@ -1,0 +1,237 @@
+"""The engine's GPU checks: kernels against their references, then end-to-end figures.
+
+    python bench/gpu_check.py --dry-run     # tiny shapes on the CPU (Triton interpreter)
+    python bench/gpu_check.py               # on CUDA: kernels at real shapes + the checks
+
+Kernels: each Triton kernel against its torch reference (max abs error, pass/fail).
+On CUDA, then:
+- the default model's greedy tokens from the engine against transformers (float32);
+- a Llama-3-8B-shaped random bfloat16 decode step against the HBM roofline
+  (weights + KV read once, at ``--hbm-gbs``);
+- batch-64 decode throughput against transformers ``generate``;
+- a 4,096-token prefill against the measured bfloat16 matmul peak.
+Exits non-zero if any kernel check fails or the tokens differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096,
+                 intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                 head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+
+
+def kernel_checks(dev: str, tiny: bool) -> list[tuple[str, float, bool]]:
+    from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from kernels.kv_pack import kv_pack, kv_pack_ref
+    from kernels.kv_write import write_kv, write_kv_ref
+    from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+    from kernels.rms_norm import rms_norm, rms_norm_ref
+    from kernels.rotary import rotary_embedding, rotary_embedding_ref
+
+    # bfloat16 on CUDA as served; float32 in the interpreter (its bfloat16 is wrong).
+    dtype, tol = (torch.float32, 1e-4) if tiny else (torch.bfloat16, 3e-2)
+    heads, kvh, d, bs = (8, 2, 64, 16) if tiny else (32, 8, 128, 16)
+    lens = [1, 17, 70] if tiny else [1, 300, 4096, 16000]
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dev, dtype)
+
+    nblk = sum(-(-n // bs) for n in lens) + 1
+    kc, vc = rnd(nblk, bs, kvh, d), rnd(nblk, bs, kvh, d)
+    perm, rows = torch.randperm(nblk, generator=g).tolist(), []
+    width = max(-(-n // bs) for n in lens)
+    for n in lens:
+        need = -(-n // bs)
+        rows.append(perm[:need] + [0] * (width - need))
+        perm = perm[need:]
+    tables = torch.tensor(rows, device=dev)
+    ctx = torch.tensor(lens, device=dev)
+    out = []
+
+    def check(name, got, want):
+        err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+        out.append((name, err, err <= tol))
+
+    q = rnd(len(lens), heads, d)
+    args = (q, kc, vc, tables, ctx, d ** -0.5)
+    check("paged decode attention", paged_decode_attention(*args),
+          paged_decode_attention_ref(*args))
+    qlens = [min(n, 40 if tiny else 2048) for n in lens]
+    qs = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), device=dev)
+    args = (rnd(sum(qlens), heads, d), kc, vc, tables, qs, ctx, max(qlens), d ** -0.5)
+    check("paged prefill attention", paged_prefill_attention(*args),
+          paged_prefill_attention_ref(*args))
+    k, v = rnd(5, kvh, d), rnd(5, kvh, d)
+    slots = torch.tensor([0, 3, -1, 2 * bs + 1, bs], device=dev)
+    kw, vw, kr, vr = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    write_kv(k, v, kw, vw, slots)
+    write_kv_ref(k, v, kr, vr, slots)
+    check("kv write", torch.stack([kw, vw]), torch.stack([kr, vr]))
+    ids = torch.tensor([3, 0, 2], device=dev)
+    check("kv pack", kv_pack(kc, vc, ids), kv_pack_ref(kc, vc, ids))
+    x, w, r = rnd(7, 96 if tiny else 4096), rnd(96 if tiny else 4096), rnd(7, 96 if tiny else 4096)
+    check("rms norm + residual", rms_norm(x, w, 1e-5, r)[0], rms_norm_ref(x, w, 1e-5, r)[0])
+    freqs = torch.outer(torch.arange(512.0), 1.0 / 500000 ** (torch.arange(0, d, 2) / d))
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dev), emb.sin().to(dev)
+    pos = torch.tensor([0, 5, 511], device=dev)
+    qr, kr_ = rnd(3, heads, d), rnd(3, kvh, d)
+    got, want = rotary_embedding(pos, qr, kr_, cos, sin), rotary_embedding_ref(pos, qr, kr_,
+                                                                                cos, sin)
+    check("rotary", torch.cat([got[0], got[1]], 1), torch.cat([want[0], want[1]], 1))
+    return out
+
+
+def timed(fn, repeat: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeat
+
+
+def token_exactness(model: str, n_new: int) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    from common.sampling_params import SamplingParams
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32"))
+    prompts = [[1] + list(range(100, 100 + n)) for n in (5, 37, 200)]
+    ours = [c.token_ids for c in engine.generate(
+        prompts, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))]
+    hf = AutoModelForCausalLM.from_pretrained(engine.weights.tokenizer_dir,
+                                              dtype=torch.float32).cuda().eval()
+    theirs = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new,
+                          min_new_tokens=n_new, do_sample=False)[0, len(p):].tolist()
+              for p in prompts]
+    print(f"default model greedy tokens vs transformers: {'same' if ours == theirs else 'DIFFER'}")
+    return ours == theirs
+
+
+def llama8b_random(ctx: int, batch: int):
+    """A random bfloat16 Llama-3-8B-shaped model, a KV cache and one batch's metadata."""
+    from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+    from services.engine.attention_backends import make_attention_backend
+    from services.engine.model import LlamaModel
+    from services.engine.model_config import ModelConfig
+
+    cfg = ModelConfig(**LLAMA3_8B)
+    torch.set_default_device("cuda")
+    model = LlamaModel(cfg, make_attention_backend("triton", torch.device("cuda")))
+    torch.set_default_device("cpu")
+    model = model.to(torch.bfloat16).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    bs, per_seq = 16, -(-ctx // 16)
+    shape = (cfg.num_layers, batch * per_seq, bs, cfg.num_kv_heads, cfg.head_dim)
+    kv = (torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+          torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+    tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
+
+    def decode_meta():
+        lens = torch.full((batch,), ctx, device="cuda")
+        slots = tables[:, -1] * bs + (ctx - 1) % bs
+        return AttentionMetadata(slots, [DecodeGroup(0, batch, tables, lens, ctx)], [])
+
+    def prefill_meta():
+        pos = torch.arange(ctx, device="cuda")
+        return AttentionMetadata(tables[0][pos // bs] * bs + pos % bs, [],
+                                 [PrefillSegment(0, ctx, ctx, tables[0])])
+    return cfg, model, kv, decode_meta, prefill_meta
+
+
+def decode_roofline(hbm_gbs: float, batch: int = 1, ctx: int = 4096) -> None:
+    cfg, model, kv, meta, _ = llama8b_random(ctx, batch)
+    ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
+    pos = torch.full((batch,), ctx - 1, device="cuda")
+    rows = torch.arange(batch, device="cuda")
+    t = timed(lambda: model(ids, pos, kv, meta(), rows))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = 2 * cfg.num_layers * batch * ctx * cfg.num_kv_heads * cfg.head_dim * 2
+    floor = (weight_bytes + kv_bytes) / (hbm_gbs * 1e9)
+    print(f"8B-shaped bf16 decode step (batch {batch}, ctx {ctx}): {t * 1e3:.2f} ms, "
+          f"roofline {floor * 1e3:.2f} ms ({floor / t:.0%} of HBM bandwidth)")
+
+
+def prefill_vs_peak(tokens: int = 4096) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192 ** 3 / timed(lambda: a @ a)
+    cfg, model, kv, _, meta = llama8b_random(tokens, 1)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), device="cuda")
+    pos = torch.arange(tokens, device="cuda")
+    last = torch.tensor([tokens - 1], device="cuda")
+    t = timed(lambda: model(ids, pos, kv, meta(), last), repeat=3)
+    params = sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    flops = 2 * params * tokens + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens ** 2
+    print(f"8B-shaped bf16 prefill of {tokens} tokens: {t * 1e3:.1f} ms, "
+          f"{flops / t / 1e12:.0f} TFLOP/s = {flops / t / peak:.0%} of the measured bf16 "
+          f"matmul peak ({peak / 1e12:.0f} TFLOP/s)")
+
+
+def batch_throughput(model: str, batch: int = 64, n_new: int = 128) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from common.sampling_params import SamplingParams
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, device="cuda"))
+    prompts = [[1] + [100 + (i * 7 + j) % 1000 for j in range(128)] for i in range(batch)]
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    ours = batch * n_new / (time.perf_counter() - t0)
+    hf = AutoModelForCausalLM.from_pretrained(engine.weights.tokenizer_dir,
+                                              dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+    torch.cuda.synchronize()
+    theirs = batch * n_new / (time.perf_counter() - t0)
+    print(f"batch-{batch} decode: {ours:.0f} tok/s, transformers generate {theirs:.0f} tok/s "
+          f"({ours / theirs:.2f}x)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny kernel checks on the CPU")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="HBM bandwidth (H200)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+    dev = "cuda" if cuda else "cpu"
+    ok = True
+    for name, err, passed in kernel_checks(dev, tiny=not cuda):
+        print(f"{name:26s} max abs err {err:.2e}  {'pass' if passed else 'FAIL'}")
+        ok &= passed
+    if not cuda:
+        if not args.dry_run:
+            print("no CUDA device: end-to-end checks skipped")
+        return 0 if ok else 1
+    ok &= token_exactness(args.model, 32)
+    decode_roofline(args.hbm_gbs)
+    batch_throughput(args.model)
+    prefill_vs_peak()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
