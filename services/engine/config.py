@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Kept in sync with services.engine.weights.quantize.QUANTIZATIONS, which imports torch
+# kernels this module does not need.
+QUANTIZATIONS = ("none", "int8")
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -44,6 +48,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
+    quantization: str = "none"  # "int8": int8 projections (CPU, float32); see weights/quantize
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -68,6 +73,18 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.quantization != "none" and (self.torch_device.type != "cpu"
+                                            or self.dtype_name != "float32"):
+            raise ValueError("quantization int8 runs on device cpu with dtype float32 only")
+
+    @property
+    def precision(self) -> str:
+        """The dtype, and the quantization when there is one (it changes KV bytes)."""
+        dtype = self.dtype_name
+        return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
 
     @property
     def torch_device(self) -> torch.device:

@@ -25,6 +25,7 @@ from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
 from services.engine.weights import LoadedWeights, load_weights
+from services.engine.weights.quantize import quantize_model
 
 
 class ModelExecutor:
@@ -60,6 +61,7 @@ class LLMEngine(EngineCore):
                             cfg.max_position_embeddings)
         model = LlamaModel(cfg, make_attention_backend(config.attention_backend, self.device))
         model.load_hf_weights(self.weights.tensors)
+        quantize_model(model, config.quantization)
         self.model = model.to(device=self.device, dtype=dtype).eval()
 
         per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size,
@@ -73,8 +75,7 @@ class LLMEngine(EngineCore):
                                  Sampler(tuple(cfg.eos_token_ids)))
         super().__init__(
             executor, kv_cache,
-            fingerprint=cfg.fingerprint(self.weights.digest, config.dtype_name,
-                                       config.block_size),
+            fingerprint=cfg.fingerprint(self.weights.digest, config.precision, config.block_size),
             max_model_len=max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=cfg.eos_token_ids,
             scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,

@@ -4,6 +4,12 @@ Covers Llama 2/3, SmolLM2, Mistral and Qwen2 from one config: RMSNorm, rotary
 embeddings (with Llama 3 frequency scaling), grouped-query attention with optional q/k/v
 bias, SwiGLU MLP, and tied or separate output embeddings. Weights use Hugging Face
 names; q/k/v and gate/up are fused into one matmul each at load.
+
+The wide projections (q/k/v, gate/up and the output head, whose outputs outnumber their
+inputs) keep their weights transposed, ``[in, out]``: a batch-1 decode step is a
+matrix-vector product, and the CPU BLAS streams an ``[in, out]`` matrix about twice as
+fast as the ``[out, in]`` one ``nn.Linear`` holds (docs/benchmarks.md). A tied
+embedding is looked up in that transposed head, so it is stored once.
 """
 
 from __future__ import annotations
@@ -74,6 +80,20 @@ def _rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
+class WideLinear(nn.Module):
+    """``y = x @ weight_t (+ bias)`` with the weight held ``[in, out]`` (see above)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.matmul(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -81,8 +101,8 @@ class Attention(nn.Module):
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
+        self.qkv_proj = WideLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                   bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
@@ -99,12 +119,12 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = WideLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -116,9 +136,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend,
-                               k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual stream is this forward's own tensor: add into it in place.
+        x += self.self_attn(self.input_layernorm(x), positions, rotary, backend,
+                            k_cache, v_cache, meta)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -126,12 +148,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.backend = backend
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Tied: the transposed head doubles as the embedding table (``_embed``).
+        self.embed_tokens = None if cfg.tie_word_embeddings else nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = WideLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        return self.lm_head.weight_t.index_select(1, input_ids).t().contiguous()
 
     @torch.inference_mode()
     def forward(
@@ -150,14 +178,13 @@ class LlamaModel(nn.Module):
         cache (the prefill worker ships each layer while the next one computes).
         """
         k_all, v_all = kv_cache
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, self.rotary, self.backend, k_all[i], v_all[i], meta)
             if layer_hook is not None:
                 layer_hook(i)
         x = self.norm(x.index_select(0, logits_indices))
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return self.lm_head(x).float()
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
@@ -165,6 +192,8 @@ class LlamaModel(nn.Module):
         loaded: set[str] = set()
 
         def put(name: str, value: torch.Tensor) -> None:
+            if name.endswith(".weight_t"):
+                value = value.t()
             if own[name].shape != value.shape:
                 raise ValueError(f"weight {name}: expected shape {tuple(own[name].shape)}, "
                                  f"got {tuple(value.shape)}")
@@ -177,20 +206,22 @@ class LlamaModel(nn.Module):
             return tensors[name]
 
         with torch.no_grad():
-            put("embed_tokens.weight", take("model.embed_tokens.weight"))
             put("norm.weight", take("model.norm.weight"))
-            if self.lm_head is not None:
-                put("lm_head.weight", take("lm_head.weight"))
+            if self.embed_tokens is None:
+                put("lm_head.weight_t", take("model.embed_tokens.weight"))
+            else:
+                put("embed_tokens.weight", take("model.embed_tokens.weight"))
+                put("lm_head.weight_t", take("lm_head.weight"))
             for i in range(self.cfg.num_layers):
                 src, dst = f"model.layers.{i}.", f"layers.{i}."
                 attn = src + "self_attn."
-                put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                put(dst + "self_attn.qkv_proj.weight_t", torch.cat(
                     [take(attn + f"{p}_proj.weight") for p in "qkv"]))
                 if self.cfg.attention_bias:
                     put(dst + "self_attn.qkv_proj.bias", torch.cat(
                         [take(attn + f"{p}_proj.bias") for p in "qkv"]))
                 put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
-                put(dst + "mlp.gate_up_proj.weight", torch.cat(
+                put(dst + "mlp.gate_up_proj.weight_t", torch.cat(
                     [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]))
                 put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
                 put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))

@@ -79,7 +79,7 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        num_threads=s.num_threads or None), hooks=hooks)
+        num_threads=s.num_threads or None, quantization=s.quantization), hooks=hooks)
 
 
 def pin_cpus(spec: str) -> None:

@@ -22,7 +22,8 @@ class WorkerSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0: the model's own context length
-    num_threads: int = 0  # 0: torch's default
+    num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
+    quantization: str = "none"  # "int8": int8 projections on the CPU (EngineConfig)
     control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
     kv_host: str = "127.0.0.1"  # data plane listener (decode and unified roles)
     kv_port: int = 0
@@ -67,6 +68,8 @@ class WorkerSettings:
         if self.sim_time_scale < 0:
             raise ValueError("sim_time_scale must be >= 0")
         parse_cpus(self.cpu_affinity)
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
                 or not self.pool_bandwidth_mbs > 0 or not self.pool_timeout_s > 0:
             raise ValueError("pool_min_fetch_blocks and pool_replicas must be >= 1, "
