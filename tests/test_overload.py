@@ -71,3 +71,23 @@ def test_overload_burst_admits_what_meets_the_slo_and_refuses_the_rest_early(tmp
             assert waited < 2.0, f"refused only after {waited:.1f} s"
     finally:
         cluster.stop()
+
+
+def test_a_full_worker_queue_is_refused_at_once_with_429_not_a_late_503(tmp_path):
+    # Admission off at the conductor: the decode worker's bounded queue is what refuses.
+    cluster = sim_cluster(tmp_path, ["decode"], policy="cache_aware",
+                          conductor_args=["--admission", "false"],
+                          worker_args=["--sim-time-scale", str(SCALE), "--max-waiting", "3"])
+    cluster.start(timeout_s=90)
+    try:
+        prompts = random_prompts([530] * 20, vocab=49152, seed=12)
+        results = asyncio.run(_burst(cluster.base_url, cluster.model, prompts))
+        statuses = sorted({r[0] for r in results})
+        assert statuses == [200, 429], statuses
+        refused = [r for r in results if r[0] == 429]
+        assert all(r[2] is not None and int(r[2]) >= 1 for r in refused)
+        assert max(r[1] for r in refused) < 2.0
+        stats = cluster.worker_stats("decode-0")
+        assert stats.num_requests == 0 and stats.waiting == 0  # the admitted all finished
+    finally:
+        cluster.stop()
