@@ -72,6 +72,10 @@ def test_a_decision_stays_counted_through_the_next_heartbeat_and_not_beyond():
     assert (ws[1].pending_requests, ws[1].pending_tokens) == (1, PROMPT)
     assert reg.heartbeat(_beat("p1", "prefill"), now=3.0)
     assert (ws[1].pending_requests, ws[1].pending_tokens) == (0, 0)
+    # A decode worker gets its requests straight from the gateway: one heartbeat clears.
+    assert ws[0].pending_requests == 4
+    assert reg.heartbeat(_beat("d1", "decode", running=4), now=3.0)
+    assert ws[0].pending_requests == 0
 
 
 def test_local_prefill_queue_is_the_decode_workers_waiting_prompts_in_turn():

@@ -27,8 +27,8 @@ TBT exceeds ``slo_tbt_s`` or the best predicted TTFT exceeds ``slo_ttft_s``. Not
 accounted for a rejection. With ``admission=False`` the SLOs still shape routing.
 
 In-flight accounting: an accepted decision adds one request and its *uncached* tokens
-to the prefill location's ``pending_*`` counters (kept through the worker's next
-heartbeat, which may not show the request yet: ``Registry.heartbeat``) and, until that
+to the prefill location's ``pending_*`` counters (on a prefill worker kept through its
+next heartbeat, which may not show the request yet: ``Registry.heartbeat``) and, until that
 heartbeat, its KV blocks to the decode worker's ledger. The local queue is the decode
 worker's waiting prompts plus those routed there since, drained in turn. The queue term
 grows with every request routed to a worker, so a burst sharing one cached prefix piles

@@ -70,12 +70,15 @@ class Registry:
     def heartbeat(self, hb, now: float | None = None) -> bool:
         """Apply a heartbeat; False if the worker is unknown (it must be rediscovered).
 
-        A routed request reaches its worker some time after the decision (the gateway
-        submits it, a decode worker forwards a remote prefill between engine steps), so
-        a heartbeat need not count the decisions made just before it. Each decision
-        stays pending through the first heartbeat after it and is dropped at the
-        second: for up to one interval it may be counted twice, which errs towards
-        refusing rather than towards admitting a burst that a heartbeat hid."""
+        A remote prefill reaches its prefill worker well after the decision: the decode
+        worker forwards it only once it has reserved blocks, between its engine steps,
+        which a long local prefill step delays. So a prefill worker's heartbeat need not
+        count the decisions made just before it: on a prefill worker each decision stays
+        pending through the first heartbeat after it and is dropped at the second. For
+        up to one interval it may be counted twice, which errs towards refusing rather
+        than towards admitting a burst that a heartbeat hid. A decode worker receives
+        its requests directly and shows them in its next load snapshot: its heartbeat
+        clears them."""
         view = self.workers.get(hb.worker_id)
         if view is None:
             return False
@@ -86,8 +89,9 @@ class Registry:
         view.waiting, view.running = hb.waiting, hb.running
         view.queued_prefill_tokens = hb.queued_prefill_tokens
         view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
-        fresh_requests = max(0, view.pending_requests - view.carried_requests)
-        fresh_tokens = max(0, view.pending_tokens - view.carried_tokens)
+        carry = view.role == "prefill"
+        fresh_requests = max(0, view.pending_requests - view.carried_requests) if carry else 0
+        fresh_tokens = max(0, view.pending_tokens - view.carried_tokens) if carry else 0
         view.pending_requests = view.carried_requests = fresh_requests
         view.pending_tokens = view.carried_tokens = fresh_tokens
         return True
