@@ -91,3 +91,10 @@ def with_host(address: str, host: str) -> str:
     if not parsed.is_wildcard or is_wildcard(host):
         return address
     return format_address(parsed.scheme, host, parsed.port)
+
+
+def bind_host(address: str) -> str:
+    """The host to bind a plain socket (an HTTP server) beside the ZeroMQ socket bound at
+    ``address``: its own host, "0.0.0.0" only for a wildcard. ValueError if malformed."""
+    host = parse_address(address).host
+    return "0.0.0.0" if is_wildcard(host) else host

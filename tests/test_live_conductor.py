@@ -20,7 +20,7 @@ from common.zmq_rpc import RemoteError, RpcClient
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig, Rejection
 from services.conductor.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
-from services.conductor.registry import WorkerView
+from services.conductor.registry import Registry, WorkerView
 from services.conductor.router import Router, RouterConfig, RouteRequest
 from services.conductor.routing_policy import PolicyRequest
 from services.conductor.server import Conductor, ConductorSettings
@@ -140,9 +140,10 @@ async def test_live_conductor_chooses_what_the_policy_object_chooses(profile_pat
 
 
 def _apply(view: WorkerView, hb: Heartbeat) -> None:
-    view.waiting, view.running = hb.waiting, hb.running
-    view.queued_prefill_tokens, view.free_blocks = hb.queued_prefill_tokens, hb.free_blocks
-    view.pending_requests = view.pending_tokens = 0
+    # The registry's own rule, in-flight counters included, on the test's mirror view.
+    registry = Registry()
+    registry.workers[view.worker_id] = view
+    registry.heartbeat(hb, now=view.last_seen)
 
 
 async def test_simulator_and_live_conductor_make_the_same_decisions(profile_path):

@@ -1,13 +1,22 @@
-"""Receiving side of the ucx backend (protocol and configuration: ``ucx.py``)."""
+"""Receiving side of the ucx backend (protocol and configuration: ``ucx.py``).
+
+Bind address: libucxx binds a listener to one host, but ucxx's Python API
+(``create_listener``, up to at least 0.52) takes only a port, so the listener is on
+every interface whatever host is configured. Where the installed ucxx takes a host
+(``ip_address``), the configured one is passed; otherwise a specific host is logged as
+not honoured (``kv_transfer.ucx_listens_on_every_interface``), so that an operator
+who needs the data plane on one interface knows to choose the tcp backend there."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 from typing import NamedTuple
 
 import structlog
 
+from common.address import is_wildcard
 from common.transfer import wire
 from common.transfer.frame_reader import VERDICT_BATCH, VERDICT_BATCH_BYTES
 from common.transfer.table import TableReceiver, TransferTable
@@ -30,7 +39,15 @@ class UcxReceiver(TableReceiver):
         self._answering: set[asyncio.Future] = set()  # verdict batches being sent
 
     async def _listen(self) -> int:
-        self._listener = self._ucxx.create_listener(self._serve, port=self._port)
+        create = self._ucxx.create_listener
+        if "ip_address" in inspect.signature(create).parameters:
+            self._listener = create(self._serve, port=self._port, ip_address=self._host)
+        else:
+            self._listener = create(self._serve, port=self._port)
+            if not is_wildcard(self._host):
+                log.warning("kv_transfer.ucx_listens_on_every_interface", host=self._host,
+                            port=self._listener.port,
+                            reason="this ucxx's create_listener takes no host")
         return self._listener.port
 
     async def _stop(self) -> None:

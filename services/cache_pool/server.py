@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import start_http_server
 
+from common.address import bind_host
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.protocol import (
@@ -117,7 +118,8 @@ class CachePool:
         self._tasks += [asyncio.create_task(self.outbox.run(self.events)),
                         asyncio.create_task(self._announce())]
         if self.settings.metrics_port:
-            start_http_server(self.settings.metrics_port, registry=self.metrics.registry)
+            start_http_server(self.settings.metrics_port, registry=self.metrics.registry,
+                              addr=bind_host(self.settings.control_addr))
         advert = self.data_plane.advert()
         log.info("cache pool started", instance=self.settings.instance_id,
                  control=self.rpc.address, events=self.events.address,

@@ -26,12 +26,14 @@ Admission (prediction-based early rejection, on unless ``admission=False``):
 TBT exceeds ``slo_tbt_s`` or the best predicted TTFT exceeds ``slo_ttft_s``. Nothing is
 accounted for a rejection. With ``admission=False`` the SLOs still shape routing.
 
-In-flight accounting: an accepted decision adds, until the worker's next heartbeat, one
-request and its *uncached* tokens to the prefill location's ``pending_*`` counters and
-its KV blocks to the decode worker's ledger. The queue term grows with every request
-routed to a worker, so a burst sharing one cached prefix piles onto the worker holding it
-only while that stays cheaper than a full prefill elsewhere. The ledger is keyed on the
-view's ``last_seen``: a heartbeat (which resets the view's counters) also voids it.
+In-flight accounting: an accepted decision adds one request and its *uncached* tokens
+to the prefill location's ``pending_*`` counters (on a prefill worker kept through its
+next heartbeat, which may not show the request yet: ``Registry.heartbeat``) and, until that
+heartbeat, its KV blocks to the decode worker's ledger. The local queue is the decode
+worker's waiting prompts plus those routed there since, drained in turn. The queue term
+grows with every request routed to a worker, so a burst sharing one cached prefix piles
+onto the worker holding it only while that stays cheaper than a full prefill elsewhere.
+The ledger is keyed on the view's ``last_seen``: a heartbeat also voids it.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class CacheAwarePolicy(RoutingPolicy):
             batch = d.running + d.waiting + d.pending_requests + 1
             context = (d.num_blocks - d.free_blocks) * d.block_size + led.kv_tokens
             tbt = self.cost.predict_decode(batch, context + prompt + output // 2)
-            local_s = self.cost.prefill_queue_time(led.local,
+            local_s = self.cost.prefill_queue_time(d.waiting + led.local,
                                                    d.queued_prefill_tokens + d.pending_tokens)
             tbt += local_s / max(1, output - 1)  # its local prefills will stall this request
             if free >= need and (best_key is None or (tbt, -free, d.worker_id) < best_key):
@@ -191,7 +193,7 @@ class CacheAwarePolicy(RoutingPolicy):
             t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
         else:
             led = self._ledger(w)
-            queue = self.cost.prefill_queue_time(led.local,
+            queue = self.cost.prefill_queue_time(w.waiting + led.local,
                                                  w.queued_prefill_tokens + w.pending_tokens)
             batch = w.running + w.waiting + w.pending_requests
             if batch:  # the step in progress finishes first

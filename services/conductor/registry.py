@@ -27,9 +27,12 @@ class WorkerView:
     queued_prefill_tokens: int = 0
     free_blocks: int = 0
     step_time_ms: float = 0.0
-    # Decisions made since the last heartbeat, which its counters do not show yet.
+    # Decisions the worker's counters may not show yet (see ``Registry.heartbeat``).
     pending_requests: int = 0
     pending_tokens: int = 0
+    # Of those, the ones already pending at the last heartbeat: the next one drops them.
+    carried_requests: int = 0
+    carried_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -65,7 +68,17 @@ class Registry:
                  worker_id=view.worker_id, role=view.role, control=view.control_addr)
 
     def heartbeat(self, hb, now: float | None = None) -> bool:
-        """Apply a heartbeat; False if the worker is unknown (it must be rediscovered)."""
+        """Apply a heartbeat; False if the worker is unknown (it must be rediscovered).
+
+        A remote prefill reaches its prefill worker well after the decision: the decode
+        worker forwards it only once it has reserved blocks, between its engine steps,
+        which a long local prefill step delays. So a prefill worker's heartbeat need not
+        count the decisions made just before it: on a prefill worker each decision stays
+        pending through the first heartbeat after it and is dropped at the second. For
+        up to one interval it may be counted twice, which errs towards refusing rather
+        than towards admitting a burst that a heartbeat hid. A decode worker receives
+        its requests directly and shows them in its next load snapshot: its heartbeat
+        clears them."""
         view = self.workers.get(hb.worker_id)
         if view is None:
             return False
@@ -76,7 +89,11 @@ class Registry:
         view.waiting, view.running = hb.waiting, hb.running
         view.queued_prefill_tokens = hb.queued_prefill_tokens
         view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
-        view.pending_requests = view.pending_tokens = 0
+        carry = view.role == "prefill"
+        fresh_requests = max(0, view.pending_requests - view.carried_requests) if carry else 0
+        fresh_tokens = max(0, view.pending_tokens - view.carried_tokens) if carry else 0
+        view.pending_requests = view.carried_requests = fresh_requests
+        view.pending_tokens = view.carried_tokens = fresh_tokens
         return True
 
     def reap(self, now: float | None = None) -> list[str]:

@@ -65,8 +65,8 @@ class RoutingPolicy(ABC):
     * only live workers of the request's model (any model for ``""``), not in
       ``exclude``, are chosen; a prefill worker has the decode worker's fingerprint;
     * an accepted decision is accounted by the policy itself against the views' in-flight
-      counters (``pending_requests``, ``pending_tokens``), which the worker's next
-      heartbeat resets; a ``Rejection`` accounts nothing;
+      counters (``pending_requests``, ``pending_tokens``), which the worker's
+      heartbeats clear (``Registry.heartbeat``); a ``Rejection`` accounts nothing;
     * raises ``NoWorkers`` when no live decode or unified worker is left, ``ValueError``
       for a request with bad sizes.
     """

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from common.address import bind_host
 from common.config import load_settings
 from common.cost_profile import load_profile
 from common.logging import configure_logging
@@ -130,7 +131,8 @@ class Conductor:
         if self.pools is not None:
             self._tasks.append(asyncio.create_task(self.pools.run()))
         if self.settings.metrics_port:
-            start_http_server(self.settings.metrics_port, registry=self.metrics)
+            start_http_server(self.settings.metrics_port, registry=self.metrics,
+                              addr=bind_host(self.settings.control_addr))
         log.info("conductor started", control=self.rpc.address,
                  heartbeats=self.settings.heartbeat_addr, policy=self.router.name,
                  cost_profile=self.router.profile.name,

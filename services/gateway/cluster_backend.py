@@ -13,8 +13,9 @@ Routing: each Route carries the prompt's block hashes (``common/block_hash.py``)
 which the gateway needs the workers' KV layout (model fingerprint and block size). It
 reads it from the conductor's worker list (ListWorkers) and keeps it ``layout_ttl_s``
 seconds; with no live worker of the model known yet, a Route goes without hashes.
-The request's SLOs and ``max_tokens`` go along. A conductor's ``overloaded`` error
-becomes ``BackendOverloaded`` (HTTP 429, Retry-After from its ``retry_after_s``).
+The request's SLOs and ``max_tokens`` go along. An ``overloaded`` error, the conductor's
+or a decode worker's (its queue is full), becomes ``BackendOverloaded`` (HTTP 429,
+Retry-After from its ``retry_after_s``).
 
 A request that ends without its final event (the consumer cancelled or closed the
 stream, a timeout, a ``Generate`` that timed out after the worker may have admitted it)
@@ -200,6 +201,9 @@ class ClusterBackend(GenerationBackend):
         except RemoteError as exc:
             if exc.code == "bad_request":
                 raise ValueError(exc.message) from exc
+            if exc.code == "overloaded":  # its queue is full: admitted nothing
+                self.decoders.pop(req.request_id, None)
+                raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
             raise BackendUnavailable(exc.message) from exc
         except RpcTimeout as exc:
             raise BackendUnavailable(f"decode worker {route.decode_id} did not answer") from exc

@@ -15,6 +15,11 @@ Lifecycle of a request on a decode worker::
 
 If the KV is not all there within the lease, or the prefill worker fails or dies, the
 reserved blocks are released and the prompt is prefilled here; the request completes.
+
+Overload: with ``max_waiting`` requests already waiting for a step (the engine's queue
+as of its last snapshot, plus Generates being admitted), a Generate is answered at once
+with ``Error("overloaded", retry_after_s)``, before it touches the engine: the queue
+stays bounded, and the gateway answers 429 rather than a timeout after a long wait.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class DecodeRole:
         self.remote: dict[str, Remote] = {}
         self.local_fallbacks = 0
         self.received_bytes = 0
+        self.admitting = 0  # Generates between arrival and the engine's queue
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
@@ -99,10 +105,30 @@ class DecodeRole:
             kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
             kv_advert=self.kv_advert())
 
+    def overloaded(self) -> Error | None:
+        """The refusal for one more request when the queue is full, else None."""
+        loop = self.ctx.loop
+        if loop.load.waiting + self.admitting < self.ctx.settings.max_waiting:
+            return None
+        rate = loop.prefill_tokens_per_s
+        drain = loop.load.queued_prefill_tokens / rate if rate else 1.0
+        return Error("overloaded", f"{self.ctx.worker_id}: {loop.load.waiting} requests "
+                     "waiting", retry_after_s=max(1.0, drain))
+
     async def handle(self, rid: str, rec: Generate):
-        ctx = self.ctx
         if rid in self.streams:
             return Error("bad_request", f"request id {rid!r} is already in use")
+        refusal = self.overloaded()
+        if refusal is not None:
+            return refusal
+        self.admitting += 1
+        try:
+            return await self._admit(rid, rec)
+        finally:
+            self.admitting -= 1
+
+    async def _admit(self, rid: str, rec: Generate):
+        ctx = self.ctx
         params = rec.sampling  # checked by SamplingParams itself when it was decoded
         prompt, salt = rec.prompt_token_ids, rec.cache_salt
         self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt, salt)

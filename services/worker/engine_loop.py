@@ -234,6 +234,8 @@ class EngineLoop:
                     self._run_command(item)
             if not self._engine.has_unfinished_requests():
                 continue
+            if item:  # what was just added is part of the load while this step runs
+                self.load = self._snapshot()
             start = time.perf_counter()
             try:
                 outputs = self._engine.step()

@@ -41,5 +41,5 @@ class WorkerMetrics:
         if load.total_blocks:
             self.kv_usage.set(1 - load.free_blocks / load.total_blocks)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)

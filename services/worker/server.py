@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from common.address import bind_host
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
 from common.protocol import (
@@ -132,7 +133,8 @@ class Worker:
         await self.rpc.start()
         await self.pool.start()
         if self.settings.metrics_port:
-            self.metrics.serve(self.settings.metrics_port)
+            # Beside the control socket, on its host: not on every interface.
+            self.metrics.serve(self.settings.metrics_port, bind_host(self.settings.control_addr))
         self._tasks.append(asyncio.create_task(self._register_and_beat()))
         log.info("worker started", worker_id=self.worker_id, role=self.settings.role,
                  control=self.control_addr, kv=self.role.kv_addr)

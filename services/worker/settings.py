@@ -35,6 +35,9 @@ class WorkerSettings:
     heartbeat_addr: str = "tcp://127.0.0.1:5552"
     heartbeat_interval_s: float = 1.0
     kv_lease_s: float = 10.0  # how long decode waits for remote KV before prefilling itself
+    # Requests that may wait here for their first step; more are refused at once with
+    # Error("overloaded", retry_after_s): a bounded queue, and a refusal before any wait.
+    max_waiting: int = 256
     metrics_port: int = 0  # 0: no /metrics endpoint
     host_id: str = ""  # empty: this machine's hostname
     log_format: str = "json"
@@ -56,6 +59,8 @@ class WorkerSettings:
         if self.transfer_backend not in ("auto", "tcp", "shm", "ucx"):
             raise ValueError("transfer_backend must be auto, tcp, shm or ucx, "
                              f"got {self.transfer_backend!r}")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
         if self.kv_lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
         if self.heartbeat_interval_s <= 0:
