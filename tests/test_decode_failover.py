@@ -1,0 +1,252 @@
+"""A decode worker lost mid-stream: the gateway continues the stream on another.
+
+First against a fake conductor and fake decode workers (real ZeroMQ sockets, one
+process), which lets a test say exactly what a lost worker still sends; then with real
+processes: a killed decode worker, a killed and restarted one, and none coming back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq.asyncio
+
+from common.protocol import (
+    Abort,
+    Ack,
+    Error,
+    Generate,
+    ListWorkers,
+    Route,
+    RouteReply,
+    Tokens,
+    WorkerInfo,
+    WorkerList,
+    WorkerStatus,
+)
+from common.zmq_io import PushSocket
+from common.zmq_rpc import RpcServer
+from services.gateway.backend import GenerationRequest
+from services.gateway.cluster_backend import ClusterBackend
+from services.gateway.failover import (
+    FailoverSettings,
+    LostWorkers,
+    attempt_id,
+    resumed_sampling,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = [5, 6, 7]
+SAMPLING = {"max_tokens": 8, "min_tokens": 5, "temperature": 0.0, "seed": 3}
+
+
+def _status(wid: str, addr: str, alive: bool) -> WorkerStatus:
+    return WorkerStatus(info=WorkerInfo(wid, "decode", "m", addr, "", "h", 16, 64, "fp"),
+                        alive=alive)
+
+
+def test_lost_worker_is_avoided_until_the_conductor_has_seen_it_go():
+    lost = LostWorkers()
+    lost.add("d0", "tcp://a")
+    assert lost.exclude(None) == ["d0"]  # the conductor did not answer: keep avoiding
+    assert lost.exclude([_status("d0", "tcp://a", True)]) == ["d0"]
+    assert lost.exclude([_status("d0", "tcp://a", False)]) == []
+    # Listed alive again after that: a restarted process, which may take the request.
+    assert lost.exclude([_status("d0", "tcp://a", True)]) == []
+    lost.add("d1", "tcp://b")
+    assert lost.exclude([_status("d1", "tcp://c", True)]) == []  # restarted elsewhere
+
+
+def test_resumed_sampling_owes_only_the_rest():
+    assert resumed_sampling(SAMPLING, 0) == SAMPLING
+    assert resumed_sampling(SAMPLING, 3) == {**SAMPLING, "max_tokens": 5, "min_tokens": 2}
+    assert resumed_sampling(SAMPLING, 6)["min_tokens"] == 0
+    assert attempt_id("r", 0) == "r" and attempt_id("r", 2) == "r.r2"
+    with pytest.raises(ValueError):
+        FailoverSettings(wait_s=-1)
+
+
+class FakeCluster:
+    """A conductor and decode workers ``d0``, ``d1``. Route picks the first worker marked
+    alive and not excluded ("unavailable" if none); every worker admits ``Generate``
+    (or answers ``refuse`` with an error) and records what it was sent."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.ctx = ctx
+        self.alive = {"d0": True, "d1": True}
+        self.refuse: set[str] = set()
+        self.generated: list[tuple[str, str, Generate]] = []  # (worker, wire id, record)
+        self.aborted: list[tuple[str, str]] = []
+        self.workers = {wid: RpcServer(ctx, "tcp://127.0.0.1:*", self._worker(wid),
+                                       name=wid) for wid in self.alive}
+        self.conductor = RpcServer(ctx, "tcp://127.0.0.1:*", self._conductor,
+                                   name="fake-conductor")
+        self.push: PushSocket | None = None
+
+    async def start(self) -> None:
+        for w in self.workers.values():
+            await w.start()
+        await self.conductor.start()
+
+    async def close(self) -> None:
+        if self.push is not None:
+            await self.push.close()
+        for w in self.workers.values():
+            await w.close()
+        await self.conductor.close()
+
+    async def _conductor(self, msg):
+        if isinstance(msg.record, Route):
+            wid = next((w for w, up in self.alive.items()
+                        if up and w not in msg.record.exclude), None)
+            if wid is None:
+                return Error("unavailable", "no live decode or unified worker")
+            return RouteReply(wid, self.workers[wid].address, None, None, "test")
+        if isinstance(msg.record, ListWorkers):
+            return WorkerList([_status(w, s.address, self.alive[w])
+                               for w, s in self.workers.items()])
+        return None
+
+    def _worker(self, wid: str):
+        async def handle(msg):
+            rid = msg.envelope.request_id
+            if isinstance(msg.record, Generate):
+                self.generated.append((wid, rid, msg.record))
+                return Error("unavailable", "draining") if wid in self.refuse else Ack()
+            if isinstance(msg.record, Abort):
+                self.aborted.append((wid, rid))
+                return Ack(detail="aborted")
+            return None
+        return handle
+
+    async def send(self, stream_addr: str, wire_id: str, tokens: Tokens) -> None:
+        if self.push is None:
+            self.push = PushSocket(self.ctx, stream_addr, bind=False)
+        await self.push.send(tokens, request_id=wire_id)
+
+    async def wait_generated(self, n: int) -> tuple[str, str, Generate]:
+        async with asyncio.timeout(10):
+            while len(self.generated) < n:
+                await asyncio.sleep(0.01)
+        return self.generated[n - 1]
+
+
+@pytest.fixture
+async def fake():
+    ctx = zmq.asyncio.Context()
+    cluster = FakeCluster(ctx)
+    await cluster.start()
+    backend = ClusterBackend(ctx, cluster.conductor.address, "tcp://127.0.0.1:*", "m",
+                             rpc_timeout_s=2.0, stall_check_s=0.2,
+                             failover=FailoverSettings(wait_s=2.0, poll_s=0.1))
+    await backend.start()
+    yield cluster, backend
+    await backend.close()
+    await cluster.close()
+    ctx.term()
+
+
+async def _collect(backend: ClusterBackend, rid: str, into: list[Tokens]) -> list[Tokens]:
+    async for t in backend.generate(GenerationRequest(rid, PROMPT, SAMPLING)):
+        into.append(t)
+    return into
+
+
+async def _until(cond, within_s: float = 5.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+def _ids(events: list[Tokens]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+async def test_lost_worker_stream_continues_on_another_without_mixing(fake):
+    cluster, backend = fake
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "r", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    for pos, tok in enumerate([10, 11, 12]):
+        await cluster.send(backend.stream_addr, wire, Tokens(pos, [tok]))
+    await _until(lambda: len(seen) == 3)
+    cluster.alive["d0"] = False  # its heartbeats lapsed
+    worker, wire1, gen = await cluster.wait_generated(2)
+    assert (worker, wire1) == ("d1", "r.r1")
+    assert gen.prompt_token_ids == PROMPT + [10, 11, 12] and gen.start_position == 3
+    assert (gen.sampling.max_tokens, gen.sampling.min_tokens, gen.sampling.seed) == (5, 2, 3)
+    # What the lost worker still delivers (position 3 onwards) must not reach the client.
+    await cluster.send(backend.stream_addr, wire, Tokens(3, [99, 98]))
+    await asyncio.sleep(0.1)
+    await cluster.send(backend.stream_addr, wire1, Tokens(3, [13, 14]))
+    await cluster.send(backend.stream_addr, wire1, Tokens(5, [15, 16, 17], finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10, 11, 12, 13, 14, 15, 16, 17]
+    assert [e.position for e in events] == [0, 1, 2, 3, 5]
+    assert events[-1].finish_reason == "length"
+    await _until(lambda: ("d0", "r") in cluster.aborted)  # if only frozen, it stops too
+    assert ("d1", "r.r1") not in cluster.aborted  # it finished there
+
+
+async def test_waits_for_a_worker_to_come_back(fake):
+    cluster, backend = fake
+    cluster.alive["d1"] = False
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "w", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
+    await _until(lambda: seen)
+    cluster.alive["d0"] = False
+    await asyncio.sleep(0.8)  # no decode worker at all for a while
+    assert len(cluster.generated) == 1 and not task.done()
+    cluster.alive["d0"] = True  # restarted under its id (here at its old address)
+    worker, wire1, gen = await cluster.wait_generated(2)
+    assert (worker, wire1, gen.start_position) == ("d0", "w.r1", 1)
+    await cluster.send(backend.stream_addr, wire1, Tokens(1, [11] * 7, finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10] + [11] * 7
+
+
+async def test_no_worker_within_the_wait_ends_with_a_clear_error(fake):
+    cluster, backend = fake
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "e", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
+    await _until(lambda: seen)
+    start = time.monotonic()
+    cluster.alive.update(d0=False, d1=False)
+    events = await asyncio.wait_for(task, 15)
+    assert time.monotonic() - start >= 2.0  # it waited out wait_s
+    assert _ids(events) == [10]
+    assert events[-1].finished and events[-1].finish_reason == "error"
+    assert "no other took the request within 2s" in events[-1].error
+    assert "e" not in backend.decoders and not backend.queues
+
+
+async def test_worker_that_refuses_the_resumed_request_is_passed_over(fake):
+    cluster, backend = fake
+    cluster.workers["d2"] = RpcServer(cluster.ctx, "tcp://127.0.0.1:*",
+                                      cluster._worker("d2"), name="d2")
+    await cluster.workers["d2"].start()
+    cluster.alive.update(d1=False, d2=True)  # Route prefers d0, then d1, then d2
+    cluster.refuse.add("d1")
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "x", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
+    await _until(lambda: seen)
+    cluster.alive.update(d0=False, d1=True)
+    assert (await cluster.wait_generated(2))[:2] == ("d1", "x.r1")  # refused there
+    worker, wire2, _ = await cluster.wait_generated(3)
+    assert (worker, wire2) == ("d2", "x.r2")
+    await _until(lambda: ("d1", "x.r1") in cluster.aborted)  # it may have admitted it
+    await cluster.send(backend.stream_addr, wire2, Tokens(1, [12] * 7, finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10] + [12] * 7
