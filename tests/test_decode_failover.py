@@ -8,11 +8,14 @@ processes: a killed decode worker, a killed and restarted one, and none coming b
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import signal
 import time
 
 import pytest
 import zmq.asyncio
 
+from common.client import Client, GenerationError
 from common.protocol import (
     Abort,
     Ack,
@@ -26,8 +29,10 @@ from common.protocol import (
     WorkerList,
     WorkerStatus,
 )
+from common.sampling_params import SamplingParams
 from common.zmq_io import PushSocket
 from common.zmq_rpc import RpcServer
+from services.engine.config import EngineConfig
 from services.gateway.backend import GenerationRequest
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover import (
@@ -36,6 +41,8 @@ from services.gateway.failover import (
     attempt_id,
     resumed_sampling,
 )
+from tests.cluster import Cluster, make_served_tiny_model
+from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -250,3 +257,118 @@ async def test_worker_that_refuses_the_resumed_request_is_passed_over(fake):
                                                           finish_reason="length"))
     events = await asyncio.wait_for(task, 10)
     assert _ids(events) == [10] + [12] * 7
+
+
+# --- real processes ------------------------------------------------------------------
+
+N = 400  # long enough that a stream is still running when its worker is killed
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_served_tiny_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([40, 23, 57, 31], vocab=49152, seed=34)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    """The undisturbed run. float64 everywhere: recomputing prompt + generated tokens in
+    one prefill must give the same argmax as decoding them one by one."""
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float64",
+                                    kv_cache_bytes=64 << 20))
+    done = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=N,
+                                                   ignore_eos=True))
+    return [c.token_ids for c in done]
+
+
+def _streams(cluster: Cluster, prompts: list[list[int]], started: list[int]):
+    """Stream each prompt from its own thread; ``started`` counts first chunks seen.
+    Returns futures of each stream's chunks."""
+    def one(prompt):
+        with Client(cluster.zmq_addr, timeout_s=240) as client:
+            chunks = []
+            for chunk in client.stream(prompt_token_ids=prompt, max_tokens=N,
+                                       temperature=0, ignore_eos=True):
+                if not chunks:
+                    started.append(1)
+                chunks.append(chunk)
+            return chunks
+    pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    return [pool.submit(one, p) for p in prompts]
+
+
+def _wait_started(started: list[int], n: int, futures) -> None:
+    deadline = time.monotonic() + 120
+    while len(started) < n:
+        for f in futures:
+            if f.done():
+                f.result()  # raises what went wrong
+        assert time.monotonic() < deadline, "the streams never started"
+        time.sleep(0.01)
+
+
+def _check_exact(chunks, want: list[int]) -> None:
+    ids = [t for c in chunks for t in c.token_ids]
+    positions = [c.position for c in chunks]
+    assert positions == [sum(len(c.token_ids) for c in chunks[:i])
+                         for i in range(len(chunks))], "positions not contiguous"
+    assert ids == want
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_killed_decode_worker_streams_continue_exactly(model_dir, tmp_path, prompts,
+                                                       reference):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64")
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts, started)
+        _wait_started(started, len(prompts), futures)
+        cluster.signal("unified-0", signal.SIGKILL)  # least-loaded gave it some streams
+        for f, want in zip(futures, reference, strict=True):
+            _check_exact(f.result(timeout=240), want)
+        assert "re-routing" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_only_decode_worker_killed_and_restarted_stream_completes(model_dir, tmp_path,
+                                                                   prompts, reference):
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], dtype="float64",
+                      gateway_args=["--decode-failover-wait-s", "120"])
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts[:2], started)
+        _wait_started(started, 2, futures)
+        cluster.signal("decode-1", signal.SIGKILL)
+        cluster.procs["decode-1"].popen.wait(10)
+        time.sleep(3)  # long enough for the conductor to list it dead
+        cluster.restart_worker("decode-1", "decode")
+        for f, want in zip(futures, reference[:2], strict=True):
+            _check_exact(f.result(timeout=240), want)
+        assert "re-routing" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_no_decode_worker_within_the_wait_fails_cleanly(model_dir, tmp_path, prompts):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified"],
+                      gateway_args=["--decode-failover-wait-s", "3"])
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts[:1], started)
+        _wait_started(started, 1, futures)
+        cluster.signal("unified-0", signal.SIGKILL)
+        with pytest.raises(GenerationError, match="no other took the request within 3s"):
+            futures[0].result(timeout=120)
+        assert "request failed over to no worker" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
