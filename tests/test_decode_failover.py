@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from common.client import Client, GenerationError
 from common.protocol import (
+    WORKER_LEAVING,
     Abort,
     Ack,
     Error,
@@ -199,6 +200,26 @@ async def test_lost_worker_stream_continues_on_another_without_mixing(fake):
     assert ("d1", "r.r1") not in cluster.aborted  # it finished there
 
 
+async def test_stream_handed_back_by_a_stopping_worker_continues_elsewhere(fake):
+    cluster, backend = fake
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "h", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10, 11]))
+    # d0 stops on purpose: it is still listed alive, yet must not get the request again.
+    await cluster.send(backend.stream_addr, wire, Tokens(
+        2, [], finished=True, finish_reason="error", error=WORKER_LEAVING))
+    worker, wire1, gen = await cluster.wait_generated(2)
+    assert (worker, wire1, gen.start_position) == ("d1", "h.r1", 2)
+    assert gen.prompt_token_ids == PROMPT + [10, 11]
+    await cluster.send(backend.stream_addr, wire1, Tokens(2, [12] * 6, finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10, 11] + [12] * 6
+    assert all(e.error is None for e in events)
+    assert ("d0", "h") not in cluster.aborted  # it let go itself
+
+
 async def test_waits_for_a_worker_to_come_back(fake):
     cluster, backend = fake
     cluster.alive["d1"] = False
@@ -334,6 +355,24 @@ def test_killed_decode_worker_streams_continue_exactly(model_dir, tmp_path, prom
         for f, want in zip(futures, reference, strict=True):
             _check_exact(f.result(timeout=240), want)
         assert "re-routing" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_stopped_decode_worker_hands_its_streams_on(model_dir, tmp_path, prompts,
+                                                    reference):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64")
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts, started)
+        _wait_started(started, len(prompts), futures)
+        cluster.signal("unified-0", signal.SIGTERM)  # a planned stop, not a crash
+        for f, want in zip(futures, reference, strict=True):
+            _check_exact(f.result(timeout=240), want)
+        assert cluster.procs["unified-0"].popen.wait(30) == 0
+        assert "requests handed back" in cluster.procs["unified-0"].log.read_text()
+        assert "handed back" in cluster.procs["gateway"].log.read_text()
     finally:
         cluster.stop()
 

@@ -5,10 +5,11 @@ Tokens of one request come from two processes over two sockets, so they may arri
 of order; they are released strictly by position. A position seen twice (a decode worker
 that fell back to local prefill re-sends token 0) is released once.
 
-If a decode worker goes quiet and the conductor no longer lists it alive, the request is
-re-routed to another decode worker with the prompt plus the tokens already streamed, and
-the client's stream continues from where it stopped (``failover.py``: how, and how long
-it waits for a live decode worker).
+If a decode worker goes quiet and the conductor no longer lists it alive, or it hands the
+request back because it is stopping (``WORKER_LEAVING``), the request is re-routed to
+another decode worker with the prompt plus the tokens already streamed, and the client's
+stream continues from where it stopped (``failover.py``: how, and how long it waits for
+a live decode worker).
 
 Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
 which the gateway needs the workers' KV layout (model fingerprint and block size). It
@@ -37,6 +38,7 @@ import zmq.asyncio
 
 from common.block_hash import hash_blocks
 from common.protocol import (
+    WORKER_LEAVING,
     Abort,
     Generate,
     ListWorkers,
@@ -281,14 +283,19 @@ class ClusterBackend(GenerationBackend):
             route = await self._start(request, generated, [], wire)
             while True:
                 tokens = await self._next(q, route)
-                if tokens is None:
+                # What the worker sent before it left is already queued ahead of this.
+                leaving = tokens is not None and tokens is not _STREAM_LOST \
+                    and tokens.finished and tokens.error == WORKER_LEAVING
+                if tokens is None or leaving:
                     log.warning("decode worker lost, re-routing", request_id=rid,
-                                worker_id=route.decode_id, tokens_so_far=len(generated))
+                                worker_id=route.decode_id, tokens_so_far=len(generated),
+                                reason="handed back" if leaving else "stopped heartbeating")
                     lost.add(route.decode_id, route.decode_addr)
                     failovers += 1
                     self.queues.pop(wire, None)  # what it still sends is dropped
                     self.decoders.pop(rid, None)
-                    self._abort_soon(route.decode_addr, wire)  # frozen, not dead?
+                    if not leaving:  # it let go itself; else it may be frozen, not dead
+                        self._abort_soon(route.decode_addr, wire)
                     pending.clear()
                     try:
                         if failovers > self.failover.max_failovers:

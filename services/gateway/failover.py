@@ -1,7 +1,8 @@
 """Continuing a request whose decode worker was lost (DESIGN.md, failure rules).
 
 A decode worker is lost when its stream goes quiet and the conductor no longer lists it
-alive (its heartbeats stopped), or when a ``Generate`` to it fails. The gateway then
+alive (its heartbeats stopped), when it hands the request back because it is stopping
+(``WORKER_LEAVING``), or when a ``Generate`` to it fails. The gateway then
 submits the request again, excluding that worker: the prompt plus the tokens already
 streamed as the new prompt, the same sampling with ``max_tokens`` / ``min_tokens``
 reduced by what was generated, and ``start_position`` at the first token still owed
