@@ -229,6 +229,8 @@ class ClusterBackend(GenerationBackend):
         rid = req.request_id
         deadline = time.monotonic() + self.failover.wait_s
         while True:
+            if not self.dispatching:  # no tokens could reach this attempt
+                raise BackendUnavailable("the gateway's token stream has failed")
             wire = attempt_id(rid, lost.attempts + 1)
             q = self.queues[wire] = asyncio.Queue()  # tokens may come before the Ack
             try:
