@@ -64,6 +64,7 @@ from common.records import (
 
 __all__ = [
     "ERROR_CODES", "MAX_BULK_FRAME_BYTES", "MAX_FRAME_BYTES", "PROTOCOL_VERSION",
+    "WORKER_LEAVING",
     "Envelope", "Message", "ProtocolError", "decode", "encode", "message", "record",
     "records", "registry",
     # nested records
@@ -236,6 +237,11 @@ class Tokens:
     source: str = "decode"
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+# ``Tokens.error`` of a stream its decode worker hands back unfinished (a planned stop):
+# the gateway continues it on another worker, as if the worker had died.
+WORKER_LEAVING = "worker leaving: continue elsewhere"
 
 
 @message("client_request")

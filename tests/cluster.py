@@ -242,6 +242,16 @@ class Cluster:
             "--executor", self.executor, "--sim-profile", self.sim_profile,
             *placement, *self.worker_args], control, host)
 
+    def restart_worker(self, name: str, role: str) -> Proc:
+        """Start worker ``name`` again once its process has exited (killed by a test),
+        at a new control address; its earlier log is kept as ``<name>.log.1``."""
+        old = self.procs[name]
+        if old.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        if old.log.exists():
+            old.log.rename(old.log.with_suffix(".log.1"))
+        return self.start_worker(name, role)
+
     def start_conductor(self) -> Proc:
         return self._spawn("conductor", [
             "services.conductor", "--control-addr", self.conductor_addr,

@@ -5,9 +5,11 @@ Tokens of one request come from two processes over two sockets, so they may arri
 of order; they are released strictly by position. A position seen twice (a decode worker
 that fell back to local prefill re-sends token 0) is released once.
 
-If a decode worker goes quiet and the conductor no longer lists it alive, the request is
-re-routed to another decode worker with the prompt plus the tokens already streamed, and
-the client's stream continues from where it stopped.
+If a decode worker goes quiet and the conductor no longer lists it alive, or it hands the
+request back because it is stopping (``WORKER_LEAVING``), the request is re-routed to
+another decode worker with the prompt plus the tokens already streamed, and the client's
+stream continues from where it stopped (``failover.py``: how, and how long it waits for
+a live decode worker).
 
 Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
 which the gateway needs the workers' KV layout (model fingerprint and block size). It
@@ -37,10 +39,12 @@ import zmq.asyncio
 
 from common.block_hash import hash_blocks
 from common.protocol import (
+    WORKER_LEAVING,
     Abort,
     Generate,
     ListWorkers,
     Route,
+    RouteReply,
     SamplingParams,
     Tokens,
     WorkerList,
@@ -55,6 +59,13 @@ from services.gateway.backend import (
     GenerationBackend,
     GenerationRequest,
 )
+from services.gateway.failover import (
+    FailoverSettings,
+    LostWorkers,
+    attempt_id,
+    listed_alive,
+    resumed_sampling,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +73,8 @@ log = structlog.get_logger(__name__)
 class ClusterBackend(GenerationBackend):
     def __init__(self, ctx: zmq.asyncio.Context, conductor_addr: str, stream_bind: str,
                  model: str, *, stream_advertise: str = "", rpc_timeout_s: float = 10.0,
-                 stall_check_s: float = 2.0, max_reroutes: int = 2,
+                 stall_check_s: float = 2.0,
+                 failover: FailoverSettings | None = None,
                  layout_ttl_s: float = 10.0) -> None:
         self.ctx = ctx
         self.model = model
@@ -71,9 +83,10 @@ class ClusterBackend(GenerationBackend):
         self._advertise = stream_advertise
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_check_s = stall_check_s
-        self.max_reroutes = max_reroutes
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.decoders: dict[str, str] = {}  # request id → decode worker control address
+        self.failover = failover or FailoverSettings()
+        self.queues: dict[str, asyncio.Queue] = {}  # by the id the worker sees
+        # request id → (decode worker control address, the id it knows the request by)
+        self.decoders: dict[str, tuple[str, str]] = {}
         self._clients: dict[str, RpcClient] = {}
         self._task: asyncio.Task | None = None
         self.layout_ttl_s = layout_ttl_s
@@ -158,29 +171,22 @@ class ClusterBackend(GenerationBackend):
         layout = await self._kv_layout()
         return [] if layout is None else hash_blocks(prompt, layout[1], layout[0], salt)
 
-    async def _decode_alive(self, worker_id: str) -> bool:
+    async def _decode_alive(self, worker_id: str, addr: str) -> bool:
         workers = await self._workers()
         if workers is None:
             return True  # cannot tell: keep waiting rather than duplicate work
-        return any(w.info.worker_id == worker_id and w.alive for w in workers)
+        return listed_alive(workers, worker_id, addr)
 
-    async def _start(self, req: GenerationRequest, generated: list[int],
-                     exclude: list[str]) -> str:
-        """Route and submit; returns the decode worker id."""
-        prompt = req.prompt_token_ids + generated
-        sampling = dict(req.sampling)
+    async def _route(self, req: GenerationRequest, prompt: list[int], resumed: bool,
+                     max_tokens: int, exclude: list[str]) -> RouteReply:
         # A resumed stream was admitted once already: no SLO may turn it away now.
-        slo_ttft, slo_tbt = (math.inf, math.inf) if generated else (req.slo_ttft_ms,
-                                                                     req.slo_tbt_ms)
-        if generated:
-            sampling["max_tokens"] = sampling.get("max_tokens", 16) - len(generated)
-            sampling["min_tokens"] = max(0, sampling.get("min_tokens", 0) - len(generated))
+        slo_ttft, slo_tbt = ((math.inf, math.inf) if resumed
+                             else (req.slo_ttft_ms, req.slo_tbt_ms))
         try:
-            route = (await self.conductor.call(
+            return (await self.conductor.call(
                 Route(model=self.model, prompt_len=len(prompt), exclude=exclude,
                       block_hashes=await self._block_hashes(prompt, req.cache_salt),
-                      slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt,
-                      max_tokens=int(sampling.get("max_tokens", 0))),
+                      slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt, max_tokens=max_tokens),
                 request_id=req.request_id, timeout=self.rpc_timeout_s)).record
         except RemoteError as exc:
             if exc.code == "overloaded":
@@ -190,50 +196,124 @@ class ClusterBackend(GenerationBackend):
             raise BackendUnavailable(exc.message) from exc
         except RpcTimeout as exc:
             raise BackendUnavailable("the conductor did not answer") from exc
-        self.decoders[req.request_id] = route.decode_addr
+
+    async def _start(self, req: GenerationRequest, generated: list[int],
+                     exclude: list[str], wire_id: str) -> RouteReply:
+        """Route and submit under ``wire_id``; returns the route taken. A failed
+        ``Generate`` raises ``_SubmitFailed`` (a BackendUnavailable) naming the worker."""
+        prompt = req.prompt_token_ids + generated
+        sampling = resumed_sampling(req.sampling, len(generated))
+        route = await self._route(req, prompt, bool(generated),
+                                  int(sampling.get("max_tokens", 0)), exclude)
+        self.decoders[req.request_id] = (route.decode_addr, wire_id)
         try:
             await self._client(route.decode_addr).call(Generate(
                 prompt_token_ids=prompt, sampling=SamplingParams.from_dict(sampling),
                 stream_addr=self.stream_addr,
                 prefill_id=route.prefill_id, prefill_addr=route.prefill_addr,
                 cache_salt=req.cache_salt, start_position=len(generated)),
-                request_id=req.request_id, timeout=self.rpc_timeout_s)
+                request_id=wire_id, timeout=self.rpc_timeout_s)
         except RemoteError as exc:
             if exc.code == "bad_request":
                 raise ValueError(exc.message) from exc
             if exc.code == "overloaded":  # its queue is full: admitted nothing
                 self.decoders.pop(req.request_id, None)
                 raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
-            raise BackendUnavailable(exc.message) from exc
-        except RpcTimeout as exc:
-            raise BackendUnavailable(f"decode worker {route.decode_id} did not answer") from exc
-        return route.decode_id
+            raise _SubmitFailed(exc.message, route) from exc
+        except (RpcTimeout, ConnectionError) as exc:
+            raise _SubmitFailed(f"decode worker {route.decode_id} did not answer",
+                                route) from exc
+        return route
+
+    async def _fail_over(self, req: GenerationRequest, generated: list[int],
+                         lost: LostWorkers) -> tuple[RouteReply, str, asyncio.Queue]:
+        """Submit ``req`` again, continuing after ``generated``, on a worker not lost;
+        waits up to ``failover.wait_s`` for one. Returns the route, the attempt's
+        request id and its queue; raises BackendUnavailable or ValueError."""
+        rid = req.request_id
+        deadline = time.monotonic() + self.failover.wait_s
+        while True:
+            if not self.dispatching:  # no tokens could reach this attempt
+                raise BackendUnavailable("the gateway's token stream has failed")
+            wire = attempt_id(rid, lost.attempts + 1)
+            q = self.queues[wire] = asyncio.Queue()  # tokens may come before the Ack
+            try:
+                exclude = lost.exclude(await self._workers())
+                route = await self._start(req, generated, exclude, wire)
+                lost.attempts += 1
+                return route, wire, q
+            except _SubmitFailed as exc:  # it may have admitted it after all
+                lost.attempts += 1  # so its id is not used again
+                self.queues.pop(wire, None)
+                self.decoders.pop(rid, None)
+                self._abort_soon(exc.route.decode_addr, wire)
+                lost.add(exc.route.decode_id, exc.route.decode_addr)
+                why = str(exc)
+            except (BackendUnavailable, BackendOverloaded) as exc:
+                self.queues.pop(wire, None)
+                why = str(exc)
+            except BaseException:
+                self.queues.pop(wire, None)
+                raise
+            if time.monotonic() + self.failover.poll_s > deadline:
+                raise BackendUnavailable(
+                    f"the decode worker was lost and no other took the request within "
+                    f"{self.failover.wait_s:g}s: {why}")
+            await asyncio.sleep(self.failover.poll_s)
+
+    async def _next(self, q: asyncio.Queue, route: RouteReply):
+        """The next event of the stream, or None once its decode worker is lost."""
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), timeout=self.stall_check_s)
+            except TimeoutError:
+                if not await self._decode_alive(route.decode_id, route.decode_addr):
+                    return None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Tokens]:
         rid = request.request_id
-        if rid in self.queues:  # front-ends make ids unique; a clash must not hijack one
+        # Front-ends make ids unique; a clash must not hijack one.
+        if rid in self.queues or rid in self.decoders:
             raise ValueError(f"request id {rid} is already running")
         if not self.dispatching:
             raise BackendUnavailable("the gateway's token stream has failed")
         q: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = q
+        wire = rid  # the id the worker sees; a new one per failover attempt
+        self.queues[wire] = q
         generated: list[int] = []
         pending: dict[int, Tokens] = {}
-        exclude: list[str] = []
+        lost = LostWorkers()
+        failovers = 0
         finished = False
         try:
-            decode_id = await self._start(request, generated, exclude)
+            route = await self._start(request, generated, [], wire)
             while True:
-                try:
-                    tokens = await asyncio.wait_for(q.get(), timeout=self.stall_check_s)
-                except TimeoutError:
-                    if await self._decode_alive(decode_id) or len(exclude) >= self.max_reroutes:
-                        continue
+                tokens = await self._next(q, route)
+                # What the worker sent before it left is already queued ahead of this.
+                leaving = tokens is not None and tokens is not _STREAM_LOST \
+                    and tokens.finished and tokens.error == WORKER_LEAVING
+                if tokens is None or leaving:
                     log.warning("decode worker lost, re-routing", request_id=rid,
-                                worker_id=decode_id, tokens_so_far=len(generated))
-                    exclude.append(decode_id)
+                                worker_id=route.decode_id, tokens_so_far=len(generated),
+                                reason="handed back" if leaving else "stopped heartbeating")
+                    lost.add(route.decode_id, route.decode_addr)
+                    failovers += 1
+                    self.queues.pop(wire, None)  # what it still sends is dropped
+                    self.decoders.pop(rid, None)
+                    if not leaving:  # it let go itself; else it may be frozen, not dead
+                        self._abort_soon(route.decode_addr, wire)
                     pending.clear()
-                    decode_id = await self._start(request, generated, exclude)
+                    try:
+                        if failovers > self.failover.max_failovers:
+                            raise BackendUnavailable(
+                                f"{failovers} decode workers lost for this request")
+                        route, wire, q = await self._fail_over(request, generated, lost)
+                    except (BackendUnavailable, ValueError) as exc:
+                        log.warning("request failed over to no worker", request_id=rid,
+                                    error=str(exc))
+                        yield Tokens(position=len(generated), token_ids=[], finished=True,
+                                     finish_reason="error", error=str(exc))
+                        return
                     continue
                 if tokens is _STREAM_LOST:
                     yield Tokens(position=len(generated), token_ids=[], finished=True,
@@ -247,10 +327,10 @@ class ClusterBackend(GenerationBackend):
                     if event.finished:
                         return
         finally:
-            self.queues.pop(rid, None)
-            addr = self.decoders.pop(rid, None)
-            if addr is not None and not finished:
-                self._abort_soon(addr, rid)
+            self.queues.pop(wire, None)
+            held = self.decoders.pop(rid, None)
+            if held is not None and not finished:
+                self._abort_soon(*held)
 
     def _abort_soon(self, addr: str, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._send_abort(addr, request_id))
@@ -266,9 +346,17 @@ class ClusterBackend(GenerationBackend):
 
     async def abort(self, request_id: str) -> None:
         # Popped: the generator's own close then has nothing left to abort.
-        addr = self.decoders.pop(request_id, None)
-        if addr is not None:
-            await self._send_abort(addr, request_id)
+        held = self.decoders.pop(request_id, None)
+        if held is not None:
+            await self._send_abort(*held)
+
+
+class _SubmitFailed(BackendUnavailable):
+    """A ``Generate`` that failed on the worker ``route`` chose (it may be gone)."""
+
+    def __init__(self, message: str, route: RouteReply) -> None:
+        super().__init__(message)
+        self.route = route
 
 
 _STREAM_LOST = object()  # queued to every request when the token dispatcher has died

@@ -22,6 +22,7 @@ from common.service_main import run_service, until_stopped
 from common.tokenizer import TextTokenizer
 from common.zmq_auth import make_context
 from services.gateway.cluster_backend import ClusterBackend
+from services.gateway.failover import FailoverSettings
 from services.gateway.model_info import describe_model
 from services.gateway.openai_api import create_app
 from services.gateway.pipeline import RequestPipeline
@@ -46,6 +47,8 @@ class GatewaySettings:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 4 << 20  # larger HTTP bodies are answered 413
     shutdown_grace_s: float = 5.0  # how long open requests may run on after a stop
+    # A stream whose decode worker died waits this long for another to continue it.
+    decode_failover_wait_s: float = 30.0
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
 
@@ -54,6 +57,7 @@ class GatewaySettings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.shutdown_grace_s < float("inf"):
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        FailoverSettings(wait_s=self.decode_failover_wait_s)  # raises if out of range
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
@@ -76,7 +80,9 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     tokenizer = TextTokenizer.from_dir(tok_dir)
     ctx = make_context(settings.curve_keys_dir, "gateway")
     backend = ClusterBackend(ctx, settings.conductor_addr, settings.stream_bind, name,
-                             stream_advertise=settings.stream_advertise)
+                             stream_advertise=settings.stream_advertise,
+                             failover=FailoverSettings(
+                                 wait_s=settings.decode_failover_wait_s))
     await backend.start()
     pipeline = RequestPipeline(tokenizer, max_len)
     frontend = ZmqFrontend(ctx, settings.zmq_addr, backend, pipeline, tokenizer, name,

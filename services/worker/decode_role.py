@@ -20,6 +20,9 @@ Overload: with ``max_waiting`` requests already waiting for a step (the engine's
 as of its last snapshot, plus Generates being admitted), a Generate is answered at once
 with ``Error("overloaded", retry_after_s)``, before it touches the engine: the queue
 stays bounded, and the gateway answers 429 rather than a timeout after a long wait.
+
+A planned stop (``hand_back``) refuses new requests and ends every running stream with
+``WORKER_LEAVING``: its gateway continues it on another worker, which recomputes the KV.
 """
 
 from __future__ import annotations
@@ -32,7 +35,17 @@ from dataclasses import dataclass
 
 import structlog
 
-from common.protocol import Abort, Ack, Error, Generate, KVAdvert, Prefill, Tokens, WorkerStats
+from common.protocol import (
+    WORKER_LEAVING,
+    Abort,
+    Ack,
+    Error,
+    Generate,
+    KVAdvert,
+    Prefill,
+    Tokens,
+    WorkerStats,
+)
 from common.transfer import MultiReceiver, Transfer, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.outputs import RemoteSlots
@@ -51,6 +64,7 @@ class Stream:
     start_position: int
     prompt_token_ids: list[int]
     cache_salt: str | None
+    next_position: int = 0  # of the next token this worker sends (set once it sends)
 
     @property
     def prompt_tokens(self) -> int:
@@ -76,6 +90,7 @@ class DecodeRole:
         self.local_fallbacks = 0
         self.received_bytes = 0
         self.admitting = 0  # Generates between arrival and the engine's queue
+        self.leaving = False
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
@@ -116,6 +131,8 @@ class DecodeRole:
                      "waiting", retry_after_s=max(1.0, drain))
 
     async def handle(self, rid: str, rec: Generate):
+        if self.leaving:
+            return Error("unavailable", f"{self.ctx.worker_id} is shutting down")
         if rid in self.streams:
             return Error("bad_request", f"request id {rid!r} is already in use")
         refusal = self.overloaded()
@@ -131,7 +148,8 @@ class DecodeRole:
         ctx = self.ctx
         params = rec.sampling  # checked by SamplingParams itself when it was decoded
         prompt, salt = rec.prompt_token_ids, rec.cache_salt
-        self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt, salt)
+        self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt, salt,
+                                   rec.start_position)
         try:
             # A resumed stream (start_position > 0) prefills here: the prefill worker
             # only ever streams position 0.
@@ -233,6 +251,7 @@ class DecodeRole:
             cached_tokens=out.num_cached_tokens, source="decode",
             error="engine step failed" if out.finish_reason == "error" else None,
             logprobs=logprob_records(out.new_logprobs)))
+        stream.next_position = position + len(out.new_token_ids)
         if out.finished:
             self.streams.pop(out.request_id, None)
 
@@ -243,6 +262,22 @@ class DecodeRole:
                 position=stream.start_position + count, token_ids=[], finished=True,
                 finish_reason=reason, prompt_tokens=stream.prompt_tokens,
                 cached_tokens=cached, source="decode"))
+
+    async def hand_back(self) -> int:
+        """A planned stop: refuse new requests, end every running stream with
+        ``WORKER_LEAVING`` (its gateway continues it elsewhere) and free what it held.
+        Returns how many streams were handed back."""
+        self.leaving = True
+        handed = list(self.streams.items())
+        self.streams.clear()  # what the engine still produces for them is not sent
+        for rid, stream in handed:
+            self.ctx.streams.send(stream.addr, rid, Tokens(
+                position=stream.next_position, token_ids=[], finished=True,
+                finish_reason="error", prompt_tokens=stream.prompt_tokens,
+                source="decode", error=WORKER_LEAVING))
+        for rid, _ in handed:
+            await self.abort(rid)
+        return len(handed)
 
     async def abort(self, rid: str) -> None:
         self.streams.pop(rid, None)

@@ -139,6 +139,14 @@ class Worker:
         log.info("worker started", worker_id=self.worker_id, role=self.settings.role,
                  control=self.control_addr, kv=self.role.kv_addr)
 
+    async def hand_back(self) -> None:
+        """A planned stop: running requests go back to their gateways, which continue
+        them on other workers (the KV is recomputed there, not moved)."""
+        if isinstance(self.role, DecodeRole):
+            handed = await self.role.hand_back()
+            await self.streams.flush(timeout_s=2.0)
+            log.info("requests handed back", worker_id=self.worker_id, requests=handed)
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -273,6 +281,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
             return
         starting.result()  # a failure to start raises here
         await until_stopped(stop, worker._tasks)
+        await worker.hand_back()  # a stop asked for (SIGTERM): not after a failure
     finally:
         starting.cancel()
         stopping.cancel()

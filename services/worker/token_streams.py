@@ -89,6 +89,15 @@ class TokenStreams:
                 del self._queues[addr]
                 self._tasks.pop(addr, None)
 
+    async def flush(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` until every queued message was handed to ZeroMQ (a
+        stop closes the sockets without linger: what is still queued then is lost)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (any(not q.empty() for q in self._queues.values())
+               and asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # ZeroMQ's I/O thread puts the last frames on the wire
+
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()

@@ -1,0 +1,413 @@
+"""A decode worker lost mid-stream: the gateway continues the stream on another.
+
+First against a fake conductor and fake decode workers (real ZeroMQ sockets, one
+process), which lets a test say exactly what a lost worker still sends; then with real
+processes: a killed decode worker, a killed and restarted one, and none coming back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import time
+
+import pytest
+import zmq.asyncio
+
+from common.client import Client, GenerationError
+from common.protocol import (
+    WORKER_LEAVING,
+    Abort,
+    Ack,
+    Error,
+    Generate,
+    ListWorkers,
+    Route,
+    RouteReply,
+    Tokens,
+    WorkerInfo,
+    WorkerList,
+    WorkerStatus,
+)
+from common.sampling_params import SamplingParams
+from common.zmq_io import PushSocket
+from common.zmq_rpc import RpcServer
+from services.engine.config import EngineConfig
+from services.gateway.backend import GenerationRequest
+from services.gateway.cluster_backend import ClusterBackend
+from services.gateway.failover import (
+    FailoverSettings,
+    LostWorkers,
+    attempt_id,
+    resumed_sampling,
+)
+from tests.cluster import Cluster, make_served_tiny_model
+from tests.tiny_models import random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = [5, 6, 7]
+SAMPLING = {"max_tokens": 8, "min_tokens": 5, "temperature": 0.0, "seed": 3}
+
+
+def _status(wid: str, addr: str, alive: bool) -> WorkerStatus:
+    return WorkerStatus(info=WorkerInfo(wid, "decode", "m", addr, "", "h", 16, 64, "fp"),
+                        alive=alive)
+
+
+def test_lost_worker_is_avoided_until_the_conductor_has_seen_it_go():
+    lost = LostWorkers()
+    lost.add("d0", "tcp://a")
+    assert lost.exclude(None) == ["d0"]  # the conductor did not answer: keep avoiding
+    assert lost.exclude([_status("d0", "tcp://a", True)]) == ["d0"]
+    assert lost.exclude([_status("d0", "tcp://a", False)]) == []
+    # Listed alive again after that: a restarted process, which may take the request.
+    assert lost.exclude([_status("d0", "tcp://a", True)]) == []
+    lost.add("d1", "tcp://b")
+    assert lost.exclude([_status("d1", "tcp://c", True)]) == []  # restarted elsewhere
+
+
+def test_resumed_sampling_owes_only_the_rest():
+    assert resumed_sampling(SAMPLING, 0) == SAMPLING
+    assert resumed_sampling(SAMPLING, 3) == {**SAMPLING, "max_tokens": 5, "min_tokens": 2}
+    assert resumed_sampling(SAMPLING, 6)["min_tokens"] == 0
+    assert attempt_id("r", 0) == "r" and attempt_id("r", 2) == "r.r2"
+    with pytest.raises(ValueError):
+        FailoverSettings(wait_s=-1)
+
+
+class FakeCluster:
+    """A conductor and decode workers ``d0``, ``d1``. Route picks the first worker marked
+    alive and not excluded ("unavailable" if none); every worker admits ``Generate``
+    (or answers ``refuse`` with an error) and records what it was sent."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.ctx = ctx
+        self.alive = {"d0": True, "d1": True}
+        self.refuse: set[str] = set()
+        self.generated: list[tuple[str, str, Generate]] = []  # (worker, wire id, record)
+        self.aborted: list[tuple[str, str]] = []
+        self.workers = {wid: RpcServer(ctx, "tcp://127.0.0.1:*", self._worker(wid),
+                                       name=wid) for wid in self.alive}
+        self.conductor = RpcServer(ctx, "tcp://127.0.0.1:*", self._conductor,
+                                   name="fake-conductor")
+        self.push: PushSocket | None = None
+
+    async def start(self) -> None:
+        for w in self.workers.values():
+            await w.start()
+        await self.conductor.start()
+
+    async def close(self) -> None:
+        if self.push is not None:
+            await self.push.close()
+        for w in self.workers.values():
+            await w.close()
+        await self.conductor.close()
+
+    async def _conductor(self, msg):
+        if isinstance(msg.record, Route):
+            wid = next((w for w, up in self.alive.items()
+                        if up and w not in msg.record.exclude), None)
+            if wid is None:
+                return Error("unavailable", "no live decode or unified worker")
+            return RouteReply(wid, self.workers[wid].address, None, None, "test")
+        if isinstance(msg.record, ListWorkers):
+            return WorkerList([_status(w, s.address, self.alive[w])
+                               for w, s in self.workers.items()])
+        return None
+
+    def _worker(self, wid: str):
+        async def handle(msg):
+            rid = msg.envelope.request_id
+            if isinstance(msg.record, Generate):
+                self.generated.append((wid, rid, msg.record))
+                return Error("unavailable", "draining") if wid in self.refuse else Ack()
+            if isinstance(msg.record, Abort):
+                self.aborted.append((wid, rid))
+                return Ack(detail="aborted")
+            return None
+        return handle
+
+    async def send(self, stream_addr: str, wire_id: str, tokens: Tokens) -> None:
+        if self.push is None:
+            self.push = PushSocket(self.ctx, stream_addr, bind=False)
+        await self.push.send(tokens, request_id=wire_id)
+
+    async def wait_generated(self, n: int) -> tuple[str, str, Generate]:
+        async with asyncio.timeout(10):
+            while len(self.generated) < n:
+                await asyncio.sleep(0.01)
+        return self.generated[n - 1]
+
+
+@pytest.fixture
+async def fake():
+    ctx = zmq.asyncio.Context()
+    cluster = FakeCluster(ctx)
+    await cluster.start()
+    backend = ClusterBackend(ctx, cluster.conductor.address, "tcp://127.0.0.1:*", "m",
+                             rpc_timeout_s=2.0, stall_check_s=0.2,
+                             failover=FailoverSettings(wait_s=2.0, poll_s=0.1))
+    await backend.start()
+    yield cluster, backend
+    await backend.close()
+    await cluster.close()
+    ctx.term()
+
+
+async def _collect(backend: ClusterBackend, rid: str, into: list[Tokens]) -> list[Tokens]:
+    async for t in backend.generate(GenerationRequest(rid, PROMPT, SAMPLING)):
+        into.append(t)
+    return into
+
+
+async def _until(cond, within_s: float = 5.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+def _ids(events: list[Tokens]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+async def test_lost_worker_stream_continues_on_another_without_mixing(fake):
+    cluster, backend = fake
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "r", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    for pos, tok in enumerate([10, 11, 12]):
+        await cluster.send(backend.stream_addr, wire, Tokens(pos, [tok]))
+    await _until(lambda: len(seen) == 3)
+    cluster.alive["d0"] = False  # its heartbeats lapsed
+    worker, wire1, gen = await cluster.wait_generated(2)
+    assert (worker, wire1) == ("d1", "r.r1")
+    assert gen.prompt_token_ids == PROMPT + [10, 11, 12] and gen.start_position == 3
+    assert (gen.sampling.max_tokens, gen.sampling.min_tokens, gen.sampling.seed) == (5, 2, 3)
+    # What the lost worker still delivers (position 3 onwards) must not reach the client.
+    await cluster.send(backend.stream_addr, wire, Tokens(3, [99, 98]))
+    await asyncio.sleep(0.1)
+    await cluster.send(backend.stream_addr, wire1, Tokens(3, [13, 14]))
+    await cluster.send(backend.stream_addr, wire1, Tokens(5, [15, 16, 17], finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10, 11, 12, 13, 14, 15, 16, 17]
+    assert [e.position for e in events] == [0, 1, 2, 3, 5]
+    assert events[-1].finish_reason == "length"
+    await _until(lambda: ("d0", "r") in cluster.aborted)  # if only frozen, it stops too
+    assert ("d1", "r.r1") not in cluster.aborted  # it finished there
+
+
+async def test_stream_handed_back_by_a_stopping_worker_continues_elsewhere(fake):
+    cluster, backend = fake
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "h", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10, 11]))
+    # d0 stops on purpose: it is still listed alive, yet must not get the request again.
+    await cluster.send(backend.stream_addr, wire, Tokens(
+        2, [], finished=True, finish_reason="error", error=WORKER_LEAVING))
+    worker, wire1, gen = await cluster.wait_generated(2)
+    assert (worker, wire1, gen.start_position) == ("d1", "h.r1", 2)
+    assert gen.prompt_token_ids == PROMPT + [10, 11]
+    await cluster.send(backend.stream_addr, wire1, Tokens(2, [12] * 6, finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10, 11] + [12] * 6
+    assert all(e.error is None for e in events)
+    assert ("d0", "h") not in cluster.aborted  # it let go itself
+
+
+async def test_waits_for_a_worker_to_come_back(fake):
+    cluster, backend = fake
+    cluster.alive["d1"] = False
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "w", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
+    await _until(lambda: seen)
+    cluster.alive["d0"] = False
+    await asyncio.sleep(0.8)  # no decode worker at all for a while
+    assert len(cluster.generated) == 1 and not task.done()
+    cluster.alive["d0"] = True  # restarted under its id (here at its old address)
+    worker, wire1, gen = await cluster.wait_generated(2)
+    assert (worker, wire1, gen.start_position) == ("d0", "w.r1", 1)
+    await cluster.send(backend.stream_addr, wire1, Tokens(1, [11] * 7, finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10] + [11] * 7
+
+
+async def test_no_worker_within_the_wait_ends_with_a_clear_error(fake):
+    cluster, backend = fake
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "e", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
+    await _until(lambda: seen)
+    start = time.monotonic()
+    cluster.alive.update(d0=False, d1=False)
+    events = await asyncio.wait_for(task, 15)
+    assert time.monotonic() - start >= 2.0  # it waited out wait_s
+    assert _ids(events) == [10]
+    assert events[-1].finished and events[-1].finish_reason == "error"
+    assert "no other took the request within 2s" in events[-1].error
+    assert "e" not in backend.decoders and not backend.queues
+
+
+async def test_worker_that_refuses_the_resumed_request_is_passed_over(fake):
+    cluster, backend = fake
+    cluster.workers["d2"] = RpcServer(cluster.ctx, "tcp://127.0.0.1:*",
+                                      cluster._worker("d2"), name="d2")
+    await cluster.workers["d2"].start()
+    cluster.alive.update(d1=False, d2=True)  # Route prefers d0, then d1, then d2
+    cluster.refuse.add("d1")
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "x", seen))
+    _, wire, _ = await cluster.wait_generated(1)
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
+    await _until(lambda: seen)
+    cluster.alive.update(d0=False, d1=True)
+    assert (await cluster.wait_generated(2))[:2] == ("d1", "x.r1")  # refused there
+    worker, wire2, _ = await cluster.wait_generated(3)
+    assert (worker, wire2) == ("d2", "x.r2")
+    await _until(lambda: ("d1", "x.r1") in cluster.aborted)  # it may have admitted it
+    await cluster.send(backend.stream_addr, wire2, Tokens(1, [12] * 7, finished=True,
+                                                          finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [10] + [12] * 7
+
+
+# --- real processes ------------------------------------------------------------------
+
+N = 400  # long enough that a stream is still running when its worker is killed
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_served_tiny_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([40, 23, 57, 31], vocab=49152, seed=34)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, prompts):
+    """The undisturbed run. float64 everywhere: recomputing prompt + generated tokens in
+    one prefill must give the same argmax as decoding them one by one."""
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float64",
+                                    kv_cache_bytes=64 << 20))
+    done = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=N,
+                                                   ignore_eos=True))
+    return [c.token_ids for c in done]
+
+
+def _streams(cluster: Cluster, prompts: list[list[int]], started: list[int]):
+    """Stream each prompt from its own thread; ``started`` counts first chunks seen.
+    Returns futures of each stream's chunks."""
+    def one(prompt):
+        with Client(cluster.zmq_addr, timeout_s=240) as client:
+            chunks = []
+            for chunk in client.stream(prompt_token_ids=prompt, max_tokens=N,
+                                       temperature=0, ignore_eos=True):
+                if not chunks:
+                    started.append(1)
+                chunks.append(chunk)
+            return chunks
+    pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    return [pool.submit(one, p) for p in prompts]
+
+
+def _wait_started(started: list[int], n: int, futures) -> None:
+    deadline = time.monotonic() + 120
+    while len(started) < n:
+        for f in futures:
+            if f.done():
+                f.result()  # raises what went wrong
+        assert time.monotonic() < deadline, "the streams never started"
+        time.sleep(0.01)
+
+
+def _check_exact(chunks, want: list[int]) -> None:
+    ids = [t for c in chunks for t in c.token_ids]
+    positions = [c.position for c in chunks]
+    assert positions == [sum(len(c.token_ids) for c in chunks[:i])
+                         for i in range(len(chunks))], "positions not contiguous"
+    assert ids == want
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_killed_decode_worker_streams_continue_exactly(model_dir, tmp_path, prompts,
+                                                       reference):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64")
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts, started)
+        _wait_started(started, len(prompts), futures)
+        cluster.signal("unified-0", signal.SIGKILL)  # least-loaded gave it some streams
+        for f, want in zip(futures, reference, strict=True):
+            _check_exact(f.result(timeout=240), want)
+        assert "re-routing" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_stopped_decode_worker_hands_its_streams_on(model_dir, tmp_path, prompts,
+                                                    reference):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64")
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts, started)
+        _wait_started(started, len(prompts), futures)
+        cluster.signal("unified-0", signal.SIGTERM)  # a planned stop, not a crash
+        for f, want in zip(futures, reference, strict=True):
+            _check_exact(f.result(timeout=240), want)
+        assert cluster.procs["unified-0"].popen.wait(30) == 0
+        assert "requests handed back" in cluster.procs["unified-0"].log.read_text()
+        assert "handed back" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_only_decode_worker_killed_and_restarted_stream_completes(model_dir, tmp_path,
+                                                                   prompts, reference):
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], dtype="float64",
+                      gateway_args=["--decode-failover-wait-s", "120"])
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts[:2], started)
+        _wait_started(started, 2, futures)
+        cluster.signal("decode-1", signal.SIGKILL)
+        cluster.procs["decode-1"].popen.wait(10)
+        time.sleep(3)  # long enough for the conductor to list it dead
+        cluster.restart_worker("decode-1", "decode")
+        for f, want in zip(futures, reference[:2], strict=True):
+            _check_exact(f.result(timeout=240), want)
+        assert "re-routing" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_no_decode_worker_within_the_wait_fails_cleanly(model_dir, tmp_path, prompts):
+    cluster = Cluster(str(model_dir), tmp_path, ["unified"],
+                      gateway_args=["--decode-failover-wait-s", "3"])
+    cluster.start()
+    try:
+        started: list[int] = []
+        futures = _streams(cluster, prompts[:1], started)
+        _wait_started(started, 1, futures)
+        cluster.signal("unified-0", signal.SIGKILL)
+        with pytest.raises(GenerationError, match="no other took the request within 3s"):
+            futures[0].result(timeout=120)
+        assert "request failed over to no worker" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
