@@ -120,6 +120,16 @@ class Welcome:
     heartbeat_interval_s: float
 
 
+@message("leaving")
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """Worker -> conductor (DEALER -> ROUTER) on a planned stop: route nothing more to
+    ``worker_id``; its heartbeats until it exits do not bring it back, a new Hello does.
+    Reply: Ack (``detail`` "unknown" if the conductor does not know the worker)."""
+
+    worker_id: str
+
+
 @message("heartbeat")
 @dataclass(frozen=True, slots=True)
 class Heartbeat:

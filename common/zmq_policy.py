@@ -26,7 +26,7 @@ def _table(*grants: tuple[tuple[str, ...], tuple[str, ...]]) -> Policy:
 
 # Conductor ROUTER: workers register; gateways route and list workers.
 CONDUCTOR_CONTROL = _table(
-    (WORKER_ROLES, ("hello",)),
+    (WORKER_ROLES, ("hello", "leaving")),
     (("gateway", "client"), ("list_workers",)),
     (("gateway",), ("route",)),
 )

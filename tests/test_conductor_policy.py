@@ -87,6 +87,25 @@ def test_registry_marks_dead_after_three_missed_heartbeats():
     assert reg.heartbeat(unknown) is False
 
 
+def test_a_leaving_worker_is_not_routed_to_until_it_says_hello_again():
+    from common.protocol import Heartbeat
+
+    reg = Registry(heartbeat_interval_s=1.0)
+    reg.register(view("d1", "decode"))
+    reg.register(view("d2", "decode"))
+    assert reg.leave("d1") and reg.leave("zz") is False
+    assert [w.worker_id for w in reg.alive(("decode",))] == ["d2"]
+    # Its heartbeats until it exits do not bring it back ...
+    hb = Heartbeat(worker_id="d1", role="decode", seq=9, waiting=0, running=1,
+                   queued_prefill_tokens=0, free_blocks=50, total_blocks=100, step_time_ms=3.0)
+    assert reg.heartbeat(hb) and not reg.workers["d1"].alive
+    assert decide(list(reg.workers.values()), LeastLoaded(), model="m",
+                  prompt_tokens=10).decode.worker_id == "d2"
+    # ... a restart's Hello does.
+    reg.register(view("d1", "decode"))
+    assert reg.heartbeat(hb) and reg.workers["d1"].alive
+
+
 def test_round_robin_keeps_separate_turns_for_decode_and_prefill():
     ws = [view(f"d{i}", "decode") for i in range(2)] + [view(f"p{i}", "prefill")
                                                        for i in range(4)]

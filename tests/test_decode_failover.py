@@ -372,6 +372,10 @@ def test_stopped_decode_worker_hands_its_streams_on(model_dir, tmp_path, prompts
             _check_exact(f.result(timeout=240), want)
         assert cluster.procs["unified-0"].popen.wait(30) == 0
         assert "requests handed back" in cluster.procs["unified-0"].log.read_text()
+        # The conductor heard of the stop from the worker, not from missed heartbeats.
+        leaving = [line for line in cluster.procs["conductor"].log.read_text().splitlines()
+                   if "worker leaving" in line]
+        assert len(leaving) == 1 and "unified-0" in leaving[0]
         assert "handed back" in cluster.procs["gateway"].log.read_text()
     finally:
         cluster.stop()

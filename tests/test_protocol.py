@@ -33,6 +33,7 @@ SAMPLES = {
     "ack": p.Ack(detail="queued"),
     "hello": p.Hello(info=INFO),
     "welcome": p.Welcome(conductor_id="cond-1", heartbeat_interval_s=0.5),
+    "leaving": p.Leaving(worker_id="decode-0"),
     "heartbeat": p.Heartbeat(
         worker_id="prefill-3", role="prefill", seq=12, waiting=2, running=7,
         queued_prefill_tokens=4096, free_blocks=100, total_blocks=512, step_time_ms=12.5,

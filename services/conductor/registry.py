@@ -22,6 +22,7 @@ class WorkerView:
     info: WorkerInfo
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
+    leaving: bool = False  # said Leaving: its heartbeats until it exits do not revive it
     waiting: int = 0
     running: int = 0
     queued_prefill_tokens: int = 0
@@ -82,9 +83,11 @@ class Registry:
         view = self.workers.get(hb.worker_id)
         if view is None:
             return False
+        view.last_seen = time.monotonic() if now is None else now
+        if view.leaving:
+            return True
         if not view.alive:
             log.info("worker back", worker_id=view.worker_id)
-        view.last_seen = time.monotonic() if now is None else now
         view.alive = True
         view.waiting, view.running = hb.waiting, hb.running
         view.queued_prefill_tokens = hb.queued_prefill_tokens
@@ -94,6 +97,16 @@ class Registry:
         fresh_tokens = max(0, view.pending_tokens - view.carried_tokens) if carry else 0
         view.pending_requests = view.carried_requests = fresh_requests
         view.pending_tokens = view.carried_tokens = fresh_tokens
+        return True
+
+    def leave(self, worker_id: str) -> bool:
+        """A planned stop: route nothing more to ``worker_id`` until it says Hello again.
+        False if the worker is unknown."""
+        view = self.workers.get(worker_id)
+        if view is None:
+            return False
+        view.alive, view.leaving = False, True
+        log.info("worker leaving", worker_id=worker_id)
         return True
 
     def reap(self, now: float | None = None) -> list[str]:

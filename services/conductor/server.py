@@ -34,6 +34,7 @@ from common.cost_profile import load_profile
 from common.logging import configure_logging
 from common.pool.discovery import parse_pool_addrs
 from common.protocol import (
+    Ack,
     ConductorStats,
     Error,
     GetStats,
@@ -41,6 +42,7 @@ from common.protocol import (
     HeldBlocks,
     Hello,
     KVEvent,
+    Leaving,
     ListWorkers,
     Resync,
     Route,
@@ -156,6 +158,8 @@ class Conductor:
             self.router.index.drop_location(rec.info.worker_id)
             return Welcome(conductor_id="conductor",
                            heartbeat_interval_s=self.settings.heartbeat_interval_s)
+        if isinstance(rec, Leaving):
+            return Ack(detail="" if self.registry.leave(rec.worker_id) else "unknown")
         if isinstance(rec, Route):
             return self._route(rec, msg.envelope.request_id)
         if isinstance(rec, ListWorkers):

@@ -113,6 +113,14 @@ class PrefillRole:
             payload = loop.export_layer(layer, blocks[rec.skip_blocks:])
             self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, payload))
 
+    async def drain(self, timeout_s: float) -> int:
+        """A planned stop: let the prefills in flight finish (their decode workers wait
+        for the KV), for up to ``timeout_s``; returns how many were still running then."""
+        deadline = self._aio.time() + timeout_s
+        while self.jobs and self._aio.time() < deadline:
+            await asyncio.sleep(0.05)
+        return len(self.jobs)
+
     async def handle(self, rid: str, rec: Prefill):
         ctx = self.ctx
         if rid in self.jobs:  # a re-routed request while its first prefill still runs

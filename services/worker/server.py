@@ -32,6 +32,7 @@ from common.protocol import (
     HeldBlocks,
     Hello,
     KVEvent,
+    Leaving,
     Prefill,
     Resync,
     WorkerInfo,
@@ -42,7 +43,7 @@ from common.transfer import TransferError
 from common.zmq_auth import make_context
 from common.zmq_io import Publisher
 from common.zmq_policy import WORKER_CONTROL
-from common.zmq_rpc import RpcClient, RpcServer, RpcTimeout
+from common.zmq_rpc import RemoteError, RpcClient, RpcServer, RpcTimeout
 from services.engine.core import NO_HOOKS, EngineHooks
 from services.worker.context import RoleContext, advertise
 from services.worker.decode_role import DecodeRole
@@ -140,12 +141,23 @@ class Worker:
                  control=self.control_addr, kv=self.role.kv_addr)
 
     async def hand_back(self) -> None:
-        """A planned stop: running requests go back to their gateways, which continue
-        them on other workers (the KV is recomputed there, not moved)."""
+        """A planned stop. The conductor is told first, so that it routes nothing more
+        here. A decode worker hands its running requests back to their gateways, which
+        continue them on other workers (the KV is recomputed there, not moved); a prefill
+        worker finishes the prefills in flight, within their KV lease."""
+        try:
+            await self.client(self.settings.conductor_addr, "conductor").call(
+                Leaving(worker_id=self.worker_id), timeout=2.0)
+        except (RpcTimeout, RemoteError, ConnectionError) as exc:
+            log.warning("conductor not told of the stop", worker_id=self.worker_id,
+                        error=str(exc))
         if isinstance(self.role, DecodeRole):
             handed = await self.role.hand_back()
             await self.streams.flush(timeout_s=2.0)
             log.info("requests handed back", worker_id=self.worker_id, requests=handed)
+        else:
+            left = await self.role.drain(self.settings.kv_lease_s)
+            log.info("prefills drained", worker_id=self.worker_id, unfinished=left)
 
     async def close(self) -> None:
         for task in self._tasks:
