@@ -128,6 +128,11 @@ class CachePool:
                  ssd_bytes=self.settings.ssd_bytes,
                  ssd_recovery=self.ssd.recovery._asdict() if self.ssd is not None else None)
 
+    @property
+    def loops(self) -> list[asyncio.Task]:
+        """The tasks that must run as long as the process serves (see ``until_stopped``)."""
+        return list(self._tasks)
+
     async def close(self) -> None:
         """Stop serving; flush DRAM to SSD if configured; sync and close the SSD tier."""
         await self.rpc.close()
@@ -334,7 +339,7 @@ async def serve(settings: PoolSettings, stop: asyncio.Event) -> None:
     pool = CachePool(settings)
     await pool.start()
     try:
-        await until_stopped(stop, pool._tasks)
+        await until_stopped(stop, pool.loops)
     finally:
         await pool.close()
 

@@ -140,6 +140,11 @@ class Conductor:
                  cost_profile=self.router.profile.name,
                  cache_pools=self.pools.control_addrs if self.pools else [])
 
+    @property
+    def loops(self) -> list[asyncio.Task]:
+        """The tasks that must run as long as the process serves (see ``until_stopped``)."""
+        return list(self._tasks)
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -171,11 +176,10 @@ class Conductor:
 
     def stats(self) -> ConductorStats:
         cost = self.router.cost
-        fitted = cost.coefficients()
         return ConductorStats(
             workers=[w.status() for w in self.registry.workers.values()],
             policy=self.router.name, cost_profile=self.router.profile.name,
-            cost_model=fitted,
+            cost_model=cost.coefficients(),
             cost_observations=list(cost.observations),
             bad_samples=self.router.bad_samples, index_blocks=len(self.router.index),
             index_locations=self.router.index.counts(),
@@ -288,7 +292,7 @@ async def serve(settings: ConductorSettings, stop: asyncio.Event) -> None:
     conductor = Conductor(settings)
     await conductor.start()
     try:
-        await until_stopped(stop, conductor._tasks)
+        await until_stopped(stop, conductor.loops)
     finally:
         await conductor.close()
 

@@ -103,6 +103,11 @@ class ClusterBackend(GenerationBackend):
         self._task.add_done_callback(self._dispatch_ended)
 
     @property
+    def loops(self) -> list[asyncio.Task]:
+        """The token dispatcher, which must run as long as the gateway serves."""
+        return [self._task] if self._task is not None else []
+
+    @property
     def dispatching(self) -> bool:
         return self._task is not None and not self._task.done()
 

@@ -100,7 +100,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
              zmq=frontend.address, model=name, max_model_len=max_len)
     try:
         # The token and client receive loops: without them the gateway answers nothing.
-        await until_stopped(stop, [http, backend._task, frontend._loop_task])
+        await until_stopped(stop, [http, *backend.loops, *frontend.loops])
     finally:
         server.should_exit = True
         await asyncio.gather(http, return_exceptions=True)

@@ -61,6 +61,11 @@ class ZmqFrontend:
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._serve())
 
+    @property
+    def loops(self) -> list[asyncio.Task]:
+        """The client-port loop, which must run as long as the gateway serves."""
+        return [self._loop_task] if self._loop_task is not None else []
+
     async def close(self) -> None:
         for task in [self._loop_task, *self.tasks.values()]:
             if task is not None:

@@ -159,6 +159,11 @@ class Worker:
             left = await self.role.drain(self.settings.kv_lease_s)
             log.info("prefills drained", worker_id=self.worker_id, unfinished=left)
 
+    @property
+    def loops(self) -> list[asyncio.Task]:
+        """The tasks that must run as long as the process serves (see ``until_stopped``)."""
+        return list(self._tasks)
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -292,7 +297,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
             log.info("stopped while starting", worker_id=worker.worker_id)
             return
         starting.result()  # a failure to start raises here
-        await until_stopped(stop, worker._tasks)
+        await until_stopped(stop, worker.loops)
         await worker.hand_back()  # a stop asked for (SIGTERM): not after a failure
     finally:
         starting.cancel()
