@@ -176,7 +176,8 @@ class AsyncClient:
         try:
             await self._sock.send_multipart(encode(req, request_id=rid))
             while not finished:
-                msg = await asyncio.wait_for(q.get(), timeout=self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):  # cancel-safe, unlike wait_for
+                    msg = await q.get()
                 chunk = _check(msg)
                 finished = chunk.finished
                 yield chunk

@@ -236,3 +236,21 @@ async def test_stop_gives_open_requests_a_grace_then_aborts_them(gateway):
     assert asyncio.get_running_loop().time() - started < 5  # grace 1 s, not the timeout
     await fake.wait_aborted(fake.generated[0])
     await asyncio.gather(pending, return_exceptions=True)
+
+
+async def test_a_cancel_that_lands_as_a_token_arrives_is_not_lost():
+    """The consumer is cancelled in the same loop turn its next token arrives: it must
+    still stop (on Python 3.11 ``asyncio.wait_for`` would return the token instead)."""
+    import types
+
+    fake = types.SimpleNamespace(stall_check_s=30.0)
+    q: asyncio.Queue = asyncio.Queue()
+    route = RouteReply(decode_id="d", decode_addr="tcp://127.0.0.1:1", prefill_id=None,
+                       prefill_addr=None, reason="test")
+    waiting = asyncio.create_task(ClusterBackend._next(fake, q, route))
+    await asyncio.sleep(0)  # it now waits on the queue
+    q.put_nowait("token")
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert waiting.cancelled()

@@ -350,11 +350,13 @@ class ShmSender(ConnectionSender):
             self._created_before += conn.ring.created
             conn.flush()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(conn.ring.drained(), self._connect_timeout_s)
+                async with asyncio.timeout(self._connect_timeout_s):
+                    await conn.ring.drained()
             conn.ring.destroy("sender closed")
             conn.transport.close()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(conn.closed), self._connect_timeout_s)
+                async with asyncio.timeout(self._connect_timeout_s):
+                    await asyncio.shield(conn.closed)
             conn.transport.abort()
 
     async def _write(

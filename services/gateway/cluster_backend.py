@@ -270,7 +270,10 @@ class ClusterBackend(GenerationBackend):
         """The next event of the stream, or None once its decode worker is lost."""
         while True:
             try:
-                return await asyncio.wait_for(q.get(), timeout=self.stall_check_s)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel
+                # that lands as the item arrives, and the consumer would never stop.
+                async with asyncio.timeout(self.stall_check_s):
+                    return await q.get()
             except TimeoutError:
                 if not await self._decode_alive(route.decode_id, route.decode_addr):
                     return None

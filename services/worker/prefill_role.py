@@ -158,7 +158,8 @@ class PrefillRole:
                 cached_tokens=out.num_cached_tokens, source="prefill",
                 logprobs=logprob_records(out.new_logprobs)))
             try:  # finish waits for the decode worker's verdicts: not past its lease
-                chunks = await asyncio.wait_for(sending, deadline - self._aio.time())
+                async with asyncio.timeout_at(deadline):  # cancel-safe, unlike wait_for
+                    chunks = await sending
             except TimeoutError:
                 raise TransferError(f"KV not accepted within the {rec.lease_s} s lease") from None
             self.done += 1

@@ -71,7 +71,8 @@ class TokenStreams:
             sock = PushSocket(self._ctx, addr, bind=False, server="gateway")
             while True:
                 try:
-                    request_id, tokens = await asyncio.wait_for(q.get(), self.idle_close_s)
+                    async with asyncio.timeout(self.idle_close_s):  # cancel-safe, unlike wait_for
+                        request_id, tokens = await q.get()
                 except TimeoutError:
                     if q.empty():
                         return
