@@ -554,6 +554,21 @@ def test_client_disconnect_aborts_non_streaming(tok):
         _wait_for_abort(slow, "gone-2")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_its_first_token_aborts(tok, stream):
+    """A request still queued (no token yet) is aborted as soon as its client leaves."""
+    queued = FakeBackend(tok, delay=30.0)
+    app = create_app(queued, tok, model_name=MODEL, max_model_len=MAX_LEN,
+                     metrics_registry=CollectorRegistry())
+    with serve(app) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            reply = client.completions.create(model=MODEL, prompt="Hi", stream=stream,
+                                              extra_headers={"X-Request-Id": "queued"})
+            list(reply)
+        _wait_for_abort(queued, "queued")
+
+
 async def test_cache_salt_is_per_api_key_by_default(make_client, backend):
     async with make_client(api_keys=("sk-one", "sk-two")) as c:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}

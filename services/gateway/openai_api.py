@@ -13,8 +13,7 @@ body over ``max_body_bytes``, 429 ``BackendOverloaded`` (with Retry-After), 503
 ``BackendUnavailable``, 504 timeout, 500 backend failure. Once a stream has started, a
 failure is sent as an ``error`` event followed by ``[DONE]``. A request that ends early
 for any reason (client disconnect, timeout, shutdown) is aborted in the backend exactly
-once; a streaming request notices a disconnect at once, a non-streaming one within
-``_DISCONNECT_POLL_S``.
+once; the client's disconnect is noticed at once, while the request still queues too.
 
 Request ids: the backend sees an id the gateway makes (unique across all clients and
 both front-ends); ``X-Request-Id``, when given, is only the label the response carries,
@@ -62,7 +61,6 @@ from services.gateway.tenancy import ApiKeys, tenant_salt
 
 log = structlog.get_logger(__name__)
 _ABORT_TIMEOUT_S = 5.0
-_DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -128,27 +126,43 @@ class _Run:
             raise
 
 
-async def _collect(run: _Run, first: TextDelta, request: Request) -> list[TextDelta] | None:
+async def _until_disconnect(request: Request) -> None:
+    """Return once the client has gone away. A plain blocking ``receive``: the request's
+    body is already read, so the next message the server has for us is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(watch: asyncio.Future, work: Any) -> Any:
+    """``await work``, or ``_GONE`` (``work`` cancelled) if ``watch`` (the client's
+    disconnect) completes first."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return _GONE
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+
+
+_GONE = object()
+
+
+async def _collect(run: _Run, first: TextDelta, watch: asyncio.Future) -> list[TextDelta] | None:
     """Every delta of a non-streaming request, or None if the client disconnected first
-    (checked every ``_DISCONNECT_POLL_S``). The run is closed (aborted if unfinished)."""
+    (``watch`` completed). The run is closed (aborted if unfinished)."""
     deltas = [first]
 
     async def rest() -> None:
         while not deltas[-1].finished:
             deltas.append(await run.next())
 
-    task = asyncio.ensure_future(rest())
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                return None
-        task.result()  # raises what the run raised, e.g. TimeoutError
-        return deltas
+        return None if await _unless_gone(watch, rest()) is _GONE else deltas
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
         await run.close()
 
 
@@ -298,15 +312,24 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
                                     model=model_name)
         run = _Run(backend, pipeline, prepared, internal_id, metrics.track(),
                    request_timeout_s)
-        first = await run.first()
-        headers = {"X-Request-Id": request_id}
-        if stream:
-            events = fmt.sse_stream(writer, first, run.next, include_usage)
-            return _SSEResponse(events, run, headers)
+        # Watched from the start: a client may leave while its request still queues.
+        watch = asyncio.ensure_future(_until_disconnect(request))
         try:
-            deltas = await _collect(run, first, request)
-        except TimeoutError as exc:
-            raise timeout_error() from exc
+            first = await _unless_gone(watch, run.first())
+            if first is _GONE:
+                await run.close()
+                return Response(status_code=499)
+            headers = {"X-Request-Id": request_id}
+            if stream:
+                watch.cancel()  # the response watches the client from here
+                events = fmt.sse_stream(writer, first, run.next, include_usage)
+                return _SSEResponse(events, run, headers)
+            try:
+                deltas = await _collect(run, first, watch)
+            except TimeoutError as exc:
+                raise timeout_error() from exc
+        finally:
+            watch.cancel()
         if deltas is None:  # the client is gone; nobody reads this
             return Response(status_code=499)
         if deltas[-1].finish_reason == "error":
