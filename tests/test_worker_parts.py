@@ -127,3 +127,45 @@ def test_a_model_that_fails_to_load_fails_the_start(monkeypatch):
         await server.serve(_sim_settings(), asyncio.Event())
     with pytest.raises(ValueError, match="no model at /nowhere"):
         asyncio.run(go())
+
+
+def test_an_abort_that_overtakes_its_generate_cancels_it():
+    """An Abort handled before, or while, its Generate is admitted leaves nothing running."""
+    from common.protocol import Error, Generate
+
+    async def go():
+        settings = _sim_settings(role="unified")
+        worker = Worker(settings, functools.partial(build_engine, settings))
+        await worker.start()
+        role = worker.role
+        gen = Generate(prompt_token_ids=list(range(1, 40)),
+                       sampling=SamplingParams(max_tokens=10_000, ignore_eos=True),
+                       stream_addr="tcp://127.0.0.1:1")
+        try:
+            free = worker.loop.load.free_blocks
+            await role.abort("early")  # before its Generate arrives
+            early = await asyncio.wait_for(role.handle("early", gen), 10)
+
+            entered, go_on = asyncio.Event(), asyncio.Event()
+            admit = role.pool.with_prefix
+
+            async def slow_pool(*args, **kwargs):  # the pool answers late
+                entered.set()
+                await go_on.wait()
+                return await admit(*args, **kwargs)
+            role.pool.with_prefix = slow_pool
+            during = asyncio.create_task(role.handle("during", gen))
+            await asyncio.wait_for(entered.wait(), 10)
+            await role.abort("during")
+            go_on.set()
+            late = await asyncio.wait_for(during, 10)
+            left = await worker.loop.run(lambda e: sorted(e.requests))
+            await worker.loop.run(lambda e: None)
+            return early, late, left, free, worker.stats()
+        finally:
+            await worker.close()
+    early, late, left, free, stats = asyncio.run(go())
+    assert isinstance(early, Error) and early.code == "aborted"
+    assert isinstance(late, Error) and late.code == "aborted"
+    assert left == [] and (stats.running, stats.waiting) == (0, 0)
+    assert stats.free_blocks == free

@@ -53,6 +53,7 @@ from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
 from services.worker.pool_link import PoolLink
 from services.worker.token_streams import logprob_records
+from services.worker.tombstones import Tombstones
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +92,7 @@ class DecodeRole:
         self.received_bytes = 0
         self.admitting = 0  # Generates between arrival and the engine's queue
         self.leaving = False
+        self.aborted = Tombstones()  # aborts that may have overtaken their Generate
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
@@ -135,6 +137,8 @@ class DecodeRole:
             return Error("unavailable", f"{self.ctx.worker_id} is shutting down")
         if rid in self.streams:
             return Error("bad_request", f"request id {rid!r} is already in use")
+        if rid in self.aborted:
+            return Error("aborted", f"request {rid!r} was aborted")
         refusal = self.overloaded()
         if refusal is not None:
             return refusal
@@ -148,8 +152,8 @@ class DecodeRole:
         ctx = self.ctx
         params = rec.sampling  # checked by SamplingParams itself when it was decoded
         prompt, salt = rec.prompt_token_ids, rec.cache_salt
-        self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt, salt,
-                                   rec.start_position)
+        stream = self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt,
+                                            salt, rec.start_position)
         try:
             # A resumed stream (start_position > 0) prefills here: the prefill worker
             # only ever streams position 0.
@@ -157,6 +161,8 @@ class DecodeRole:
                 slots = await self.pool.with_prefix(
                     prompt, salt, lambda e: e.reserve_remote_prefill(
                         rid, prompt, params, cache_salt=salt))
+                if slots is not None and await self._undo_if_aborted(rid, stream):
+                    return Error("aborted", f"request {rid!r} was aborted")
                 if slots is not None:
                     transfer = self.receiver.expect(rid, ctx.settings.kv_lease_s)
                     self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
@@ -165,10 +171,20 @@ class DecodeRole:
                     return Ack(detail="remote")
             await self.pool.with_prefix(
                 prompt, salt, lambda e: e.add_request(rid, prompt, params, cache_salt=salt))
+            if await self._undo_if_aborted(rid, stream):
+                return Error("aborted", f"request {rid!r} was aborted")
             return Ack(detail="local")
         except ValueError as exc:
             self.streams.pop(rid, None)
             return Error("bad_request", str(exc))
+
+    async def _undo_if_aborted(self, rid: str, stream: Stream) -> bool:
+        """True (and the engine's copy dropped) if an Abort ran while ``rid`` was
+        being admitted: the engine did not know it then, so nothing else frees it."""
+        if self.streams.get(rid) is stream:
+            return False
+        await self.ctx.loop.run(lambda e: e.abort(rid))
+        return True
 
     async def _remote_prefill(self, rid: str, rec: Generate) -> None:
         ctx = self.ctx
@@ -280,7 +296,8 @@ class DecodeRole:
         return len(handed)
 
     async def abort(self, rid: str) -> None:
-        self.streams.pop(rid, None)
+        if self.streams.pop(rid, None) is None and rid not in self.remote:
+            self.aborted.add(rid)  # it may not have arrived yet
         remote = self.remote.pop(rid, None)
         if remote is not None:
             self.receiver.cancel(rid)
