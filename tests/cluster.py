@@ -95,7 +95,7 @@ def dealer(ctx: zmq.Context, addr: str, *, server: str = "conductor",
     return sock
 
 
-def stats(addr: str, timeout_s: float = 5.0, *, server: str = "conductor",
+def stats(addr: str, timeout_s: float = 15.0, *, server: str = "conductor",
           keys_dir: str = ""):
     """Ask a worker, the conductor or a cache pool (``server``) for its stats record (a
     blocking DEALER call); with ``keys_dir``, over CURVE.
@@ -298,7 +298,7 @@ class Cluster:
     def worker_stats(self, name: str) -> WorkerStats:
         return stats(self.procs[name].control, server="worker", keys_dir=self.keys_dir)
 
-    def conductor_stats(self, timeout_s: float = 5.0) -> ConductorStats:
+    def conductor_stats(self, timeout_s: float = 15.0) -> ConductorStats:
         return stats(self.conductor_addr, timeout_s, keys_dir=self.keys_dir)
 
     def conductor_workers(self) -> dict[str, WorkerStatus]:
