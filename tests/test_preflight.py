@@ -4,6 +4,7 @@ the good ones and remembers the refusal."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -14,13 +15,17 @@ from common.protocol import (
     PROTOCOL_VERSION,
     ConductorStats,
     GetStats,
+    Heartbeat,
+    HeldBlocks,
     Hello,
     ListWorkers,
+    Resync,
     Welcome,
     WorkerInfo,
     WorkerList,
+    WorkerStats,
 )
-from common.zmq_rpc import RemoteError, RpcClient
+from common.zmq_rpc import RemoteError, RpcClient, RpcServer
 from services.conductor.compat import CHECKED, mismatch
 from services.conductor.registry import REFUSALS_KEPT, Registry, WorkerView
 from services.conductor.server import Conductor, ConductorSettings
@@ -181,5 +186,61 @@ async def test_conductor_refuses_a_mismatched_hello_and_serves_the_rest():
         assert listed.refused == []
     finally:
         await client.close()
+        ctx.term()
+        await conductor.close()
+
+
+async def test_after_a_restart_a_rediscovered_mismatch_is_refused_and_not_asked_again():
+    """A restarted conductor learns workers from their heartbeats (GetStats): the first
+    rediscovered of the model is the reference, a mismatched one is refused and its
+    later heartbeats do not make the conductor ask it again."""
+    conductor = Conductor(ConductorSettings(
+        control_addr=f"tcp://127.0.0.1:{free_port()}",
+        heartbeat_addr=f"tcp://127.0.0.1:{free_port()}", heartbeat_interval_s=60.0))
+    await conductor.start()
+    ctx = zmq.asyncio.Context()
+    asked: list[str] = []
+    servers = []
+
+    def fake_worker(w: WorkerInfo) -> RpcServer:
+        async def handle(msg):
+            asked.append(w.worker_id)
+            if isinstance(msg.record, Resync):
+                return HeldBlocks(source=w.worker_id, hashes=[], tiers=[])
+            return WorkerStats(info=w, executor="sim", free_blocks=64, waiting=0, running=0,
+                               num_requests=0)
+        server = RpcServer(ctx, w.control_addr, handle, name=w.worker_id)
+        servers.append(server)
+        return server
+
+    def beat(w: WorkerInfo) -> Heartbeat:
+        return Heartbeat(worker_id=w.worker_id, role=w.role, seq=0, waiting=0, running=0,
+                         queued_prefill_tokens=0, free_blocks=64, total_blocks=64,
+                         step_time_ms=0.0, control_addr=w.control_addr)
+
+    good = info("d0", control_addr=f"tcp://127.0.0.1:{free_port()}")
+    bad = info("d1", control_addr=f"tcp://127.0.0.1:{free_port()}", num_layers=6)
+    try:
+        for w in (good, bad):
+            await fake_worker(w).start()
+        conductor.apply_heartbeat(beat(good))
+        for _ in range(100):
+            if "d0" in conductor.registry.workers and asked.count("d0") == 2:
+                break  # GetStats, then Resync
+            await asyncio.sleep(0.05)
+        conductor.apply_heartbeat(beat(bad))
+        for _ in range(100):
+            if conductor.registry.refused:
+                break
+            await asyncio.sleep(0.05)
+        assert list(conductor.registry.workers) == ["d0"]
+        [refusal] = conductor.registry.refusals()
+        assert (refusal.worker_id, refusal.setting) == ("d1", "num_layers")
+        assert not conductor.apply_heartbeat(beat(bad))
+        await asyncio.sleep(0.2)
+        assert asked.count("d1") == 1  # asked once, at the first heartbeat
+    finally:
+        for server in servers:
+            await server.close()
         ctx.term()
         await conductor.close()
