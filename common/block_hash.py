@@ -28,6 +28,9 @@ from collections.abc import Sequence
 
 import xxhash
 
+# Names the hash function and the byte layout above; change it with either, so that
+# workers hashing differently are told apart at handshake.
+BLOCK_HASH_ALGORITHM: str = "xxh3_64-chain-v1"
 BLOCK_HASH_SEED: int = 0x7064_7365_7276_6531  # "pdserve1" in ASCII
 ROOT_PARENT_HASH: int = 0x6B76_2D72_6F6F_7430  # "kv-root0" in ASCII
 

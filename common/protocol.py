@@ -59,6 +59,7 @@ from common.records import (
     Usage,
     WorkerInfo,
     WorkerPoolCounts,
+    WorkerRefusal,
     WorkerStatus,
 )
 
@@ -69,7 +70,8 @@ __all__ = [
     "records", "registry",
     # nested records
     "CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
-    "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerStatus",
+    "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerRefusal",
+    "WorkerStatus",
     # messages declared beside this module
     "ConductorStats", "GetStats", "HeldBlocks", "KVEvent", "ListWorkers", "PoolBlocks",
     "PoolCommit", "PoolExists", "PoolFound", "PoolGet", "PoolPut", "PoolReady", "PoolRemove",

@@ -18,6 +18,7 @@ from common.records import (
     PoolInstanceStatus,
     WorkerInfo,
     WorkerPoolCounts,
+    WorkerRefusal,
     WorkerStatus,
 )
 
@@ -69,6 +70,8 @@ class ConductorStats:
     # Blocks per location (worker id or "pool:<instance>"), as the prefix index counts.
     index_locations: dict
     cache_pools: list[PoolInstanceStatus] = field(default_factory=list)
+    # Workers refused at handshake, the latest last (the conductor keeps a few).
+    refused: list[WorkerRefusal] = field(default_factory=list)
 
 
 @message("pool_stats")
@@ -120,3 +123,5 @@ class WorkerList:
     ones too, with ``alive`` false) and its load. No reply."""
 
     workers: list[WorkerStatus]
+    # Workers refused at handshake, the latest last (the conductor keeps a few).
+    refused: list[WorkerRefusal] = field(default_factory=list)

@@ -21,7 +21,13 @@ record(SamplingParams)  # one class: the engine validates what the wire carries
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """What a worker is: sent in Hello, kept by the conductor's registry, listed in
-    WorkerList and in the worker's own stats."""
+    WorkerList and in the worker's own stats.
+
+    The fields after ``fingerprint`` are what KV exchange depends on; the conductor
+    refuses a worker whose values differ from its model's other workers (see
+    ``services/conductor/compat.py``). Their defaults keep older senders decodable:
+    a value not sent counts as the default, and must match like any other.
+    ``num_kv_heads`` is the model's, not one tensor-parallel rank's share."""
 
     worker_id: str
     role: str
@@ -32,6 +38,29 @@ class WorkerInfo:
     block_size: int
     num_blocks: int
     fingerprint: str
+    kv_dtype: str = ""
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    tp_size: int = 1
+    block_hash: str = ""
+    block_hash_seed: int = 0
+    protocol_version: int = 0
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class WorkerRefusal:
+    """A worker the conductor refused at handshake: ``setting`` is the first field that
+    differs from its model's reference worker, ``reason`` names both values, ``at`` is
+    when (seconds since the epoch)."""
+
+    worker_id: str
+    role: str
+    model: str
+    setting: str
+    reason: str
+    at: float
 
 
 @record

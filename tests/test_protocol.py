@@ -19,14 +19,20 @@ from common import protocol as p
 INFO = p.WorkerInfo(
     worker_id="decode-0", role="decode", model="smollm2", control_addr="tcp://10.0.0.2:5000",
     kv_addr="tcp://10.0.0.2:5001", host_id="host-a", block_size=16, num_blocks=4096,
-    fingerprint="f" * 16,
+    fingerprint="f" * 16, kv_dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64,
+    tp_size=2, block_hash="xxh3_64-chain-v1", block_hash_seed=0x7064_7365_7276_6531,
+    protocol_version=p.PROTOCOL_VERSION,
 )
+REFUSAL = p.WorkerRefusal(worker_id="decode-1", role="decode", model="smollm2",
+                          setting="block_size", reason="block_size 32 differs from 16",
+                          at=1.5e9)
 ADVERT = p.KVAdvert(host_id="h", endpoints={"shm": "shm://h:2", "tcp": "tcp://h:1"})
 STATUS = p.WorkerStatus(info=INFO, alive=True, waiting=1, running=2, free_blocks=9,
                         step_time_ms=3.5)
 
 NESTED = {"CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
-          "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerStatus"}
+          "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerRefusal",
+          "WorkerStatus"}
 
 SAMPLES = {
     "error": p.Error(code="internal", message="boom"),
@@ -76,13 +82,15 @@ SAMPLES = {
         cost_model=p.CostCoefficients(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5),
         cost_observations=[3, 4], bad_samples=0, index_blocks=7,
         index_locations={"decode-0": 7},
-        cache_pools=[p.PoolInstanceStatus("a", "tcp://a:1", "tcp://a:2", True, 7, 0.5)]),
+        cache_pools=[p.PoolInstanceStatus("a", "tcp://a:1", "tcp://a:2", True, 7, 0.5)],
+        refused=[REFUSAL]),
     "pool_stats": p.PoolStats(
         instance_id="a", boot_id="b", control_addr="tcp://a:1", events_addr="tcp://a:2",
         block_bytes=4096, policy="lru", dram_capacity_bytes=1 << 30, ssd_capacity_bytes=0,
         kv_advert=ADVERT, dram_blocks=3, transfers={"in_ok": 1}),
     "list_workers": p.ListWorkers(model="m"),
-    "worker_list": p.WorkerList(workers=[STATUS, dataclasses.replace(STATUS, alive=False)]),
+    "worker_list": p.WorkerList(workers=[STATUS, dataclasses.replace(STATUS, alive=False)],
+                                refused=[REFUSAL]),
     "held_blocks": p.HeldBlocks(source="pool:a", hashes=[1, 2**64 - 1], tiers=["dram", "ssd"]),
     "client_request": p.ClientRequest(
         model="m", sampling={"max_tokens": 8}, prompt=None, prompt_token_ids=None,

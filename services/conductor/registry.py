@@ -1,17 +1,21 @@
-"""The conductor's view of the workers: who exists, how loaded, and who is alive."""
+"""The conductor's view of the workers: who exists, how loaded, who is alive, and whom
+it refused (a worker whose KV cannot be exchanged with its model's others)."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import structlog
 
-from common.protocol import WorkerInfo, WorkerStatus
+from common.protocol import WorkerInfo, WorkerRefusal, WorkerStatus
+from services.conductor.compat import Mismatch, mismatch
 
 log = structlog.get_logger(__name__)
 
 MISSED_HEARTBEATS_DEAD = 3
+REFUSALS_KEPT = 16  # the latest refusals, one per worker id, for stats and /health
 
 
 @dataclass(slots=True)
@@ -60,6 +64,32 @@ class Registry:
     def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
         self.interval = heartbeat_interval_s
         self.workers: dict[str, WorkerView] = {}
+        self.refused: OrderedDict[str, WorkerRefusal] = OrderedDict()
+
+    def admit(self, view: WorkerView) -> Mismatch | None:
+        """Register ``view`` unless its KV settings differ from its model's reference
+        worker (see ``services/conductor/compat.py``); then remember the refusal and
+        return what differs. A worker admitted later under the same id is forgotten as
+        refused."""
+        reference = next((w for w in self.workers.values()
+                          if w.model == view.model and w.alive
+                          and w.worker_id != view.worker_id), None)
+        found = mismatch(reference.info, view.info) if reference is not None else None
+        if found is None:
+            self.refused.pop(view.worker_id, None)
+            self.register(view)
+            return None
+        self.refused.pop(view.worker_id, None)  # the latest goes last
+        self.refused[view.worker_id] = WorkerRefusal(
+            worker_id=view.worker_id, role=view.role, model=view.model, setting=found.field,
+            reason=found.reason, at=time.time())
+        while len(self.refused) > REFUSALS_KEPT:
+            self.refused.popitem(last=False)
+        return found
+
+    def refusals(self, model: str = "") -> list[WorkerRefusal]:
+        """The refusals kept, oldest first; only ``model``'s when it is given."""
+        return [r for r in self.refused.values() if not model or r.model == model]
 
     def register(self, view: WorkerView) -> None:
         known = view.worker_id in self.workers

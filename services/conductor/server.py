@@ -13,6 +13,12 @@ timings in every heartbeat. Each Route is answered with RouteReply, or with
 logged with its reason and counted in ``pdserve:routing_decisions{outcome}``
 (``remote``, ``local``, ``colocated``, ``rejected``).
 
+A Hello is checked first (``services/conductor/compat.py``): a worker whose KV cannot be
+exchanged with its model's others (block size, block hash, KV dtype or layout, protocol
+version, fingerprint) is answered ``Error("incompatible", reason)``, logged, counted in
+``pdserve:workers_refused{reason}`` and listed in ``refused`` of ConductorStats and
+WorkerList; the worker exits, and the conductor goes on serving with the others.
+
 The prefix index is fed by the workers' KV events (on the heartbeat socket, with a
 Resync of a worker the conductor rediscovers) and, with ``cache_pools`` set, by the
 cache-pool instances' own event sockets (``services/conductor/pool_watch.py``).
@@ -123,6 +129,9 @@ class Conductor:
         self.decision_seconds = Histogram(
             "pdserve:routing_decision_seconds", "Time to make one routing decision",
             registry=self.metrics, buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3))
+        self.refused_workers = Counter(
+            "pdserve:workers_refused", "Workers refused at handshake, by the field that differs",
+            ["reason"], registry=self.metrics)
         self.alive_workers = Gauge("pdserve:workers_alive", "Live workers", ["role"],
                                    registry=self.metrics)
 
@@ -158,7 +167,9 @@ class Conductor:
     async def _handle(self, msg):
         rec = msg.record
         if isinstance(rec, Hello):
-            self.registry.register(WorkerView(info=rec.info))
+            refused = self._admit(WorkerView(info=rec.info))
+            if refused is not None:
+                return Error("incompatible", refused)
             # A worker saying Hello starts with an empty cache: forget what it held.
             self.router.index.drop_location(rec.info.worker_id)
             return Welcome(conductor_id="conductor",
@@ -169,10 +180,22 @@ class Conductor:
             return self._route(rec, msg.envelope.request_id)
         if isinstance(rec, ListWorkers):
             return WorkerList(workers=[w.status() for w in self.registry.workers.values()
-                                       if not rec.model or w.model == rec.model])
+                                       if not rec.model or w.model == rec.model],
+                              refused=self.registry.refusals(rec.model))
         if isinstance(rec, GetStats):
             return self.stats()
         return Error("unsupported", f"{type(rec).__name__} is not handled by the conductor")
+
+    def _admit(self, view: WorkerView) -> str | None:
+        """Register ``view``; or, if its KV cannot be exchanged with its model's other
+        workers, log and count that and return the reason."""
+        found = self.registry.admit(view)
+        if found is None:
+            return None
+        self.refused_workers.labels(reason=found.field).inc()
+        log.error("worker refused", worker_id=view.worker_id, role=view.role,
+                  model=view.model, field=found.field, reason=found.reason)
+        return found.reason
 
     def stats(self) -> ConductorStats:
         cost = self.router.cost
@@ -183,7 +206,8 @@ class Conductor:
             cost_observations=list(cost.observations),
             bad_samples=self.router.bad_samples, index_blocks=len(self.router.index),
             index_locations=self.router.index.counts(),
-            cache_pools=self.pools.stats() if self.pools is not None else [])
+            cache_pools=self.pools.stats() if self.pools is not None else [],
+            refused=self.registry.refusals())
 
     def _route(self, rec: Route, rid: str | None):
         for name in ("slo_ttft_ms", "slo_tbt_ms"):
@@ -229,8 +253,10 @@ class Conductor:
             # the simulator and tests), so the records are handed over as such.
             self.router.observe(hb.prefill_steps, hb.decode_steps)
             return True
-        if hb.control_addr and hb.worker_id not in self._discovering:
-            self._discovering.add(hb.worker_id)
+        # A refused worker is not asked again: only a Hello (a new process) can admit it.
+        wid = hb.worker_id
+        if hb.control_addr and wid not in self._discovering and wid not in self.registry.refused:
+            self._discovering.add(wid)
             asyncio.create_task(self._discover(hb))
         return False
 
@@ -270,7 +296,8 @@ class Conductor:
             stats = reply.record
             if not isinstance(stats, WorkerStats):
                 raise ValueError(f"answered with {reply.envelope.type}")
-            self.registry.register(WorkerView(info=stats.info, free_blocks=stats.free_blocks))
+            if self._admit(WorkerView(info=stats.info, free_blocks=stats.free_blocks)):
+                return  # registered before this conductor started, refused now
             self.registry.heartbeat(hb)
             await self._resync(hb.worker_id, hb.control_addr)
         except Exception as exc:

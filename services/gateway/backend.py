@@ -83,3 +83,8 @@ class GenerationBackend(ABC):
     @abstractmethod
     async def ready(self) -> bool:
         """Whether the backend can take requests now."""
+
+    def refused(self) -> list[dict[str, str]]:
+        """Workers of the model the cluster refused lately, as of the last ``ready``:
+        ``{"worker_id", "reason"}`` each; for ``/health``."""
+        return []

@@ -73,8 +73,7 @@ log = structlog.get_logger(__name__)
 class ClusterBackend(GenerationBackend):
     def __init__(self, ctx: zmq.asyncio.Context, conductor_addr: str, stream_bind: str,
                  model: str, *, stream_advertise: str = "", rpc_timeout_s: float = 10.0,
-                 stall_check_s: float = 2.0,
-                 failover: FailoverSettings | None = None,
+                 stall_check_s: float = 2.0, failover: FailoverSettings | None = None,
                  layout_ttl_s: float = 10.0) -> None:
         self.ctx = ctx
         self.model = model
@@ -93,6 +92,7 @@ class ClusterBackend(GenerationBackend):
         self._layout: tuple[str, int] | None = None  # (fingerprint, block size)
         self._layout_at = -float("inf")
         self._aborts: set[asyncio.Task] = set()  # aborts in flight, kept from the GC
+        self._refused: list[dict[str, str]] = []  # as the conductor last listed them
 
     @property
     def stream_addr(self) -> str:
@@ -149,7 +149,14 @@ class ClusterBackend(GenerationBackend):
             reply = await self.conductor.call(ListWorkers(), timeout=2.0)
         except (RpcTimeout, RemoteError):
             return None
-        return reply.record.workers if isinstance(reply.record, WorkerList) else None
+        if not isinstance(reply.record, WorkerList):
+            return None
+        self._refused = [{"worker_id": r.worker_id, "reason": r.reason}
+                         for r in reply.record.refused if r.model == self.model]
+        return reply.record.workers
+
+    def refused(self) -> list[dict[str, str]]:
+        return self._refused
 
     async def ready(self) -> bool:
         if not self.dispatching:
@@ -185,8 +192,7 @@ class ClusterBackend(GenerationBackend):
     async def _route(self, req: GenerationRequest, prompt: list[int], resumed: bool,
                      max_tokens: int, exclude: list[str]) -> RouteReply:
         # A resumed stream was admitted once already: no SLO may turn it away now.
-        slo_ttft, slo_tbt = ((math.inf, math.inf) if resumed
-                             else (req.slo_ttft_ms, req.slo_tbt_ms))
+        slo_ttft, slo_tbt = (math.inf, math.inf) if resumed else (req.slo_ttft_ms, req.slo_tbt_ms)
         try:
             return (await self.conductor.call(
                 Route(model=self.model, prompt_len=len(prompt), exclude=exclude,
@@ -226,8 +232,7 @@ class ClusterBackend(GenerationBackend):
                 raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
             raise _SubmitFailed(exc.message, route) from exc
         except (RpcTimeout, ConnectionError) as exc:
-            raise _SubmitFailed(f"decode worker {route.decode_id} did not answer",
-                                route) from exc
+            raise _SubmitFailed(f"decode worker {route.decode_id} did not answer", route) from exc
         return route
 
     async def _fail_over(self, req: GenerationRequest, generated: list[int],
@@ -291,8 +296,7 @@ class ClusterBackend(GenerationBackend):
         generated: list[int] = []
         pending: dict[int, Tokens] = {}
         lost = LostWorkers()
-        failovers = 0
-        finished = False
+        failovers, finished = 0, False
         try:
             route = await self._start(request, generated, [], wire)
             while True:

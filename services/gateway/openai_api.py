@@ -376,7 +376,9 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
         except Exception:
             log.exception("health_check_failed")
             ok = False
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        refused = backend.refused()  # workers turned away: why a worker is missing
+        return JSONResponse({"ready": ok, **({"refused": refused} if refused else {})},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -3,7 +3,9 @@
 Startup: load the model (on the engine thread, so that a stop meanwhile is obeyed at
 once), bind the control ROUTER (and, for decode roles, the KV receiver), say Hello to
 the conductor (retrying until it answers), then heartbeat every second with the
-engine's load. Requests arrive on the control socket; tokens leave on
+engine's load. A conductor that refuses the Hello (this worker's KV cannot be exchanged
+with its model's other workers: ``services/worker/handshake.py``) stops the process,
+exit 1, with the reason logged. Requests arrive on the control socket; tokens leave on
 PUSH sockets to the gateway named in each request.
 """
 
@@ -48,6 +50,13 @@ from services.engine.core import NO_HOOKS, EngineHooks
 from services.worker.context import RoleContext, advertise
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_loop import EngineLoop
+from services.worker.handshake import (
+    REFUSED_CODES,
+    KVLayout,
+    WorkerRefused,
+    hash_and_version,
+    kv_layout,
+)
 from services.worker.metrics import WorkerMetrics
 from services.worker.pool_link import PoolLink
 from services.worker.prefill_role import PrefillRole
@@ -123,6 +132,7 @@ class Worker:
                              allowed=WORKER_CONTROL)
         self._tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()
+        self.kv_layout: KVLayout | None = None  # read from the engine once it is built
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -130,6 +140,7 @@ class Worker:
         """Load the model (on the engine thread), then bind and register. A failure
         raises; ``close`` cleans up after a start that failed or was cancelled."""
         await self.loop.start(self._build_engine)
+        self.kv_layout = await self.loop.run(kv_layout)
         await self.role.start()  # before the control socket: stats name its KV address
         await self.rpc.start()
         await self.pool.start()
@@ -226,7 +237,9 @@ class Worker:
         return WorkerInfo(worker_id=self.worker_id, role=s.role, model=s.model,
                           control_addr=self.control_addr, kv_addr=self.role.kv_addr,
                           host_id=s.resolved_host_id, block_size=s.block_size,
-                          num_blocks=facts.num_blocks, fingerprint=facts.fingerprint)
+                          num_blocks=facts.num_blocks, fingerprint=facts.fingerprint,
+                          **(self.kv_layout._asdict() if self.kv_layout else {}),
+                          **hash_and_version())
 
     def stats(self) -> WorkerStats:
         load = self.loop.load
@@ -244,6 +257,13 @@ class Worker:
                 await conductor.call(hello, timeout=2.0)
                 self.registered.set()
                 log.info("registered with conductor", conductor=s.conductor_addr)
+            except RemoteError as exc:
+                if exc.code in REFUSED_CODES:
+                    log.error("refused by the conductor", worker_id=self.worker_id,
+                              code=exc.code, reason=exc.message)
+                    raise WorkerRefused(f"refused by the conductor: {exc.message}") from None
+                log.info("hello not accepted yet", error=str(exc))
+                await asyncio.sleep(0.5)
             except (RpcTimeout, Exception) as exc:  # keep trying until the conductor is up
                 log.info("conductor not answering yet", error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(0.5)
