@@ -63,6 +63,7 @@ from common.zmq_io import Subscriber
 from common.zmq_policy import CONDUCTOR_CONTROL, CONDUCTOR_EVENTS
 from common.zmq_rpc import RpcClient, RpcServer
 from services.conductor.cache_policy import Rejection
+from services.conductor.metrics import reason_class
 from services.conductor.policy import NoWorkers
 from services.conductor.pool_watch import PoolWatch
 from services.conductor.registry import Registry, WorkerView
@@ -126,6 +127,9 @@ class Conductor:
         self.metrics = CollectorRegistry()
         self.decisions = Counter("pdserve:routing_decisions", "Routing decisions",
                                  ["outcome"], registry=self.metrics)
+        self.reasons = Counter("pdserve:routing_reasons", "Routing decisions by the kind of "
+                               "reason (services/conductor/metrics.py)", ["outcome", "reason"],
+                               registry=self.metrics)
         self.decision_seconds = Histogram(
             "pdserve:routing_decision_seconds", "Time to make one routing decision",
             registry=self.metrics, buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3))
@@ -231,6 +235,7 @@ class Conductor:
             self.decision_seconds.observe(time.perf_counter() - start)
         if isinstance(decision, Rejection):
             self.decisions.labels(outcome="rejected").inc()
+            self.reasons.labels(outcome="rejected", reason=reason_class(decision.reason)).inc()
             log.info("rejected", request_id=rid, reason=decision.reason,
                      retry_after_s=decision.retry_after_s)
             return Error("overloaded", decision.reason, retry_after_s=decision.retry_after_s)
@@ -238,6 +243,7 @@ class Conductor:
         outcome = "remote" if p else (
             "colocated" if decision.decode.role == "unified" else "local")
         self.decisions.labels(outcome=outcome).inc()
+        self.reasons.labels(outcome=outcome, reason=reason_class(decision.reason)).inc()
         log.info("routed", request_id=rid, decode=decision.decode.worker_id,
                  prefill=p.worker_id if p else None, reason=decision.reason)
         return RouteReply(decode_id=decision.decode.worker_id,

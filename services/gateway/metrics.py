@@ -46,18 +46,29 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             "pdserve:generation_tokens", "Tokens generated for finished requests.",
             registry=reg)
+        self.goodput = Counter(
+            "pdserve:request_goodput", "Requests that finished (stop or length) within "
+            "their own TTFT and TBT targets (slo_ttft_ms, slo_tbt_ms; none set: met).",
+            registry=reg)
+        self.http_errors = Counter(
+            "pdserve:http_errors", "HTTP requests answered with an error, by status "
+            "(429: refused by admission, 503: no backend).", ["status"], registry=reg)
 
-    def track(self) -> RequestTracker:
-        """Start timing a request that arrived now."""
-        return RequestTracker(self)
+    def track(self, slo_ttft_ms: float | None = None,
+              slo_tbt_ms: float | None = None) -> RequestTracker:
+        """Start timing a request that arrived now, with its latency targets."""
+        return RequestTracker(self, slo_ttft_ms, slo_tbt_ms)
 
 
 class RequestTracker:
     """Timing of one request: call ``tokens`` as tokens arrive, ``finish`` once."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, slo_ttft_ms: float | None = None,
+                 slo_tbt_ms: float | None = None) -> None:
         self._metrics = metrics
-        self._start = self._last = time.monotonic()
+        self._slo_ttft_s = slo_ttft_ms / 1e3 if slo_ttft_ms else None
+        self._slo_tbt_s = slo_tbt_ms / 1e3 if slo_tbt_ms else None
+        self._start = self._last = self._first = time.monotonic()
         self._seen_first = False
         self._finished = False
 
@@ -69,7 +80,7 @@ class RequestTracker:
             self._seen_first = True
             self._metrics.time_to_first_token.observe(now - self._start)
             count -= 1
-            self._last = now
+            self._last = self._first = now
         if count > 0:
             # Tokens that arrive together share the gap since the previous arrival.
             per_token = (now - self._last) / count
@@ -85,3 +96,14 @@ class RequestTracker:
         self._metrics.request_success.labels(finish_reason=finish_reason).inc()
         self._metrics.prompt_tokens.inc(prompt_tokens)
         self._metrics.generation_tokens.inc(completion_tokens)
+        if finish_reason in ("stop", "length") and self._seen_first and self._met_slo(
+                completion_tokens):
+            self._metrics.goodput.inc()
+
+    def _met_slo(self, completion_tokens: int) -> bool:
+        """TTFT within its target, and the mean gap between later tokens within TBT's."""
+        if self._slo_ttft_s is not None and self._first - self._start > self._slo_ttft_s:
+            return False
+        if self._slo_tbt_s is not None and completion_tokens > 1:
+            return (self._last - self._first) / (completion_tokens - 1) <= self._slo_tbt_s
+        return True

@@ -215,25 +215,28 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        # Every error answer passes here, so pdserve:http_errors counts them all.
+        metrics.http_errors.labels(status=str(exc.status)).inc()
         return exc.response()
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return ApiError(400, str(exc), param=exc.param).response()
+    async def _request_error(r: Request, exc: RequestError) -> JSONResponse:
+        return await _api_error(r, ApiError(400, str(exc), param=exc.param))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(400, f"invalid request: {exc.errors()}").response()
+    async def _validation_error(r: Request, exc: RequestValidationError) -> JSONResponse:
+        return await _api_error(r, ApiError(400, f"invalid request: {exc.errors()}"))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http_error(r: Request, exc: HTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+        return await _api_error(r, ApiError(exc.status_code, str(exc.detail), code=code))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(r: Request, exc: Exception) -> JSONResponse:
         log.exception("request_failed")
-        return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+        return await _api_error(r, ApiError(500, f"internal error: {type(exc).__name__}",
+                                            "server_error"))
 
     def authorize(request: Request) -> bytes | None:
         """The caller's API key, checked; None when the server has no keys."""
@@ -310,7 +313,8 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
             log.debug("request_labelled", request_id=internal_id, label=request_id)
         writer = fmt.ResponseWriter(tokenizer, chat=chat, request_id=request_id,
                                     model=model_name)
-        run = _Run(backend, pipeline, prepared, internal_id, metrics.track(),
+        run = _Run(backend, pipeline, prepared, internal_id,
+                   metrics.track(prepared.slo_ttft_ms, prepared.slo_tbt_ms),
                    request_timeout_s)
         # Watched from the start: a client may leave while its request still queues.
         watch = asyncio.ensure_future(_until_disconnect(request))

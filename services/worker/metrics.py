@@ -27,6 +27,9 @@ class WorkerMetrics:
                                          "KV bytes moved over the data plane", registry=r)
         self.kv_transfer_seconds = Counter("pdserve:kv_transfer_seconds",
                                            "Seconds spent moving KV", registry=r)
+        self.kv_sent_bytes = Counter("pdserve:kv_transfer_sent_bytes",
+                                     "KV bytes sent by prefill, by the backend negotiated",
+                                     ["backend"], registry=r)
         self.transfer_backend = Counter("pdserve:kv_transfer_backend",
                                         "KV transfers by the backend negotiated",
                                         ["backend"], registry=r)

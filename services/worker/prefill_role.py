@@ -189,6 +189,8 @@ class PrefillRole:
             await self.sender.send(job.addr, rid, layer, dest, payload)
             self.sent_bytes += payload.nbytes
             ctx.metrics.kv_transfer_bytes.inc(payload.nbytes)
+            ctx.metrics.kv_sent_bytes.labels(backend=job.addr.partition("://")[0]).inc(
+                payload.nbytes)
         await self.sender.finish(job.addr, rid, num_layers)
         ctx.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
         return num_layers
