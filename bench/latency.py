@@ -16,8 +16,10 @@ Sides: ``pdserve`` (LLMEngine), ``transformers`` (the same weights in float32, p
 with ``logits_to_keep=1`` so neither side computes logits it throws away) and, when
 ``--llama-bench`` names the binary, ``llama.cpp`` on the same GGUF (its ``pp100`` gives
 TTFT, ``pp1024`` prefill, ``tg`` decode). Every run is a fresh process; the sides
-alternate (A, B, C, A, B, C, ...) so that a noisy neighbour hits all of them alike; the
-ratios are taken per round and reported as median [min, max].
+alternate (A, B, C, A, B, C, ...; bench/harness.py, ``--warmup`` rounds first and
+dropped) so that a noisy neighbour hits all of them alike; the ratios are taken per
+round and reported as median [min, max]. The JSON at ``--out`` is the harness's report
+(machine, load, settings, spreads) with the summary below as ``summary``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import Metric, Session, print_summary, write  # noqa: E402
+
+HARNESS_METRICS = [Metric("decode_tok_s", "decode", "tok/s"),
+                   Metric("ttft_s", "TTFT, 100-token prompt", "s", higher_is_better=False),
+                   Metric("prefill_tok_s", "prefill, 1,024 tokens", "tok/s")]
 METRICS = ("decode_tok_s", "ttft_s", "prefill_tok_s")
 TTFT_LEN, PREFILL_LEN, DECODE_PROMPT_LEN = 100, 1024, 16
 
@@ -173,7 +180,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench")
     ap.add_argument("--out", default="latency.json")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="default: drawn at random")
+    ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
     ap.add_argument("--quantization", default="none", help="pdserve's weights: none or int8")
     ap.add_argument("--child", choices=("pdserve", "transformers"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -185,18 +193,18 @@ def main() -> None:
     if args.runs < 3:
         raise SystemExit("--runs must be at least 3: one run says nothing about the spread")
     sides = ["pdserve", "transformers"] + (["llama.cpp"] if args.llama_bench else [])
-    runs: dict[str, list[dict]] = {s: [] for s in sides}
-    for i in range(args.runs):
-        for side in sides:
-            runs[side].append(run_side(side, args, args.seed + i))
-            print(f"round {i} {side}: " + ", ".join(
-                f"{m} {runs[side][-1][m]:.4g}" for m in METRICS), flush=True)
+    settings = {"model": args.model, "threads": args.threads, "dtype": "float32",
+                "quantization": args.quantization, "decode_tokens": args.decode_tokens,
+                "batch": 1, "transformers": "prefill logits_to_keep=1"}
+    session = Session("latency", settings, seed=args.seed)
+
+    def side(name: str):
+        return lambda ctx: run_side(name, args, ctx.seed)
+    runs = session.run({s: side(s) for s in sides}, repeats=args.runs, warmup=args.warmup)
     summary = summarize(runs)
-    for key, table in summary.items():
-        print(f"{key}: " + ", ".join(f"{m} {v['median']:.4g} [{v['min']:.4g}, {v['max']:.4g}]"
-                                     for m, v in table.items()))
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs,
-                                          "summary": summary}, indent=2))
+    report = session.finish(HARNESS_METRICS, runs, extra={"summary": summary})
+    print_summary(report)
+    write(report, Path(args.out))
 
 
 if __name__ == "__main__":
