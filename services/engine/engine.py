@@ -29,7 +29,7 @@ from services.engine.outputs import Completion
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
-from services.engine.tp import SINGLE, EngineDeadError, ParallelContext
+from services.engine.tp import SINGLE, ParallelContext, check_shardable
 from services.engine.tp_group import Leader
 from services.engine.tp_shard import shard_hf_tensors
 from services.engine.weights import LoadedWeights, load_weights
@@ -57,8 +57,7 @@ class ModelExecutor:
             try:
                 logits = self.runner.forward(inputs, layer_hook)
             except RuntimeError as exc:  # a collective that lost a rank
-                self.leader.fail(f"a tensor-parallel collective failed: {exc}")
-                raise EngineDeadError(self.leader.reason) from exc
+                raise self.leader.broken("a tensor-parallel collective", exc) from exc
         if not sampling:
             return []
         result = self.sampler.sample(logits, [s.sampling for s in sampling])
@@ -110,12 +109,12 @@ class LLMEngine(EngineCore):
         self.config = config = config or EngineConfig()
         world = config.tensor_parallel_size
         set_threads(config)
-        # Rank 0 starts its followers first: they load their shards while it loads its own.
+        self.weights = weights or load_weights(config.model)
+        self.model_config = cfg = self.weights.config
+        check_shardable(cfg, world)  # before any follower starts
         self.tp_leader = None if world == 1 else Leader(
             json.dumps(dataclasses.asdict(config)), world, config.torch_device)
         tp = SINGLE if self.tp_leader is None else self.tp_leader.tp
-        self.weights = weights or load_weights(config.model)
-        self.model_config = cfg = self.weights.config
         self.device = config.torch_device
         runner, max_model_len = build_runner(config, cfg, self.weights.tensors, tp)
         if world > 1:  # only this rank's shard stays in memory

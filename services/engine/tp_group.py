@@ -137,6 +137,13 @@ class Leader:
                     return
             time.sleep(0.1)
 
+    def broken(self, what: str, exc: BaseException) -> EngineDeadError:
+        """A collective failed: the group is dead. A follower's exit explains it best, so
+        the watcher gets a moment to see one first."""
+        self.failed.wait(1.0)
+        self.fail(f"{what} failed: {exc}")
+        return EngineDeadError(self.reason)
+
     def fail(self, reason: str) -> None:
         """Mark the group dead (once), say so loudly, and take the other followers down."""
         if self.failed.is_set():
@@ -155,8 +162,7 @@ class Leader:
         try:
             self.plans.send(STEP, payload)
         except RuntimeError as exc:
-            self.fail(f"sending a step to the followers failed: {exc}")
-            raise EngineDeadError(self.reason) from exc
+            raise self.broken("sending a step to the followers", exc) from exc
 
     def close(self) -> None:
         """Stop the followers (a STOP plan, then kill what lingers) and leave the group."""
