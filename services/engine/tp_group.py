@@ -200,7 +200,8 @@ def _follower_env() -> dict[str, str]:
 
 
 def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (rank 0) dies."""
+    """Linux: SIGKILL this process when its parent (rank 0) dies; strictly, when the
+    thread that started it ends, which in a worker is the engine thread, after close."""
     if sys.platform != "linux":
         return
     import ctypes
