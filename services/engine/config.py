@@ -49,6 +49,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     quantization: str = "none"  # "int8": int8 projections (CPU, float32); see weights/quantize
+    # Ranks the model is split over (services/engine/tp.py); rank r > 0 on cuda:<index + r>.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -73,6 +75,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
@@ -89,6 +93,13 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The device of tensor-parallel rank ``rank``: the next GPUs after the first."""
+        device = self.torch_device
+        if device.type != "cuda":
+            return device
+        return torch.device("cuda", (device.index or 0) + rank)
 
     @property
     def dtype_name(self) -> str:

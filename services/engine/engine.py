@@ -6,6 +6,10 @@ prefill and decode services drive the same object step by step (see
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import threading
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from functools import cached_property
@@ -19,25 +23,41 @@ from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
 from services.engine.executor import LayerHook, Sampled
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
+from services.engine.model_config import ModelConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import Completion
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
+from services.engine.tp import SINGLE, ParallelContext, check_shardable
+from services.engine.tp_group import Leader
+from services.engine.tp_shard import shard_hf_tensors
 from services.engine.weights import LoadedWeights, load_weights
 from services.engine.weights.quantize import quantize_model
 
 
 class ModelExecutor:
-    """The ``Executor`` that runs the model: a forward pass, then the sampler."""
+    """The ``Executor`` that runs the model: a forward pass, then the sampler. With
+    tensor parallelism (``leader`` given) each step's inputs go to the followers first,
+    and a broken collective makes the engine dead (``EngineDeadError``)."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler,
+                 leader: Leader | None = None) -> None:
         self.runner = runner
         self.sampler = sampler
+        self.leader = leader
 
     def execute(self, scheduled: list[ScheduledSeq],
                 layer_hook: LayerHook | None) -> list[Sampled]:
-        logits, sampling = self.runner.run(scheduled, layer_hook)
+        inputs, sampling = self.runner.prepare(scheduled)
+        if self.leader is None:
+            logits = self.runner.forward(inputs, layer_hook)
+        else:
+            self.leader.send_step(inputs.to_msgpack())
+            try:
+                logits = self.runner.forward(inputs, layer_hook)
+            except RuntimeError as exc:  # a collective that lost a rank
+                raise self.leader.broken("a tensor-parallel collective", exc) from exc
         if not sampling:
             return []
         result = self.sampler.sample(logits, [s.sampling for s in sampling])
@@ -45,37 +65,68 @@ class ModelExecutor:
                 zip(sampling, result.token_ids, result.logprobs, strict=True)]
 
 
+def set_threads(config: EngineConfig) -> None:
+    """Torch's intra-op threads: as asked; with several CPU ranks and no ask, this
+    process's CPUs shared out among them (each rank is its own process)."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    elif config.tensor_parallel_size > 1 and config.torch_device.type == "cpu":
+        cpus = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cpus // config.tensor_parallel_size))
+
+
+def build_runner(config: EngineConfig, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                 tp: ParallelContext) -> tuple[ModelRunner, int]:
+    """This rank's model shard and KV cache (its KV heads); and the model length used."""
+    device, dtype = config.rank_device(tp.rank), config.torch_dtype
+    max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                        cfg.max_position_embeddings)
+    model = LlamaModel(cfg, make_attention_backend(config.attention_backend, device), tp)
+    if tp.world_size > 1:
+        tensors = shard_hf_tensors(tensors, cfg, tp.rank, tp.world_size)
+    model.load_hf_weights(tensors)
+    quantize_model(model, config.quantization)
+    model = model.to(device=device, dtype=dtype).eval()
+    kv_heads = model.shard.num_kv_heads
+    per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, kv_heads,
+                                        cfg.head_dim, dtype)
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    num_blocks = config.num_kv_blocks or max(1, min(config.kv_cache_bytes // per_block, useful))
+    if tp.world_size > 1:  # every rank must hold the same block ids (and is loaded)
+        total = int(tp.all_reduce(torch.tensor([num_blocks], device=device)).item())
+        if total != num_blocks * tp.world_size:
+            raise ValueError(f"tensor-parallel ranks disagree on the KV block count "
+                             f"(rank {tp.rank}: {num_blocks})")
+    kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads,
+                       cfg.head_dim, dtype, device)
+    return ModelRunner(model, kv_cache, device), max_model_len
+
+
 class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig | None = None,
                  weights: LoadedWeights | None = None, *,
                  hooks: EngineHooks = NO_HOOKS) -> None:
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        world = config.tensor_parallel_size
+        set_threads(config)
         self.weights = weights or load_weights(config.model)
         self.model_config = cfg = self.weights.config
+        check_shardable(cfg, world)  # before any follower starts
+        self.tp_leader = None if world == 1 else Leader(
+            json.dumps(dataclasses.asdict(config)), world, config.torch_device)
+        tp = SINGLE if self.tp_leader is None else self.tp_leader.tp
         self.device = config.torch_device
-        dtype = config.torch_dtype
-
-        max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                            cfg.max_position_embeddings)
-        model = LlamaModel(cfg, make_attention_backend(config.attention_backend, self.device))
-        model.load_hf_weights(self.weights.tensors)
-        quantize_model(model, config.quantization)
-        self.model = model.to(device=self.device, dtype=dtype).eval()
-
-        per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size,
-                                            cfg.num_kv_heads, cfg.head_dim, dtype)
-        useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-        num_blocks = config.num_kv_blocks or max(1, min(config.kv_cache_bytes // per_block,
-                                                        useful))
-        kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size,
-                           cfg.num_kv_heads, cfg.head_dim, dtype, self.device)
-        executor = ModelExecutor(ModelRunner(self.model, kv_cache, self.device),
-                                 Sampler(tuple(cfg.eos_token_ids)))
+        runner, max_model_len = build_runner(config, cfg, self.weights.tensors, tp)
+        if world > 1:  # only this rank's shard stays in memory
+            self.weights = dataclasses.replace(self.weights, tensors={})
+        self.model = runner.model
+        kv_cache = runner.kv_cache
+        executor = ModelExecutor(runner, Sampler(tuple(cfg.eos_token_ids)), self.tp_leader)
+        # A rank's KV blocks hold its heads only: a layout of its own (see docs).
+        precision = config.precision if world == 1 else f"{config.precision}+tp{world}"
         super().__init__(
             executor, kv_cache,
-            fingerprint=cfg.fingerprint(self.weights.digest, config.precision, config.block_size),
+            fingerprint=cfg.fingerprint(self.weights.digest, precision, config.block_size),
             max_model_len=max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=cfg.eos_token_ids,
             scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -83,6 +134,18 @@ class LLMEngine(EngineCore):
                                       prefill_chunk_size=config.prefill_chunk_size),
             enable_prefix_caching=config.enable_prefix_caching, hooks=hooks,
             encode=lambda text: self.tokenizer.encode(text))
+
+    @property
+    def tp_failed(self) -> threading.Event | None:
+        """Set once a tensor-parallel rank died (then ``tp_leader.reason`` says which);
+        None for a one-rank engine. Safe to read from any thread."""
+        return None if self.tp_leader is None else self.tp_leader.failed
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers; nothing to do for one rank. Call on the
+        thread that steps the engine."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

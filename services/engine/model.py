@@ -23,6 +23,7 @@ from torch import nn
 
 from services.engine.attention import AttentionBackend, AttentionMetadata
 from services.engine.model_config import ModelConfig, RopeScaling
+from services.engine.tp import SINGLE, ParallelContext, ShardShape, shard_shape
 
 
 class RMSNorm(nn.Module):
@@ -95,12 +96,15 @@ class WideLinear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's heads (all of them on one rank); see services/engine/tp.py."""
+
+    def __init__(self, cfg: ModelConfig, shard: ShardShape, tp: ParallelContext) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+            shard.num_heads, shard.num_kv_heads, cfg.head_dim)
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
         self.qkv_proj = WideLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                    bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -112,28 +116,29 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardShape, tp: ParallelContext) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = WideLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.inter = shard.intermediate
+        self.gate_up_proj = WideLinear(cfg.hidden_size, 2 * shard.intermediate, bias=False)
+        self.down_proj = nn.Linear(shard.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardShape, tp: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, tp)
 
     def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
         # The residual stream is this forward's own tensor: add into it in place.
@@ -144,22 +149,35 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 tp: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.tp = tp
+        self.shard = shard = shard_shape(cfg, tp.rank, tp.world_size)
         # Tied: the transposed head doubles as the embedding table (``_embed``).
         self.embed_tokens = None if cfg.tie_word_embeddings else nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+            shard.vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
-        self.lm_head = WideLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = WideLinear(cfg.hidden_size, shard.vocab, bias=False)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        inside = None
+        if self.tp.world_size > 1:  # vocab-parallel: this rank looks up its rows only
+            local = input_ids - self.shard.vocab_start
+            inside = (local >= 0) & (local < self.shard.vocab)
+            input_ids = torch.where(inside, local, torch.zeros_like(local))
         if self.embed_tokens is not None:
-            return self.embed_tokens(input_ids)
-        return self.lm_head.weight_t.index_select(1, input_ids).t().contiguous()
+            x = self.embed_tokens(input_ids)
+        else:
+            x = self.lm_head.weight_t.index_select(1, input_ids).t().contiguous()
+        if inside is not None:
+            x.masked_fill_(~inside.unsqueeze(1), 0)
+            self.tp.all_reduce(x)
+        return x
 
     @torch.inference_mode()
     def forward(
@@ -184,7 +202,8 @@ class LlamaModel(nn.Module):
             if layer_hook is not None:
                 layer_hook(i)
         x = self.norm(x.index_select(0, logits_indices))
-        return self.lm_head(x).float()
+        logits = self.tp.gather_last_dim(self.lm_head(x).float())
+        return logits if self.tp.world_size == 1 else logits[:, :self.cfg.vocab_size]
 
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""

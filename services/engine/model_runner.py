@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import msgpack
 import torch
 
 from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
@@ -13,6 +16,27 @@ from services.engine.sequence import Sequence
 # Decodes are attended in groups of similar context length so that padding each
 # group to its longest member wastes little.
 DECODE_GROUP_SIZE = 16
+
+
+class StepInputs(NamedTuple):
+    """A step's model inputs as plain integers: what rank 0 sends its tensor-parallel
+    followers (``to_msgpack``), and what every rank turns into tensors."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    # (start, size, block tables [size][width], context lens [size], max context len)
+    decode_groups: list[tuple[int, int, list[list[int]], list[int], int]]
+    # (start, query len, context len, block table)
+    prefills: list[tuple[int, int, int, list[int]]]
+    logits_rows: list[int]
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(tuple(self), use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> StepInputs:
+        return cls(*msgpack.unpackb(data, use_list=True, raw=False))
 
 
 class ModelRunner:
@@ -29,28 +53,26 @@ class ModelRunner:
         A sequence samples when this step computes its last known token. Row i of the
         logits belongs to the i-th returned sequence.
         """
+        inputs, sampling = self.prepare(batch)
+        return self.forward(inputs, layer_hook), sampling
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[StepInputs, list[Sequence]]:
+        """The step's inputs, and the sequences that sample, in logits row order."""
         decodes = sorted((s for s in batch if s.num_new_tokens == 1),
                          key=lambda s: s.seq.num_computed_tokens)
         prefills = [s for s in batch if s.num_new_tokens > 1]
         bs = self.block_size
-
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        inputs = StepInputs([], [], [], [], [], [])
+        ids, positions, slots, logits_rows = (inputs.ids, inputs.positions, inputs.slots,
+                                              inputs.logits_rows)
         sampling: list[Sequence] = []
-        logits_rows: list[int] = []
-        groups: list[DecodeGroup] = []
         for g in range(0, len(decodes), DECODE_GROUP_SIZE):
             members = decodes[g:g + DECODE_GROUP_SIZE]
             ctx = [m.seq.num_computed_tokens + 1 for m in members]
             width = -(-max(ctx) // bs)
             tables = [m.seq.block_table[:width] + [0] * (width - len(m.seq.block_table[:width]))
                       for m in members]
-            groups.append(DecodeGroup(
-                start=len(ids), size=len(members),
-                block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
-                context_lens=torch.tensor(ctx, dtype=torch.long, device=self.device),
-                max_context_len=max(ctx)))
+            inputs.decode_groups.append((len(ids), len(members), tables, ctx, max(ctx)))
             for m in members:
                 seq, pos = m.seq, m.seq.num_computed_tokens
                 token = (seq.prompt_token_ids[pos] if pos < seq.num_prompt_tokens
@@ -62,28 +84,34 @@ class ModelRunner:
                     sampling.append(seq)
                     logits_rows.append(len(ids) - 1)
 
-        segments: list[PrefillSegment] = []
         for seq, n in prefills:
             start = seq.num_computed_tokens
             end = start + n
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            pos = torch.arange(start, end)
-            segments.append(PrefillSegment(
-                start=len(ids), query_len=n, context_len=end,
-                block_table=table.to(self.device)))
+            table = list(seq.block_table)
+            inputs.prefills.append((len(ids), n, end, table))
             ids.extend(seq.token_ids()[start:end])
-            positions.extend(pos.tolist())
-            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if end == seq.num_tokens:
                 sampling.append(seq)
                 logits_rows.append(len(ids) - 1)
+        return inputs, sampling
 
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode_groups=groups, prefills=segments)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            (self.kv_cache.k, self.kv_cache.v), meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device), layer_hook)
-        return logits, sampling
+    def forward(self, inputs: StepInputs, layer_hook=None) -> torch.Tensor:
+        """Run the model on ``inputs``: logits ``[len(inputs.logits_rows), vocab]``."""
+        dev = self.device
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        groups = [DecodeGroup(start=start, size=size, block_tables=tensor(tables),
+                              context_lens=tensor(ctx), max_context_len=max_ctx)
+                  for start, size, tables, ctx, max_ctx in inputs.decode_groups]
+        segments = [PrefillSegment(start=start, query_len=n, context_len=end,
+                                   block_table=tensor(table))
+                    for start, n, end, table in inputs.prefills]
+        meta = AttentionMetadata(slot_mapping=tensor(inputs.slots), decode_groups=groups,
+                                 prefills=segments)
+        return self.model(tensor(inputs.ids), tensor(inputs.positions),
+                          (self.kv_cache.k, self.kv_cache.v), meta,
+                          tensor(inputs.logits_rows), layer_hook)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
@@ -90,7 +91,8 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        num_threads=s.num_threads or None, quantization=s.quantization), hooks=hooks)
+        num_threads=s.num_threads or None, quantization=s.quantization,
+        tensor_parallel_size=s.tensor_parallel_size), hooks=hooks)
 
 
 def pin_cpus(spec: str) -> None:
@@ -141,6 +143,10 @@ class Worker:
         raises; ``close`` cleans up after a start that failed or was cancelled."""
         await self.loop.start(self._build_engine)
         self.kv_layout = await self.loop.run(kv_layout)
+        tp_failed = await self.loop.run(lambda e: getattr(e, "tp_failed", None))
+        if tp_failed is not None:
+            self._tasks.append(asyncio.create_task(self._watch_tp(tp_failed),
+                                                   name="tensor-parallel ranks"))
         await self.role.start()  # before the control socket: stats name its KV address
         await self.rpc.start()
         await self.pool.start()
@@ -185,6 +191,9 @@ class Worker:
             await client.close()
         await self.role.close()
         await self.streams.close()
+        with contextlib.suppress(Exception):  # followers are killed at exit regardless
+            async with asyncio.timeout(15):
+                await self.loop.run(lambda e: getattr(e, "close", lambda: None)())
         await self.loop.stop()
         self.ctx.term()
 
@@ -199,6 +208,13 @@ class Worker:
             client = self._clients[addr] = RpcClient(self.ctx, addr, name=self.worker_id,
                                                      server=server)
         return client
+
+    async def _watch_tp(self, failed) -> None:
+        """Fail (and so end the process) once a tensor-parallel follower died: the
+        engine cannot step again, and heartbeats must stop."""
+        while not failed.is_set():
+            await asyncio.sleep(0.2)
+        raise RuntimeError("a tensor-parallel rank died; this worker cannot serve")
 
     # ---- control plane ---------------------------------------------------------------
 
@@ -238,6 +254,7 @@ class Worker:
                           control_addr=self.control_addr, kv_addr=self.role.kv_addr,
                           host_id=s.resolved_host_id, block_size=s.block_size,
                           num_blocks=facts.num_blocks, fingerprint=facts.fingerprint,
+                          tp_size=s.tensor_parallel_size,
                           **(self.kv_layout._asdict() if self.kv_layout else {}),
                           **hash_and_version())
 

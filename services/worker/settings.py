@@ -24,6 +24,8 @@ class WorkerSettings:
     max_model_len: int = 0  # 0: the model's own context length
     num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
     quantization: str = "none"  # "int8": int8 projections on the CPU (EngineConfig)
+    # Ranks the model is split over; rank 0 is this process, the rest its followers.
+    tensor_parallel_size: int = 1
     control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
     kv_host: str = "127.0.0.1"  # data plane listener (decode and unified roles)
     kv_port: int = 0
@@ -73,6 +75,13 @@ class WorkerSettings:
         if self.sim_time_scale < 0:
             raise ValueError("sim_time_scale must be >= 0")
         parse_cpus(self.cpu_affinity)
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and (self.role != "unified" or self.cache_pools):
+            # Rank 0's blocks hold only its KV heads: moving them needs the ranks'
+            # slices gathered, which KV transfer does not do yet.
+            raise ValueError("tensor_parallel_size > 1 runs the unified role without "
+                             "cache_pools (KV transfer of head slices is not supported yet)")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
