@@ -91,6 +91,11 @@ class EngineLoop:
             raise RuntimeError("the engine is not built yet")
         return self._facts
 
+    @property
+    def built(self) -> bool:
+        """Whether the engine exists (its build finished)."""
+        return self._facts is not None
+
     async def start(self, build: Callable[[], EngineCore]) -> None:
         """Start the engine thread, which calls ``build`` and then serves the engine;
         return once it is built, or raise what ``build`` raised. Cancelling this wait

@@ -191,9 +191,11 @@ class Worker:
             await client.close()
         await self.role.close()
         await self.streams.close()
-        with contextlib.suppress(Exception):  # followers are killed at exit regardless
-            async with asyncio.timeout(15):
-                await self.loop.run(lambda e: getattr(e, "close", lambda: None)())
+        # Followers are killed at exit regardless; an engine still loading has none.
+        with contextlib.suppress(Exception):
+            if self.loop.built:
+                async with asyncio.timeout(15):
+                    await self.loop.run(lambda e: getattr(e, "close", lambda: None)())
         await self.loop.stop()
         self.ctx.term()
 
