@@ -49,6 +49,9 @@ class GatewaySettings:
     shutdown_grace_s: float = 5.0  # how long open requests may run on after a stop
     # A stream whose decode worker died waits this long for another to continue it.
     decode_failover_wait_s: float = 30.0
+    # A new request waits this long for a live decode worker when the conductor has
+    # none (right after a conductor restart, before workers re-register); then 503.
+    route_wait_s: float = 5.0
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
 
@@ -57,7 +60,11 @@ class GatewaySettings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.shutdown_grace_s < float("inf"):
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        FailoverSettings(wait_s=self.decode_failover_wait_s)  # raises if out of range
+        self.failover()  # raises if out of range
+
+    def failover(self) -> FailoverSettings:
+        return FailoverSettings(wait_s=self.decode_failover_wait_s,
+                                route_wait_s=self.route_wait_s)
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
@@ -81,8 +88,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     ctx = make_context(settings.curve_keys_dir, "gateway")
     backend = ClusterBackend(ctx, settings.conductor_addr, settings.stream_bind, name,
                              stream_advertise=settings.stream_advertise,
-                             failover=FailoverSettings(
-                                 wait_s=settings.decode_failover_wait_s))
+                             failover=settings.failover())
     await backend.start()
     pipeline = RequestPipeline(tokenizer, max_len)
     frontend = ZmqFrontend(ctx, settings.zmq_addr, backend, pipeline, tokenizer, name,
