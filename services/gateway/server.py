@@ -21,6 +21,7 @@ from common.logging import configure_logging
 from common.service_main import run_service, until_stopped
 from common.tokenizer import TextTokenizer
 from common.zmq_auth import make_context
+from common.zmq_metrics import ControlMetrics
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover import FailoverSettings
 from services.gateway.model_info import describe_model
@@ -98,6 +99,8 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     app = create_app(backend, tokenizer, model_name=name, max_model_len=max_len,
                      api_keys=settings.api_keys, request_timeout_s=settings.request_timeout_s,
                      max_body_bytes=settings.max_body_bytes)
+    control_metrics = ControlMetrics(ctx)  # in the process-wide registry: one per serve
+    app.state.metrics_registry.register(control_metrics)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.http_host, port=settings.http_port, log_level="warning",
         lifespan="off", timeout_graceful_shutdown=settings.shutdown_grace_s))
@@ -112,6 +115,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
         await asyncio.gather(http, return_exceptions=True)
         await frontend.close()
         await backend.close()
+        app.state.metrics_registry.unregister(control_metrics)
         ctx.term()
 
 
