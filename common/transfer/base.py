@@ -95,6 +95,7 @@ class Transfer:
         self.bytes_received = 0
         self.chunks_received = 0
         self.error: str | None = None
+        self.token: bytes | None = None  # set by expect: what its messages must present
         self._on_end = on_end
         self._ended = asyncio.Event()
         self._lease = loop.call_later(lease_s, self._end, TransferState.FAILED, "lease expired")

@@ -62,7 +62,7 @@ class TransferTable:
         transfer = Transfer(request_id, lease_s, self._forget)
         self._live[request_id] = transfer
         if token is not None:
-            self._tokens[request_id] = token
+            self._tokens[request_id] = transfer.token = token
         self._ended.pop(request_id, None)
         return transfer
 

@@ -277,7 +277,8 @@ class CachePool:
             self._count_bytes("frame_out", sum(map(len, blocks)))
             return PoolBlocks(found=len(blocks)), blocks
         if blocks:
-            self.data_plane.send_get(address, rec.transfer_id, blocks, rec.lease_s)
+            self.data_plane.send_get(address, rec.transfer_id, blocks, rec.lease_s,
+                                     token=rec.kv_token)
         return PoolBlocks(found=len(blocks))
 
     def _count_bytes(self, direction: str, nbytes: int) -> None:
