@@ -121,6 +121,7 @@ class DecodeRole:
         return dataclasses.replace(
             stats, live_transfers=self.receiver.live(), local_fallbacks=self.local_fallbacks,
             kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
+            kv_messages_refused=self.receiver.refused,
             kv_advert=self.kv_advert())
 
     def overloaded(self) -> Error | None:
