@@ -458,3 +458,34 @@ def test_no_decode_worker_within_the_wait_fails_cleanly(model_dir, tmp_path, pro
         assert "request failed over to no worker" in cluster.procs["gateway"].log.read_text()
     finally:
         cluster.stop()
+
+
+def test_request_right_after_a_conductor_restart_waits_for_a_worker(model_dir, tmp_path):
+    """Sent when the restarted conductor answers but no worker has registered with it
+    yet (heartbeats every 3 s here, so that window is wide), a request waits for the
+    worker to come back instead of failing with "no live decode worker"."""
+    slow_beats = ["--heartbeat-interval-s", "3"]
+    cluster = Cluster(str(model_dir), tmp_path, ["unified"], worker_args=slow_beats,
+                      conductor_args=slow_beats)
+    cluster.start()
+    try:
+        cluster.signal("conductor", signal.SIGKILL)
+        cluster.restart("conductor")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                workers = cluster.conductor_stats(0.5).workers
+                break
+            except (TimeoutError, KeyError):
+                assert time.monotonic() < deadline, "the conductor did not come back"
+                time.sleep(0.05)
+        assert not any(w.alive for w in workers)  # the window: nobody registered yet
+        started = time.monotonic()
+        with Client(cluster.zmq_addr, timeout_s=60) as client:
+            done = client.generate(prompt_token_ids=PROMPT, max_tokens=4, temperature=0,
+                                   ignore_eos=True)
+        assert done.finish_reason == "length" and len(done.token_ids) == 4
+        assert time.monotonic() - started < 5 + 3  # within route_wait_s (+ its answer)
+        assert "waiting for a decode worker" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()

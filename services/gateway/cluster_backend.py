@@ -298,7 +298,7 @@ class ClusterBackend(GenerationBackend):
         finished = False
         try:
             route = await wait_for_route(
-                lambda: self._start(request, generated, [], wire), self.failover)
+                lambda: self._start(request, generated, [], wire), self.failover, rid)
             while True:
                 tokens = await self._next(q, route)
                 # What the worker sent before it left is already queued ahead of this.

@@ -32,10 +32,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import structlog
+
 from common.protocol import WorkerStatus
 from services.gateway.backend import BackendUnavailable
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +73,20 @@ class NoDecodeWorker(BackendUnavailable):
     """The conductor's ``unavailable``: no live decode worker serves the model now."""
 
 
-async def wait_for_route(start: Callable[[], Awaitable[T]],
-                         settings: FailoverSettings) -> T:
+async def wait_for_route(start: Callable[[], Awaitable[T]], settings: FailoverSettings,
+                         request_id: str = "") -> T:
     """``start()`` (a first Route and Generate), asked again while it raises
     ``NoDecodeWorker``, for up to ``settings.route_wait_s``; then BackendUnavailable."""
     deadline = time.monotonic() + settings.route_wait_s
+    waited = False
     while True:
         try:
             return await start()
         except NoDecodeWorker as exc:
+            if not waited and settings.route_wait_s > 0:
+                waited = True
+                log.info("waiting for a decode worker", request_id=request_id,
+                         up_to_s=settings.route_wait_s, error=str(exc))
             if time.monotonic() + settings.route_poll_s > deadline:
                 raise BackendUnavailable(
                     f"{exc} (waited {settings.route_wait_s:g}s for one)") from exc
