@@ -214,6 +214,8 @@ class Prefill:
     decode_id: str
     cache_salt: str | None = None
     kv_advert: KVAdvert | None = None
+    # The transfer's secret: the decode worker's receiver takes only KV that presents it.
+    kv_token: bytes = b""
 
 
 @message("prefill_done")

@@ -38,9 +38,11 @@ class PoolPut:
 @dataclass(frozen=True, slots=True)
 class PoolReady:
     """Cache pool -> client, the reply to a PoolPut with ``transfer_id``: the transfer is
-    expected; send to ``kv_advert`` (the pool's data-plane receiver). No reply."""
+    expected; send to ``kv_advert`` (the pool's data-plane receiver), presenting
+    ``kv_token`` in every data-plane message of the transfer. No reply."""
 
     kv_advert: KVAdvert
+    kv_token: bytes = b""
 
 
 @message("pool_commit")
@@ -63,12 +65,13 @@ class PoolGet:
 
     With ``transfer_id`` the blocks travel on the data plane: the client has expected
     that transfer on the receiver ``kv_advert`` describes, and the pool sends each found
-    block there within ``lease_s``."""
+    block there within ``lease_s``, presenting ``kv_token`` (the transfer's token)."""
 
     keys: list[int]
     transfer_id: str = ""
     kv_advert: KVAdvert | None = None
     lease_s: float = 0.0
+    kv_token: bytes = b""
 
 
 @message("pool_blocks")

@@ -49,6 +49,7 @@ class WorkerStats:
     prefill_jobs: int = 0
     kv_chunks_resent: int = 0
     kv_chunks_retried: int = 0
+    kv_messages_refused: int = 0  # for a live transfer, without its token
     # Remote prefills per data-plane backend kind; the kinds are the data plane's.
     transfer_backends: dict = field(default_factory=dict)
     kv_advert: KVAdvert | None = None

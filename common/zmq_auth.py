@@ -36,6 +36,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from common.zmq_metrics import Refusals
+
 log = structlog.get_logger(__name__)
 
 WORKER_ROLES = ("prefill", "decode", "unified")
@@ -152,10 +154,12 @@ class CurveContext(zmq.asyncio.Context):
     ``term``/``destroy``."""
 
     curve: CurveKeys | None = None
+    refusals: Refusals | None = None  # messages refused by role (common.zmq_metrics)
     _auth: _RoleAuthenticator | None = None
 
     def start_auth(self, keys: CurveKeys) -> None:
         self.curve = keys
+        self.refusals = Refusals()
         auth = _RoleAuthenticator(zmq.Context.shadow(self.underlying), keys.roles_by_key)
         auth.start()
         auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=auth)

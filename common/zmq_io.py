@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from common.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
 from common.zmq_auth import Policy, allows, peer_role, secure_bind, secure_connect
+from common.zmq_metrics import refusals_of
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +65,7 @@ class _Endpoint:
         self._bound = bind
         self._max_frame_bytes = max_frame_bytes
         self.forbidden = 0  # messages dropped because their sender's role may not send them
+        self._refusals = refusals_of(ctx)  # the same, as a metric (common.zmq_metrics)
         try:
             if bind:
                 # Roles are known only on the CURVE server side; a connecting socket
@@ -108,6 +110,8 @@ class _Endpoint:
             if allows(self._allowed, role, msg.envelope.type):
                 return msg
             self.forbidden += 1
+            if self._refusals is not None:
+                self._refusals.add(what, role, msg.envelope.type)
             log.warning("forbidden_message_dropped", socket=what, role=role,
                         type=msg.envelope.type, request_id=msg.envelope.request_id)
 

@@ -9,7 +9,8 @@ without a copy (do not modify them after the send returns).
 
 With CURVE keys on the context (``common.zmq_auth``) the server is a CURVE server; given
 ``allowed`` (sender role -> message types) it answers a request its sender's role may
-not send with ``Error("forbidden")`` and counts it (``forbidden``). A client names the
+not send with ``Error("forbidden")`` and counts it (``forbidden``, and the context's
+``pdserve:control_forbidden`` metric, ``common.zmq_metrics``). A client names the
 role of the server it connects to (``server=``).
 """
 
@@ -28,6 +29,7 @@ import zmq.asyncio
 from common.protocol import MAX_FRAME_BYTES, Error, Message, ProtocolError, decode, encode
 from common.zmq_auth import Policy, allows, peer_role, secure_bind, secure_connect
 from common.zmq_io import RECV_RETRY_S, bound_endpoint, new_socket, socket_gone
+from common.zmq_metrics import refusals_of
 
 log = structlog.get_logger(__name__)
 
@@ -153,6 +155,8 @@ class RpcServer:
             role = peer_role(frames[-1])
             if not allows(self._allowed, role, env.type):
                 self.forbidden += 1
+                if (refusals := refusals_of(self._ctx)) is not None:
+                    refusals.add("control", role, env.type)
                 log.warning("rpc_forbidden", server=self._name, role=role, type=env.type,
                             request_id=env.request_id)
                 await self._reply(identity, Error(code="forbidden", message=(

@@ -34,7 +34,7 @@ from common.sampling_params import SamplingParams
 from common.zmq_io import PushSocket
 from common.zmq_rpc import RpcServer
 from services.engine.config import EngineConfig
-from services.gateway.backend import GenerationRequest
+from services.gateway.backend import BackendUnavailable, GenerationRequest
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover import (
     FailoverSettings,
@@ -93,6 +93,7 @@ class FakeCluster:
         self.conductor = RpcServer(ctx, "tcp://127.0.0.1:*", self._conductor,
                                    name="fake-conductor")
         self.push: PushSocket | None = None
+        self.routes = 0  # Routes answered, "unavailable" ones too
 
     async def start(self) -> None:
         for w in self.workers.values():
@@ -108,6 +109,7 @@ class FakeCluster:
 
     async def _conductor(self, msg):
         if isinstance(msg.record, Route):
+            self.routes += 1
             wid = next((w for w, up in self.alive.items()
                         if up and w not in msg.record.exclude), None)
             if wid is None:
@@ -149,7 +151,8 @@ async def fake():
     await cluster.start()
     backend = ClusterBackend(ctx, cluster.conductor.address, "tcp://127.0.0.1:*", "m",
                              rpc_timeout_s=2.0, stall_check_s=0.2,
-                             failover=FailoverSettings(wait_s=2.0, poll_s=0.1))
+                             failover=FailoverSettings(wait_s=2.0, poll_s=0.1,
+                                                       route_wait_s=1.5, route_poll_s=0.05))
     await backend.start()
     yield cluster, backend
     await backend.close()
@@ -278,6 +281,46 @@ async def test_worker_that_refuses_the_resumed_request_is_passed_over(fake):
                                                           finish_reason="length"))
     events = await asyncio.wait_for(task, 10)
     assert _ids(events) == [10] + [12] * 7
+
+
+async def test_new_request_waits_for_a_decode_worker_to_register(fake):
+    """Right after a conductor restart no worker is registered yet: the first Route is
+    answered ``unavailable``; the request waits for one instead of failing with 503."""
+    cluster, backend = fake
+    cluster.alive.update(d0=False, d1=False)
+    seen: list[Tokens] = []
+    task = asyncio.create_task(_collect(backend, "n", seen))
+    await _until(lambda: cluster.routes >= 3)  # asked, and asked again
+    assert not cluster.generated and not task.done()
+    cluster.alive["d1"] = True  # a worker said Hello to the conductor
+    worker, wire, gen = await cluster.wait_generated(1)
+    assert (worker, wire, gen.start_position) == ("d1", "n", 0)  # a first attempt
+    assert gen.prompt_token_ids == PROMPT
+    await cluster.send(backend.stream_addr, wire, Tokens(0, [20] * 8, finished=True,
+                                                         finish_reason="length"))
+    events = await asyncio.wait_for(task, 10)
+    assert _ids(events) == [20] * 8 and events[-1].finish_reason == "length"
+    assert len(cluster.generated) == 1 and not backend.queues and not backend.decoders
+
+
+async def test_new_request_with_no_decode_worker_within_the_wait_is_unavailable(fake):
+    cluster, backend = fake
+    cluster.alive.update(d0=False, d1=False)
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=r"no live decode .*waited 1.5s"):
+        await asyncio.wait_for(_collect(backend, "u", []), 10)
+    assert time.monotonic() - start >= 1.4  # it waited out route_wait_s, not at once
+    assert cluster.routes >= 5 and not cluster.generated
+    assert not backend.queues and not backend.decoders
+
+
+async def test_no_route_wait_answers_unavailable_at_once(fake):
+    cluster, backend = fake
+    cluster.alive.update(d0=False, d1=False)
+    backend.failover = FailoverSettings(route_wait_s=0)
+    with pytest.raises(BackendUnavailable, match="no live decode"):
+        await asyncio.wait_for(_collect(backend, "z", []), 5)
+    assert cluster.routes == 1
 
 
 # --- real processes ------------------------------------------------------------------
@@ -413,5 +456,36 @@ def test_no_decode_worker_within_the_wait_fails_cleanly(model_dir, tmp_path, pro
         with pytest.raises(GenerationError, match="no other took the request within 3s"):
             futures[0].result(timeout=120)
         assert "request failed over to no worker" in cluster.procs["gateway"].log.read_text()
+    finally:
+        cluster.stop()
+
+
+def test_request_right_after_a_conductor_restart_waits_for_a_worker(model_dir, tmp_path):
+    """Sent when the restarted conductor answers but no worker has registered with it
+    yet (heartbeats every 3 s here, so that window is wide), a request waits for the
+    worker to come back instead of failing with "no live decode worker"."""
+    slow_beats = ["--heartbeat-interval-s", "3"]
+    cluster = Cluster(str(model_dir), tmp_path, ["unified"], worker_args=slow_beats,
+                      conductor_args=slow_beats)
+    cluster.start()
+    try:
+        cluster.signal("conductor", signal.SIGKILL)
+        cluster.restart("conductor")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                workers = cluster.conductor_stats(0.5).workers
+                break
+            except (TimeoutError, KeyError):
+                assert time.monotonic() < deadline, "the conductor did not come back"
+                time.sleep(0.05)
+        assert not any(w.alive for w in workers)  # the window: nobody registered yet
+        started = time.monotonic()
+        with Client(cluster.zmq_addr, timeout_s=60) as client:
+            done = client.generate(prompt_token_ids=PROMPT, max_tokens=4, temperature=0,
+                                   ignore_eos=True)
+        assert done.finish_reason == "length" and len(done.token_ids) == 4
+        assert time.monotonic() - started < 5 + 3  # within route_wait_s (+ its answer)
+        assert "waiting for a decode worker" in cluster.procs["gateway"].log.read_text()
     finally:
         cluster.stop()

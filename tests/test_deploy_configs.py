@@ -95,3 +95,32 @@ def test_run_local_hands_every_program_the_curve_keys(tmp_path):
     assert all(f'PDSERVE_CURVE_KEYS_DIR="{keys}"' in e for e in envs)
     run_local.render(ROOT / "deploy" / "supervisord.conf.in", out, config, tmp_path, sections)
     assert "CURVE" not in out.read_text()  # --plain
+
+
+def test_systemd_units_hand_every_service_the_curve_keys():
+    """Every unit names the same keys directory through the variable the settings read,
+    so a systemd deployment does not fall back to the unauthenticated plain mode."""
+    dirs = set()
+    for unit in sorted((ROOT / "deploy" / "systemd").glob("*.service")):
+        found = re.findall(r"^Environment=PDSERVE_CURVE_KEYS_DIR=(\S+)$", unit.read_text(),
+                           re.M)
+        assert len(found) == 1, unit.name
+        dirs.update(found)
+    assert dirs == {"/etc/pdserve/keys"}
+    for cls in set(SETTINGS.values()):  # the variable is PDSERVE_ + a setting's name
+        s = load_settings(cls, "x", [], env={"PDSERVE_CURVE_KEYS_DIR": "/etc/pdserve/keys"})
+        assert s.curve_keys_dir == "/etc/pdserve/keys", cls.__name__
+
+
+@pytest.mark.parametrize("config", [c.name for c in CONFIGS])
+def test_every_decode_capable_worker_bounds_its_queue(config):
+    """A shipped config states ``max_waiting`` for each worker that admits requests
+    (decode, unified), at most its batch size's worth by default, never the bare default."""
+    path = ROOT / "deploy" / "configs" / config
+    t = tomllib.loads(path.read_text())
+    sections = [s for s in t if s in ("decode", "unified")]
+    assert sections, config
+    for section in sections:
+        assert "max_waiting" in t[section], f"{config}: [{section}]"
+        s = load_settings(WorkerSettings, section, ["--config", str(path)], env={})
+        assert 1 <= s.max_waiting <= s.max_num_seqs, (config, section, s.max_waiting)

@@ -226,6 +226,15 @@ async def test_gateway_with_a_dead_dispatcher_answers_and_stops_at_once(gateway)
             await serving
 
 
+async def test_gateway_metrics_count_refused_control_messages(gateway):
+    """/metrics carries the control plane's refusals (none here: plain mode checks no
+    roles; tests/test_zmq_auth.py counts real ones)."""
+    _, _, c, _, _ = gateway
+    text = (await c.get("/metrics")).text
+    assert "# TYPE pdserve:control_forbidden_total counter" in text
+    assert "pdserve:control_unknown_keys_total 0.0" in text
+
+
 async def test_stop_gives_open_requests_a_grace_then_aborts_them(gateway):
     fake, _, c, serving, stop = gateway
     pending = await _open_request(fake, c)

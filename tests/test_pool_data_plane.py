@@ -130,8 +130,13 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
         assert isinstance(ready.record, p.PoolReady) and len(ready.bulk) == 0
         assert ready.record.kv_advert == pool.stats().kv_advert
         address = sender.address_for(ready.record.kv_advert)
-        await sender.send(address, "t-1", 0, [0], d0)
-        await sender.finish(address, "t-1", 1)
+        token = ready.record.kv_token
+        assert len(token) == 16
+        # Anyone may reach the data-plane port; without the token a block is not taken.
+        await sender.send(address, "t-1", 0, [0], bytes(len(d0)))
+        await sender.finish(address, "t-1", 1, token=token[::-1])
+        await sender.send(address, "t-1", 0, [0], d0, token=token)
+        await sender.finish(address, "t-1", 1, token=token)
         done = await rpc.call(p.PoolCommit(transfer_id="t-1"))
         assert done.record == p.Ack(detail="1") and len(done.bulk) == 0
         with pytest.raises(RemoteError, match="not_found"):  # an outcome is told once
@@ -160,7 +165,7 @@ class Flaky:
     def __init__(self, inner, good: int, mode: str) -> None:
         self.inner, self.good, self.mode, self.sent = inner, good, mode, 0
 
-    async def send(self, address, rid, layer, block_ids, payload):
+    async def send(self, address, rid, layer, block_ids, payload, *, token=b""):
         self.sent += 1
         if self.sent > self.good:
             if self.mode == "raise":
@@ -168,7 +173,7 @@ class Flaky:
             if self.mode == "hang":
                 await asyncio.Event().wait()
             block_ids = [0]
-        await self.inner.send(address, rid, layer, block_ids, payload)
+        await self.inner.send(address, rid, layer, block_ids, payload, token=token)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

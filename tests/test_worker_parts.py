@@ -171,3 +171,63 @@ def test_an_abort_that_overtakes_its_generate_cancels_it():
     assert isinstance(late, Error) and late.code == "aborted"
     assert left == [] and load == (0, 0)
     assert now_free == free
+
+
+def test_remote_prefill_kv_is_taken_only_with_its_transfer_token():
+    """The decode worker draws a token per remote prefill and sends it in Prefill; KV
+    sent to its receiver under the request's id without that token is refused and
+    counted, and writes nothing into the reserved blocks."""
+    import secrets
+
+    import zmq.asyncio
+
+    from common.protocol import Ack, Generate, Prefill
+    from common.transfer import MultiSender
+    from common.zmq_rpc import RpcServer
+
+    async def go():
+        settings = _sim_settings(role="decode", kv_lease_s=30)
+        worker = Worker(settings, functools.partial(build_engine, settings))
+        await worker.start()
+        ctx = zmq.asyncio.Context()
+        asked: list[Prefill] = []
+
+        async def fake_prefill(msg):  # takes the request, sends nothing yet
+            asked.append(msg.record)
+            await asyncio.sleep(60)
+            return Ack()
+        prefill = RpcServer(ctx, "tcp://127.0.0.1:*", fake_prefill, name="fake-prefill")
+        await prefill.start()
+        rogue = MultiSender()
+        role = worker.role
+        try:
+            reply = await role.handle("r", Generate(
+                prompt_token_ids=list(range(1, 70)), sampling=SamplingParams(max_tokens=4),
+                stream_addr="tcp://127.0.0.1:1", prefill_id="p",
+                prefill_addr=prefill.address))
+            async with asyncio.timeout(10):
+                while not asked:
+                    await asyncio.sleep(0.01)
+            rec, transfer = asked[0], role.remote["r"].transfer
+            address = rogue.address_for(rec.kv_advert)
+            dest = rec.block_ids[rec.skip_blocks:]
+            facts = worker.loop.facts
+            layer_bytes = facts.block_nbytes // facts.num_layers * len(dest)
+            for token in (b"", secrets.token_bytes(16)):
+                await rogue.send(address, "r", 0, dest, bytes(layer_bytes), token=token)
+            await rogue.finish(address, "r", 1, token=b"")
+            async with asyncio.timeout(10):
+                while role.receiver.refused < 3:
+                    await asyncio.sleep(0.01)
+            return (reply, rec, transfer.token, transfer.chunks_received, transfer.is_live,
+                    role.report(worker.stats()))
+        finally:
+            await rogue.close()
+            await prefill.close()
+            await worker.close()
+            ctx.term()
+    reply, rec, token, chunks, live, stats = asyncio.run(go())
+    assert reply == Ack(detail="remote")
+    assert len(rec.kv_token) == 16 and rec.kv_token == token
+    assert chunks == 0 and live  # nothing written, the transfer still waits for prefill
+    assert stats.kv_messages_refused == 3 and stats.kv_bytes_received == 0

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from common.protocol import (
@@ -31,6 +32,7 @@ from common.zmq_auth import (
     make_context,
 )
 from common.zmq_io import Publisher, PushSocket
+from common.zmq_metrics import ControlMetrics
 from common.zmq_policy import WORKER_CONTROL
 from common.zmq_rpc import RemoteError, RpcClient, RpcServer, RpcTimeout
 from services.cli import main as cli_main
@@ -122,6 +124,10 @@ async def test_only_a_worker_key_registers_a_worker(conductor, contexts, rogue_k
         await tool.call(Hello(info=info("fake-2")), timeout=2)
     assert err.value.code == "forbidden"
     assert conductor.rpc.forbidden == 1
+    metric = conductor.metrics.get_sample_value  # what its /metrics serves
+    assert metric("pdserve:control_forbidden_total", {
+        "endpoint": "control", "role": "client", "message_type": "hello"}) == 1
+    assert metric("pdserve:control_unknown_keys_total") >= 1  # the rogue key
     assert conductor.registry.workers == {}
     assert (await tool.call(GetStats(), timeout=2)).record.workers == []  # stats: any role
     worker = RpcClient(contexts("decode"), addr, name="worker", server="conductor")
@@ -143,6 +149,8 @@ async def test_heartbeats_from_a_non_worker_role_are_dropped(conductor, contexts
         if conductor.sub.forbidden:
             break
     assert conductor.sub.forbidden >= 1
+    assert conductor.metrics.get_sample_value("pdserve:control_forbidden_total", {
+        "endpoint": "sub", "role": "client", "message_type": "heartbeat"}) >= 1
     await tool.close()
 
 
@@ -168,6 +176,7 @@ async def test_tokens_are_taken_only_from_worker_roles(contexts):
                 break
             await asyncio.sleep(0.05)
         assert backend.pull.forbidden == 1
+        assert _forbidden(backend.ctx) == {("pull", "client", "tokens"): 1}
         await real.send(Tokens(position=1, token_ids=[7]), request_id="r1")
         got = await asyncio.wait_for(queue.get(), 5)
         assert got.token_ids == [7]
@@ -178,6 +187,16 @@ async def test_tokens_are_taken_only_from_worker_roles(contexts):
             await sock.close()
         plain.destroy(linger=0)
         await backend.close()
+
+
+def _forbidden(ctx) -> dict[tuple[str, str, str], float]:
+    """The ``pdserve:control_forbidden_total`` samples a registry with ``ctx``'s
+    ControlMetrics exposes, by (endpoint, role, message type)."""
+    registry = CollectorRegistry()
+    registry.register(ControlMetrics(ctx))
+    return {(s.labels["endpoint"], s.labels["role"], s.labels["message_type"]): s.value
+            for m in registry.collect() for s in m.samples
+            if s.name == "pdserve:control_forbidden_total"}
 
 
 class Recorder:
@@ -191,7 +210,8 @@ class Recorder:
 
 async def test_worker_takes_abort_only_from_gateway_or_decode(contexts):
     handler = Recorder()
-    server = RpcServer(contexts("decode"), "tcp://127.0.0.1:0", handler, name="worker",
+    ctx = contexts("decode")
+    server = RpcServer(ctx, "tcp://127.0.0.1:0", handler, name="worker",
                        allowed=WORKER_CONTROL)
     await server.start()
     plain = zmq.asyncio.Context()
@@ -210,6 +230,8 @@ async def test_worker_takes_abort_only_from_gateway_or_decode(contexts):
             await clients[role].call(Abort(), request_id="r1", timeout=2)
         assert handler.seen == ["abort", "abort"]
         assert server.forbidden == 2
+        assert _forbidden(ctx) == {("control", "client", "abort"): 1,
+                                           ("control", "prefill", "abort"): 1}
     finally:
         for client in (keyless, *clients.values()):
             await client.close()

@@ -80,7 +80,8 @@ class DataPlaneCarrier(Carrier):
         try:
             address = self._address_for(inst, reply.record.kv_advert)
             async with asyncio.timeout_at(deadline):
-                await send_blocks(self.sender, address, tid, blocks)
+                await send_blocks(self.sender, address, tid, blocks,
+                                  token=reply.record.kv_token)
         except Exception as exc:  # unexpected ones too: a failed write, not the caller's
             reason = self._transfer_failed(inst, "put", exc)
             with contextlib.suppress(Exception):  # else the pool's lease frees it
@@ -105,7 +106,8 @@ class DataPlaneCarrier(Carrier):
             return []
         try:
             reply = await self._instances.call(inst, PoolGet(
-                keys=keys, transfer_id=tid, kv_advert=receiver.advert(), lease_s=self.timeout_s))
+                keys=keys, transfer_id=tid, kv_advert=receiver.advert(), lease_s=self.timeout_s,
+                kv_token=transfer.token or b""))
             if reply is None:
                 return []
             found = reply.record.found if isinstance(reply.record, PoolBlocks) else -1

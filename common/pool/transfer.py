@@ -10,15 +10,18 @@ docs/cache_pool.md); the block bytes of one call are one data-plane transfer, na
     finish  num_chunks = the number of blocks sent, once every chunk was acknowledged
 
 The receiving end ``open``s a transfer in its ``BlockInbox`` (which ``expect``s it on its
-receiver) before the sender can learn its id, and always ``take``s or ``discard``s it
-afterwards, whatever the outcome: a transfer that fails, is cancelled or outlives its
-lease leaves nothing behind.
+receiver, with a fresh token) before the sender can learn its id and token (they travel
+in PoolReady / PoolGet over the authenticated control plane; every chunk, the finish and
+an abort present the token, see ``common/transfer/wire.py``), and always ``take``s or
+``discard``s it afterwards, whatever the outcome: a transfer that fails, is cancelled or
+outlives its lease leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Sequence
 
 from common.pool.keys import Buffer
@@ -50,11 +53,12 @@ class BlockInbox:
     def open(self, receiver: KVReceiver, transfer_id: str, count: int, block_bytes: int,
              lease_s: float) -> Transfer:
         """Expect ``transfer_id`` on ``receiver`` for ``lease_s`` with room for ``count``
-        blocks of ``block_bytes`` (0: any size, equal within the transfer). Raises as
+        blocks of ``block_bytes`` (0: any size, equal within the transfer), under a fresh
+        token (``Transfer.token``: the sender must present it). Raises as
         ``KVReceiver.expect`` does (ValueError for an id already live)."""
         if transfer_id in self._open:
             raise ValueError(f"transfer {transfer_id!r} is already open")
-        transfer = receiver.expect(transfer_id, lease_s)
+        transfer = receiver.expect(transfer_id, lease_s, token=secrets.token_bytes(16))
         self._open[transfer_id] = ([None] * count, block_bytes)
         return transfer
 
@@ -96,10 +100,12 @@ class BlockInbox:
 
 
 async def send_blocks(sender: KVSender, address: str, transfer_id: str,
-                      blocks: Sequence[Buffer], window: int | None = None) -> None:
+                      blocks: Sequence[Buffer], window: int | None = None, *,
+                      token: bytes = b"") -> None:
     """Send ``blocks[i]`` as chunk ``[i]`` with up to ``window`` (default ``WINDOW``)
-    chunks unacknowledged, then ``finish``. On failure, tells the receiver (``abort``,
-    best effort) and raises TransferError; a cancelled call aborts too."""
+    chunks unacknowledged, then ``finish``, each presenting the receiver's ``token``. On
+    failure, tells the receiver (``abort``, best effort) and raises TransferError; a
+    cancelled call aborts too."""
     window = window or WINDOW
     per_chunk = _blocks_per_chunk(address, blocks)
     runs = [(list(range(i, min(i + per_chunk, len(blocks)))), i)
@@ -110,29 +116,30 @@ async def send_blocks(sender: KVSender, address: str, transfer_id: str,
         for ids, first in pending:  # shared: each lane takes the next run
             payload = blocks[first] if len(ids) == 1 else b"".join(
                 blocks[first:first + len(ids)])
-            await sender.send(address, transfer_id, 0, ids, payload)
+            await sender.send(address, transfer_id, 0, ids, payload, token=token)
 
     lanes = [asyncio.ensure_future(lane()) for _ in range(min(window, len(runs)))]
     try:
         try:
             await asyncio.gather(*lanes)
-            await sender.finish(address, transfer_id, len(runs))
+            await sender.finish(address, transfer_id, len(runs), token=token)
         except OSError as exc:
             raise TransferError(f"{type(exc).__name__}: {exc}", transfer_id) from exc
     except BaseException as exc:
         for task in lanes:
             task.cancel()
         await asyncio.gather(*lanes, return_exceptions=True)
-        await abort_quietly(sender, address, transfer_id, _reason(exc))
+        await abort_quietly(sender, address, transfer_id, _reason(exc), token)
         raise
 
 
-async def abort_quietly(sender: KVSender, address: str, transfer_id: str, reason: str) -> None:
+async def abort_quietly(sender: KVSender, address: str, transfer_id: str, reason: str,
+                        token: bytes = b"") -> None:
     """``sender.abort``, giving up silently after ``ABORT_TIMEOUT_S`` or on any error: the
     receiver's lease ends the transfer anyway."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(ABORT_TIMEOUT_S):
-            await sender.abort(address, transfer_id, reason)
+            await sender.abort(address, transfer_id, reason, token=token)
 
 
 def _blocks_per_chunk(address: str, blocks: Sequence[Buffer]) -> int:

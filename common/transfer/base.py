@@ -1,12 +1,16 @@
 """The data-plane interface: how KV bytes move from a prefill worker to a decode worker.
 
 The decode side owns a ``KVReceiver``. Before asking for a remote prefill it calls
-``expect(request_id, lease_s)`` and hands the receiver's ``address`` to the prefill worker
-over the control plane. The prefill side owns a ``KVSender`` and, per request::
+``expect(request_id, lease_s, token=secrets.token_bytes(16))`` and hands the receiver's
+``address`` and the token to the prefill worker over the (authenticated) control plane.
+The prefill side owns a ``KVSender`` and, per request::
 
-    send(address, rid, layer, block_ids, payload)   once per layer and run of blocks
+    send(address, rid, layer, block_ids, payload, token=t)   per layer and run of blocks
     ...
-    finish(address, rid, num_chunks)                 or abort(address, rid, reason)
+    finish(address, rid, num_chunks, token=t)          or abort(address, rid, reason, token=t)
+
+Anyone who can reach the receiver's port may send it messages; only those presenting the
+transfer's token act on it (``table.py``), so a guessed request id is not enough.
 
 Every chunk is checked end to end (xxh3_64 of its payload) and handed to the receiver's
 ``ChunkSink``, which copies it into the paged KV cache. The receiver answers each chunk
@@ -91,6 +95,7 @@ class Transfer:
         self.bytes_received = 0
         self.chunks_received = 0
         self.error: str | None = None
+        self.token: bytes | None = None  # set by expect: what its messages must present
         self._on_end = on_end
         self._ended = asyncio.Event()
         self._lease = loop.call_later(lease_s, self._end, TransferState.FAILED, "lease expired")
@@ -160,8 +165,10 @@ class KVReceiver(ABC):
         sockets. Idempotent."""
 
     @abstractmethod
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
-        """Register a transfer; call before any of its chunks can arrive.
+    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
+        """Register a transfer; call before any of its chunks can arrive. With ``token``
+        (1 to 64 bytes, drawn with ``secrets``), only messages presenting it act on the
+        transfer; others are refused and counted (``refused``). Without, any sender may.
 
         Chunks for request ids that are not live (never expected, or already ended) are
         read, dropped and logged, never fatal. Raises ValueError if ``request_id`` is
@@ -183,6 +190,11 @@ class KVReceiver(ABC):
     @property
     def retried(self) -> int:
         """Chunks whose checksum did not match and that were asked for again."""
+        return 0
+
+    @property
+    def refused(self) -> int:
+        """Messages for a live transfer that did not present its token."""
         return 0
 
 
@@ -214,8 +226,11 @@ class KVSender(ABC):
         layer: int,
         block_ids: list[int],
         payload: bytes | bytearray | memoryview,
+        *,
+        token: bytes = b"",
     ) -> None:
-        """Send one chunk: ``payload`` holds ``layer``'s KV for ``block_ids``.
+        """Send one chunk: ``payload`` holds ``layer``'s KV for ``block_ids``; ``token`` is
+        the one the receiver expects the transfer with (empty: it expects none).
 
         ``payload`` must be C-contiguous. It is kept, not copied, until the receiver's
         verdict, since the chunk may have to go again: leave it unchanged until
@@ -227,7 +242,8 @@ class KVSender(ABC):
         """
 
     @abstractmethod
-    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
+    async def finish(self, address: str, request_id: str, num_chunks: int, *,
+                     token: bytes = b"") -> None:
         """Declare the transfer complete after ``num_chunks`` chunks; return once every
         chunk sent has its final verdict. The receiver ends it DONE if it verified
         exactly that many, else FAILED ("expected N chunks, got M"). Raises
@@ -235,7 +251,8 @@ class KVSender(ABC):
         (the receiver's transfer is FAILED then)."""
 
     @abstractmethod
-    async def abort(self, address: str, request_id: str, reason: str) -> None:
+    async def abort(self, address: str, request_id: str, reason: str, *,
+                    token: bytes = b"") -> None:
         """Tell the receiver the transfer will not complete: it ends FAILED with
         ``reason``. Verdicts still to come for the request are ignored."""
 

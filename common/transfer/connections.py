@@ -143,11 +143,12 @@ class ConnectionSender(KVSender):
             conn = self._conns[address] = await self._dial(address)
             return conn
 
-    async def send(self, address, request_id, layer, block_ids, payload) -> None:
+    async def send(self, address, request_id, layer, block_ids, payload, *,
+                   token: bytes = b"") -> None:
         view = byte_view(payload)
         if not isinstance(block_ids, list | tuple):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        chunk = wire.Chunk(request_id, layer, list(block_ids), 0)
+        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, token=token)
         wire.validate(chunk)
         request = self._request(request_id)
         if request.failed is not None:
@@ -160,8 +161,9 @@ class ConnectionSender(KVSender):
             attempt.lost(getattr(exc, "reason", None) or repr(exc))
             raise
 
-    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
-        message = wire.Finish(request_id, num_chunks)
+    async def finish(self, address: str, request_id: str, num_chunks: int, *,
+                     token: bytes = b"") -> None:
+        message = wire.Finish(request_id, num_chunks, token)
         wire.validate(message)
         request = self._requests.pop(request_id, None)
         if request is not None and request.failed is not None:
@@ -174,8 +176,9 @@ class ConnectionSender(KVSender):
             if request.failed is not None:
                 raise TransferError(request.failed, request_id)
 
-    async def abort(self, address: str, request_id: str, reason: str) -> None:
-        message = wire.Abort(request_id, reason)
+    async def abort(self, address: str, request_id: str, reason: str, *,
+                    token: bytes = b"") -> None:
+        message = wire.Abort(request_id, reason, token)
         wire.validate(message)
         self._requests.pop(request_id, None)
         await self._write_end(address, message)

@@ -129,7 +129,8 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._stage is not _Stage.CLOSED:
-            if self._stage is not _Stage.AHEAD and self._message is not None:
+            # Only a chunk its transfer admitted (its payload is being read) speaks for it.
+            if self._stage is _Stage.PAYLOAD and self._message is not None:
                 reason = "sender connection lost mid-message"
                 self._table.fail(self._message.request_id, reason + (f": {exc}" if exc else ""))
             elif self._end > self._start:
@@ -203,14 +204,15 @@ class FrameReader(asyncio.BufferedProtocol):
             log.warning("kv_transfer.malformed_message", peer=self._peer, error=str(exc))
             reason = f"malformed message: {exc}"
             if exc.request_id is not None:
-                self._table.fail(exc.request_id, reason)
+                self._table.fail_untokened(exc.request_id, reason)
             self._verdict = wire.Verdict(wire.Status.FAILED, reason)
 
     def _take_payload(self) -> None:
         """The payload follows ``ahead[start]``: apply the message if all of it is there,
         else move what is there to its place and read the rest straight after it."""
         size, message = self._payload_len, self._message
-        wanted = isinstance(message, wire.Chunk) and self._table.is_live(message.request_id)
+        wanted = isinstance(message, wire.Chunk) and self._table.admits(
+            message.request_id, message.token)
         if wanted and size > self._max_payload:
             self._verdict = self._table.fail(
                 message.request_id,
@@ -240,8 +242,9 @@ class FrameReader(asyncio.BufferedProtocol):
     def _complete(self, payload: memoryview | None) -> None:
         message, verdict = self._message, self._verdict
         if isinstance(message, wire.Chunk) and verdict is None:
-            if payload is None:
-                self._table.drop(message.request_id, "chunk")
+            if payload is None:  # not live (dropped here) or refused (by admits)
+                if not self._table.is_live(message.request_id):
+                    self._table.drop(message.request_id, "chunk")
                 verdict = wire.DROPPED
             else:
                 self._carried.add(message.request_id)
@@ -252,15 +255,16 @@ class FrameReader(asyncio.BufferedProtocol):
                     payload,
                     message.checksum,
                     message.attempt,
+                    message.token,
                 )
         elif isinstance(message, wire.Finish | wire.Abort):
             if self._verdicts:  # first: the sender's finish waits for them
                 self._flush_verdicts()
             self._carried.discard(message.request_id)
             if isinstance(message, wire.Finish):
-                self._table.on_finish(message.request_id, message.num_chunks)
+                self._table.on_finish(message.request_id, message.num_chunks, message.token)
             else:
-                self._table.on_abort(message.request_id, message.reason)
+                self._table.on_abort(message.request_id, message.reason, message.token)
         if self._kind is wire.Kind.CHUNK:
             self._verdicts.append(wire.encode_verdict(verdict))
             self._verdict_bytes += self._payload_len

@@ -93,6 +93,10 @@ class MultiReceiver(KVReceiver):
     def retried(self) -> int:
         return self._table.retried
 
+    @property
+    def refused(self) -> int:
+        return self._table.refused
+
     def advert(self) -> KVAdvert:
         """Its ``KVAdvert`` (host id, one endpoint per kind); RuntimeError before start."""
         if not self._started:
@@ -123,10 +127,10 @@ class MultiReceiver(KVReceiver):
         for receiver in self._receivers.values():
             await receiver.close()
 
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
+    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
         if not self._started or self._closed:
             raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
-        return self._table.expect(request_id, lease_s)
+        return self._table.expect(request_id, lease_s, token)
 
     def cancel(self, request_id: str) -> None:
         self._table.cancel(request_id)
@@ -180,14 +184,19 @@ class MultiSender(KVSender):
             sender = self._senders[kind] = backend_sender(kind)
         return sender
 
-    async def send(self, address, request_id, layer, block_ids, payload) -> None:
-        await self.sender(scheme_of(address)).send(address, request_id, layer, block_ids, payload)
+    async def send(self, address, request_id, layer, block_ids, payload, *,
+                   token: bytes = b"") -> None:
+        await self.sender(scheme_of(address)).send(address, request_id, layer, block_ids,
+                                                   payload, token=token)
 
-    async def finish(self, address: str, request_id: str, num_chunks: int) -> None:
-        await self.sender(scheme_of(address)).finish(address, request_id, num_chunks)
+    async def finish(self, address: str, request_id: str, num_chunks: int, *,
+                     token: bytes = b"") -> None:
+        await self.sender(scheme_of(address)).finish(address, request_id, num_chunks,
+                                                     token=token)
 
-    async def abort(self, address: str, request_id: str, reason: str) -> None:
-        await self.sender(scheme_of(address)).abort(address, request_id, reason)
+    async def abort(self, address: str, request_id: str, reason: str, *,
+                    token: bytes = b"") -> None:
+        await self.sender(scheme_of(address)).abort(address, request_id, reason, token=token)
 
     async def close(self) -> None:
         self._closed = True

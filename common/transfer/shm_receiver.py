@@ -48,7 +48,7 @@ class _Peer(asyncio.Protocol):
         except control.ControlError as exc:
             log.warning("kv_transfer.protocol_error", backend="shm", error=str(exc))
             if exc.request_id is not None:
-                self.rx.table.fail(exc.request_id, f"malformed message: {exc}")
+                self.rx.table.fail_untokened(exc.request_id, f"malformed message: {exc}")
             self.reason = f"sender protocol error: {exc}"
             self.transport.abort()
         finally:
@@ -85,10 +85,10 @@ class _Peer(asyncio.Protocol):
         self.answer()  # the sender's finish waits for them; ending the transfer takes longer
         if kind == "finish":
             msg = control.message(fields, wire.Finish)
-            table.on_finish(msg.request_id, msg.num_chunks)
+            table.on_finish(msg.request_id, msg.num_chunks, msg.token)
         elif kind == "abort":
             msg = control.message(fields, wire.Abort)
-            table.on_abort(msg.request_id, msg.reason)
+            table.on_abort(msg.request_id, msg.reason, msg.token)
         else:
             raise control.ControlError(f"unknown frame type {kind!r}")
         self.carried.discard(msg.request_id)
@@ -100,19 +100,20 @@ class _Peer(asyncio.Protocol):
         segment, rid, table = fields["segment"], msg.request_id, self.rx.table
         if len(self.carried) > 4096:
             self.carried = {r for r in self.carried if table.is_live(r)}
-        self.carried.add(rid)
         verdict = wire.DROPPED
         try:
-            if not table.is_live(rid):
-                table.drop(rid, "chunk")
-            elif length > self.rx.max_payload:
+            if not table.admits(rid, msg.token):  # not live, or refused (and counted)
+                if not table.is_live(rid):
+                    table.drop(rid, "chunk")
+                return
+            self.carried.add(rid)  # admitted: losing this sender ends the transfer
+            if length > self.rx.max_payload:
                 limit = self.rx.max_payload
                 verdict = table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
             else:
                 view = self._view(slot, segment, offset, length)
-                verdict = table.on_chunk(
-                    rid, msg.layer, msg.block_ids, view, msg.checksum, msg.attempt
-                )
+                verdict = table.on_chunk(rid, msg.layer, msg.block_ids, view,
+                                         msg.checksum, msg.attempt, msg.token)
         except (OSError, ValueError) as exc:
             verdict = table.fail(rid, f"shared-memory segment {segment!r} unusable: {exc}")
         finally:

@@ -321,6 +321,7 @@ class ShmSender(ConnectionSender):
             block_ids=chunk.block_ids,
             checksum=attempt.claimed,
             attempt=chunk.attempt,
+            token=chunk.token,
             slot=slot,
             segment=segment.name,
             offset=offset,

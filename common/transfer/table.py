@@ -4,13 +4,19 @@ each incoming message does to them.
 A backend only parses its wire and calls ``on_chunk`` / ``on_finish`` / ``on_abort`` /
 ``fail``; checksum verification, the sink call, state changes and each chunk's verdict
 (``wire.Verdict``, which the backend sends back) happen here, so every backend ends
-transfers for the same reasons with the same error strings. ``TableReceiver`` is the
+transfers for the same reasons with the same error strings.
+
+A transfer expected with a ``token`` takes only messages that present it (``admits``,
+constant-time): any other is refused (``refused`` counts them) and changes nothing, not
+even a failure, so a peer that guesses a request id can neither write into its blocks
+nor end it. ``TableReceiver`` is the
 receiver around the table: its checks, start, serving and close, the same for every
 backend, which adds only its wire.
 """
 
 from __future__ import annotations
 
+import hmac
 from collections import OrderedDict
 
 import structlog
@@ -28,7 +34,8 @@ class TransferTable:
     """The live transfers of one receiver. Runs on the receiver's event loop only.
 
     ``dropped`` counts messages for request ids that were not live when they arrived;
-    ``retried`` counts chunks whose checksum did not match and that were asked for again.
+    ``retried`` counts chunks whose checksum did not match and that were asked for again;
+    ``refused`` messages for a live transfer that did not present its token.
     """
 
     def __init__(self, sink: ChunkSink) -> None:
@@ -40,16 +47,22 @@ class TransferTable:
         self._ended: OrderedDict[str, TransferState] = OrderedDict()
         self.dropped = 0
         self.retried = 0
+        self.refused = 0
+        self._tokens: dict[str, bytes] = {}  # of the live transfers expected with one
         # Per live transfer: chunks asked for again and not back yet, and the chunk
         # count of a FINISH that arrived before them (it is settled once they are in).
         self._resends_due: dict[str, int] = {}
         self._finish_due: dict[str, int] = {}
 
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
+    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
         if request_id in self._live:
             raise ValueError(f"transfer {request_id!r} is already expected")
+        if token is not None and not (isinstance(token, bytes) and 0 < len(token) <= 64):
+            raise ValueError("token must be 1 to 64 bytes")
         transfer = Transfer(request_id, lease_s, self._forget)
         self._live[request_id] = transfer
+        if token is not None:
+            self._tokens[request_id] = transfer.token = token
         self._ended.pop(request_id, None)
         return transfer
 
@@ -76,6 +89,28 @@ class TransferTable:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live
 
+    def admits(self, request_id: str, token: bytes) -> bool:
+        """Whether a message for ``request_id`` presenting ``token`` may act on it: the
+        transfer is live and was expected without a token or with this one. A live
+        transfer's wrong token is counted in ``refused`` and logged."""
+        if request_id not in self._live:
+            return False
+        want = self._tokens.get(request_id)
+        if want is None or hmac.compare_digest(want, token):
+            return True
+        self.refused += 1
+        log.warning("kv_transfer.refused_bad_token", request_id=request_id)
+        return False
+
+    def fail_untokened(self, request_id: str, reason: str) -> Verdict:
+        """``fail`` for a message whose token could not be read (a malformed header): it
+        may end only a transfer that was expected without a token."""
+        if request_id in self._tokens:
+            self.refused += 1
+            log.warning("kv_transfer.refused_malformed", request_id=request_id, reason=reason)
+            return Verdict(Status.FAILED, reason)
+        return self.fail(request_id, reason)
+
     def on_chunk(
         self,
         request_id: str,
@@ -84,15 +119,18 @@ class TransferTable:
         payload: memoryview,
         expected_checksum: int,
         attempt: int = 0,
+        token: bytes = b"",
     ) -> Verdict:
         """Verify one chunk and hand it to the sink; ``payload`` is borrowed for the call.
 
         A checksum mismatch on any attempt but the last asks for the chunk again and
-        leaves the transfer as it was; on the last attempt it fails the transfer.
+        leaves the transfer as it was; on the last attempt it fails the transfer. A chunk
+        the transfer does not ``admit`` is dropped.
         """
         transfer = self._live.get(request_id)
-        if transfer is None:
-            self.drop(request_id, "chunk")
+        if transfer is None or not self.admits(request_id, token):
+            if transfer is None:
+                self.drop(request_id, "chunk")
             return DROPPED
         if attempt == 0:
             return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0)
@@ -138,12 +176,14 @@ class TransferTable:
         transfer._accept_chunk(payload.nbytes)
         return OK
 
-    def on_finish(self, request_id: str, num_chunks: int) -> None:
+    def on_finish(self, request_id: str, num_chunks: int, token: bytes = b"") -> None:
         """Settle the transfer, or, while chunks it was asked to resend are due (they come
         after the FINISH that the sender did not hold back), once they are in."""
         transfer = self._live.get(request_id)
         if transfer is None:
             self.drop(request_id, "finish")
+        elif not self.admits(request_id, token):
+            return  # refused and counted
         elif request_id in self._resends_due:
             self._finish_due[request_id] = num_chunks
         else:
@@ -157,11 +197,11 @@ class TransferTable:
                 transfer.request_id, f"expected {num_chunks} chunks, got {transfer.chunks_received}"
             )
 
-    def on_abort(self, request_id: str, reason: str) -> None:
-        if request_id in self._live:
-            self.fail(request_id, reason)
-        else:
+    def on_abort(self, request_id: str, reason: str, token: bytes = b"") -> None:
+        if request_id not in self._live:
             self.drop(request_id, "abort")
+        elif self.admits(request_id, token):
+            self.fail(request_id, reason)
 
     def drop(self, request_id: str, what: str) -> None:
         """Record a message for a request id that is not live."""
@@ -179,6 +219,7 @@ class TransferTable:
             del self._live[transfer.request_id]
             self._resends_due.pop(transfer.request_id, None)
             self._finish_due.pop(transfer.request_id, None)
+            self._tokens.pop(transfer.request_id, None)
         self._ended[transfer.request_id] = transfer.state
         emit = {TransferState.DONE: log.debug, TransferState.FAILED: log.warning}.get(
             transfer.state, log.info
@@ -280,10 +321,14 @@ class TableReceiver(KVReceiver):
     def retried(self) -> int:
         return self.table.retried
 
-    def expect(self, request_id: str, lease_s: float) -> Transfer:
+    @property
+    def refused(self) -> int:
+        return self.table.refused
+
+    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
         if not self._serving():
             raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
-        return self.table.expect(request_id, lease_s)
+        return self.table.expect(request_id, lease_s, token)
 
     def cancel(self, request_id: str) -> None:
         self.table.cancel(request_id)

@@ -114,7 +114,7 @@ class UcxReceiver(TableReceiver):
                 for kind, raw, size, inline in split_run(runs[run_turn]):
                     message = _decode_header(table, kind, raw)
                     rid = message.request_id
-                    wanted = isinstance(message, wire.Chunk) and table.is_live(rid)
+                    wanted = isinstance(message, wire.Chunk) and table.admits(rid, message.token)
                     verdict = None
                     if wanted and size > self.max_payload:
                         limit = self.max_payload
@@ -172,7 +172,8 @@ class UcxReceiver(TableReceiver):
                             take()
                 if len(carried) > 4096:
                     carried.difference_update({r for r in carried if not table.is_live(r)})
-                carried.add(message.request_id)
+                if wanted:  # a chunk its transfer admitted: losing the sender ends it
+                    carried.add(message.request_id)
                 if verdicts and not isinstance(message, wire.Chunk):
                     flush()  # first: the sender's finish waits for them
                 applied = _dispatch(table, message, wanted, view, carried)
@@ -213,7 +214,7 @@ def _decode_header(table: TransferTable, kind: wire.Kind, raw: bytearray) -> wir
         return wire.decode_header(kind, raw)
     except wire.WireError as exc:
         if exc.request_id is not None:
-            table.fail(exc.request_id, f"malformed message: {exc}")
+            table.fail_untokened(exc.request_id, f"malformed message: {exc}")
         raise
 
 
@@ -224,13 +225,13 @@ def _dispatch(
     rid = message.request_id
     if isinstance(message, wire.Chunk):
         if wanted:
-            return table.on_chunk(
-                rid, message.layer, message.block_ids, view, message.checksum, message.attempt
-            )
-        table.drop(rid, "chunk")
+            return table.on_chunk(rid, message.layer, message.block_ids, view,
+                                  message.checksum, message.attempt, message.token)
+        if not table.is_live(rid):  # else refused by admits, and counted there
+            table.drop(rid, "chunk")
         return wire.DROPPED
     if isinstance(message, wire.Finish):
-        table.on_finish(rid, message.num_chunks)
+        table.on_finish(rid, message.num_chunks, message.token)
     else:
-        table.on_abort(rid, message.reason)
+        table.on_abort(rid, message.reason, message.token)
     carried.discard(rid)

@@ -9,9 +9,9 @@ Every message is::
     header    msgpack map, by kind:
               sender -> receiver
               CHUNK    {request_id: str, layer: int, block_ids: [int], checksum: u64,
-                        attempt: int}
-              FINISH   {request_id: str, num_chunks: int}
-              ABORT    {request_id: str, reason: str}
+                        attempt: int, token: bin}
+              FINISH   {request_id: str, num_chunks: int, token: bin}
+              ABORT    {request_id: str, reason: str, token: bin}
               receiver -> sender
               VERDICT  {status: str, reason: str}
     payload   CHUNK only: the raw KV bytes; ``checksum`` is their xxh3_64 (seed 0)
@@ -32,6 +32,12 @@ second fails the transfer (``reason`` starts "checksum mismatch"). The sender ke
 payload until its verdict. A resent chunk may come after its transfer's FINISH: the
 receiver settles the transfer once the chunks it asked for again are in.
 
+``token`` is the transfer's secret: the receiver drew it when it expected the transfer
+(``KVReceiver.expect(..., token=)``) and told the sender over the authenticated control
+plane; a message whose token does not match (compared in constant time) is refused,
+counted and changes nothing: a CHUNK is answered "dropped" and its payload never read
+into the transfer. Empty for a transfer expected without one.
+
 A bad prefix means the stream cannot be trusted past this point; a bad header inside a
 good prefix spoils only that one message (its payload length is still known).
 """
@@ -46,11 +52,12 @@ import msgpack
 import xxhash
 
 MAGIC = b"PDKV"
-VERSION = 2
+VERSION = 3  # 3: token in CHUNK, FINISH and ABORT
 PREFIX = struct.Struct("<4sBBHIQ")
 MAX_HEADER_BYTES = 1 << 20
 _U64_MAX = (1 << 64) - 1
 MAX_ATTEMPTS = 2
+MAX_TOKEN_BYTES = 64
 MAX_REASON_CHARS = 1000
 MAX_VERDICT_BYTES = PREFIX.size + 64 + 4 * (MAX_REASON_CHARS + 3)  # UTF-8: <= 4 bytes a char
 
@@ -76,16 +83,19 @@ class Chunk(NamedTuple):
     block_ids: list[int]
     checksum: int
     attempt: int = 0  # 0, or 1 when the receiver asked for it again
+    token: bytes = b""  # the transfer's secret, as the receiver drew it
 
 
 class Finish(NamedTuple):
     request_id: str
     num_chunks: int
+    token: bytes = b""
 
 
 class Abort(NamedTuple):
     request_id: str
     reason: str
+    token: bytes = b""
 
 
 class Status(enum.StrEnum):
@@ -139,6 +149,9 @@ def validate(message: Message) -> None:
     rid = message.request_id
     if not isinstance(rid, str) or not rid:
         raise WireError(f"request_id must be a non-empty string, got {rid!r}")
+    token = message.token
+    if not isinstance(token, bytes) or len(token) > MAX_TOKEN_BYTES:
+        raise WireError(f"token must be at most {MAX_TOKEN_BYTES} bytes, got {token!r:.80}", rid)
     if isinstance(message, Chunk):
         if not _is_uint(message.layer):
             raise WireError(f"layer must be an integer >= 0, got {message.layer!r}", rid)

@@ -91,7 +91,7 @@ class PoolDataPlane:
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         self.puts[rec.transfer_id] = asyncio.create_task(self._receive_put(rec, transfer))
-        return PoolReady(kv_advert=self.advert())
+        return PoolReady(kv_advert=self.advert(), kv_token=transfer.token or b"")
 
     async def _receive_put(self, rec: PoolPut, transfer: Transfer) -> Ack | Error:
         """Wait for the put's transfer; store its blocks if it ended DONE. The outcome
@@ -147,17 +147,19 @@ class PoolDataPlane:
             raise BadRequest(f"no usable data plane to the client: {exc}") from exc
         return address
 
-    def send_get(self, address: str, tid: str, blocks: list[bytes], lease_s: float) -> None:
-        """Send ``blocks`` as transfer ``tid`` in the background, within ``lease_s``."""
-        task = asyncio.create_task(self._send_get(address, tid, blocks, lease_s))
+    def send_get(self, address: str, tid: str, blocks: list[bytes], lease_s: float, *,
+                 token: bytes = b"") -> None:
+        """Send ``blocks`` as transfer ``tid`` in the background, within ``lease_s``,
+        presenting the client's ``token``."""
+        task = asyncio.create_task(self._send_get(address, tid, blocks, lease_s, token))
         self.sends.add(task)
         task.add_done_callback(self.sends.discard)
 
     async def _send_get(self, address: str, tid: str, blocks: list[bytes],
-                        lease_s: float) -> None:
+                        lease_s: float, token: bytes) -> None:
         try:
             async with asyncio.timeout(lease_s):
-                await send_blocks(self.sender, address, tid, blocks)
+                await send_blocks(self.sender, address, tid, blocks, token=token)
         except Exception as exc:  # the client's lease ends its side in any case
             self.transfers["out_failed"] += 1
             expected = isinstance(exc, TransferError | ValueError | TimeoutError)

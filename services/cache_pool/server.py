@@ -62,6 +62,7 @@ from common.service_main import run_service, until_stopped
 from common.transfer import TransferError
 from common.zmq_auth import make_context
 from common.zmq_io import Publisher
+from common.zmq_metrics import ControlMetrics
 from common.zmq_policy import CACHE_POOL_CONTROL
 from common.zmq_rpc import RpcServer
 from services.cache_pool import validate
@@ -96,6 +97,7 @@ class CachePool:
         if self.block_bytes:
             self._open_store(self.block_bytes)
         self.metrics = PoolMetrics(self._read_stats)
+        self.metrics.registry.register(ControlMetrics(self.ctx))
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name=self.source,
                              allowed=CACHE_POOL_CONTROL)
         self.events: Publisher | None = None
@@ -275,7 +277,8 @@ class CachePool:
             self._count_bytes("frame_out", sum(map(len, blocks)))
             return PoolBlocks(found=len(blocks)), blocks
         if blocks:
-            self.data_plane.send_get(address, rec.transfer_id, blocks, rec.lease_s)
+            self.data_plane.send_get(address, rec.transfer_id, blocks, rec.lease_s,
+                                     token=rec.kv_token)
         return PoolBlocks(found=len(blocks))
 
     def _count_bytes(self, direction: str, nbytes: int) -> None:

@@ -60,6 +60,7 @@ from common.protocol import (
 from common.service_main import run_service, until_stopped
 from common.zmq_auth import make_context
 from common.zmq_io import Subscriber
+from common.zmq_metrics import ControlMetrics
 from common.zmq_policy import CONDUCTOR_CONTROL, CONDUCTOR_EVENTS
 from common.zmq_rpc import RpcClient, RpcServer
 from services.conductor.cache_policy import Rejection
@@ -125,6 +126,7 @@ class Conductor:
             check_interval_s=settings.pool_check_interval_s,
             dead_after_s=settings.pool_dead_after_s) if pools else None
         self.metrics = CollectorRegistry()
+        self.metrics.register(ControlMetrics(self.ctx))
         self.decisions = Counter("pdserve:routing_decisions", "Routing decisions",
                                  ["outcome"], registry=self.metrics)
         self.reasons = Counter("pdserve:routing_reasons", "Routing decisions by the kind of "

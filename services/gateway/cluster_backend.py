@@ -9,7 +9,7 @@ If a decode worker goes quiet and the conductor no longer lists it alive, or it 
 request back because it is stopping (``WORKER_LEAVING``), the request is re-routed to
 another decode worker with the prompt plus the tokens already streamed, and the client's
 stream continues from where it stopped (``failover.py``: how, and how long it waits for
-a live decode worker).
+a live decode worker; a new request, which the conductor has none for, waits less).
 
 Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
 which the gateway needs the workers' KV layout (model fingerprint and block size). It
@@ -62,9 +62,11 @@ from services.gateway.backend import (
 from services.gateway.failover import (
     FailoverSettings,
     LostWorkers,
+    NoDecodeWorker,
     attempt_id,
     listed_alive,
     resumed_sampling,
+    wait_for_route,
 )
 
 log = structlog.get_logger(__name__)
@@ -204,7 +206,8 @@ class ClusterBackend(GenerationBackend):
                 raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
             if exc.code == "invalid":
                 raise ValueError(exc.message) from exc
-            raise BackendUnavailable(exc.message) from exc
+            raise (NoDecodeWorker if exc.code == "unavailable"
+                   else BackendUnavailable)(exc.message) from exc
         except RpcTimeout as exc:
             raise BackendUnavailable("the conductor did not answer") from exc
 
@@ -298,7 +301,8 @@ class ClusterBackend(GenerationBackend):
         lost = LostWorkers()
         failovers, finished = 0, False
         try:
-            route = await self._start(request, generated, [], wire)
+            route = await wait_for_route(
+                lambda: self._start(request, generated, [], wire), self.failover, rid)
             while True:
                 tokens = await self._next(q, route)
                 # What the worker sent before it left is already queued ahead of this.

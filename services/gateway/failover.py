@@ -17,25 +17,44 @@ and is dropped, so two streams never mix. The lost worker is also sent an abort.
 With no live decode worker, the gateway asks the conductor again every ``poll_s`` for
 up to ``wait_s`` (a restarted worker counts as soon as the conductor lists it alive),
 then fails the request with an error event.
+
+A new request waits too, but less: when the conductor answers its first Route with
+``unavailable`` (no live decode worker, as in the second after a conductor restart,
+before the workers have said Hello again), the gateway asks again every
+``route_poll_s`` for up to ``route_wait_s`` (``wait_for_route``), then answers 503.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import structlog
 
 from common.protocol import WorkerStatus
+from services.gateway.backend import BackendUnavailable
+
+T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class FailoverSettings:
     """``wait_s``: how long one failover may wait for a live decode worker to take the
     request; ``poll_s``: the pause between attempts; ``max_failovers``: how many lost
-    workers one request survives."""
+    workers one request survives. ``route_wait_s``: how long a new request waits for
+    a live decode worker when the conductor has none (0: answer at once);
+    ``route_poll_s``: the pause between its Routes (short: the usual gap, a conductor
+    restart, lasts a heartbeat or so)."""
 
     wait_s: float = 30.0
     poll_s: float = 1.0
     max_failovers: int = 3
+    route_wait_s: float = 5.0
+    route_poll_s: float = 0.2
 
     def __post_init__(self) -> None:
         if not 0 <= self.wait_s < float("inf"):
@@ -44,6 +63,34 @@ class FailoverSettings:
             raise ValueError(f"decode failover poll must be > 0 s, got {self.poll_s}")
         if self.max_failovers < 0:
             raise ValueError(f"max failovers must be >= 0, got {self.max_failovers}")
+        if not 0 <= self.route_wait_s < float("inf"):
+            raise ValueError(f"route wait must be >= 0 s, got {self.route_wait_s}")
+        if not 0 < self.route_poll_s < float("inf"):
+            raise ValueError(f"route poll must be > 0 s, got {self.route_poll_s}")
+
+
+class NoDecodeWorker(BackendUnavailable):
+    """The conductor's ``unavailable``: no live decode worker serves the model now."""
+
+
+async def wait_for_route(start: Callable[[], Awaitable[T]], settings: FailoverSettings,
+                         request_id: str = "") -> T:
+    """``start()`` (a first Route and Generate), asked again while it raises
+    ``NoDecodeWorker``, for up to ``settings.route_wait_s``; then BackendUnavailable."""
+    deadline = time.monotonic() + settings.route_wait_s
+    waited = False
+    while True:
+        try:
+            return await start()
+        except NoDecodeWorker as exc:
+            if not waited and settings.route_wait_s > 0:
+                waited = True
+                log.info("waiting for a decode worker", request_id=request_id,
+                         up_to_s=settings.route_wait_s, error=str(exc))
+            if time.monotonic() + settings.route_poll_s > deadline:
+                raise BackendUnavailable(
+                    f"{exc} (waited {settings.route_wait_s:g}s for one)") from exc
+        await asyncio.sleep(settings.route_poll_s)
 
 
 def attempt_id(request_id: str, attempt: int) -> str:

@@ -212,6 +212,7 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
     metrics = GatewayMetrics(metrics_registry)
     keys = ApiKeys(api_keys)
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
+    app.state.metrics_registry = metrics.registry  # where /metrics reads, for more collectors
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

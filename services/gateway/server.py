@@ -21,6 +21,7 @@ from common.logging import configure_logging
 from common.service_main import run_service, until_stopped
 from common.tokenizer import TextTokenizer
 from common.zmq_auth import make_context
+from common.zmq_metrics import ControlMetrics
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover import FailoverSettings
 from services.gateway.model_info import describe_model
@@ -49,6 +50,9 @@ class GatewaySettings:
     shutdown_grace_s: float = 5.0  # how long open requests may run on after a stop
     # A stream whose decode worker died waits this long for another to continue it.
     decode_failover_wait_s: float = 30.0
+    # A new request waits this long for a live decode worker when the conductor has
+    # none (right after a conductor restart, before workers re-register); then 503.
+    route_wait_s: float = 5.0
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
 
@@ -57,7 +61,11 @@ class GatewaySettings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.shutdown_grace_s < float("inf"):
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        FailoverSettings(wait_s=self.decode_failover_wait_s)  # raises if out of range
+        self.failover()  # raises if out of range
+
+    def failover(self) -> FailoverSettings:
+        return FailoverSettings(wait_s=self.decode_failover_wait_s,
+                                route_wait_s=self.route_wait_s)
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
@@ -81,8 +89,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     ctx = make_context(settings.curve_keys_dir, "gateway")
     backend = ClusterBackend(ctx, settings.conductor_addr, settings.stream_bind, name,
                              stream_advertise=settings.stream_advertise,
-                             failover=FailoverSettings(
-                                 wait_s=settings.decode_failover_wait_s))
+                             failover=settings.failover())
     await backend.start()
     pipeline = RequestPipeline(tokenizer, max_len)
     frontend = ZmqFrontend(ctx, settings.zmq_addr, backend, pipeline, tokenizer, name,
@@ -92,6 +99,8 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     app = create_app(backend, tokenizer, model_name=name, max_model_len=max_len,
                      api_keys=settings.api_keys, request_timeout_s=settings.request_timeout_s,
                      max_body_bytes=settings.max_body_bytes)
+    control_metrics = ControlMetrics(ctx)  # in the process-wide registry: one per serve
+    app.state.metrics_registry.register(control_metrics)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.http_host, port=settings.http_port, log_level="warning",
         lifespan="off", timeout_graceful_shutdown=settings.shutdown_grace_s))
@@ -106,6 +115,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
         await asyncio.gather(http, return_exceptions=True)
         await frontend.close()
         await backend.close()
+        app.state.metrics_registry.unregister(control_metrics)
         ctx.term()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -120,6 +121,7 @@ class DecodeRole:
         return dataclasses.replace(
             stats, live_transfers=self.receiver.live(), local_fallbacks=self.local_fallbacks,
             kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
+            kv_messages_refused=self.receiver.refused,
             kv_advert=self.kv_advert())
 
     def overloaded(self) -> Error | None:
@@ -164,7 +166,10 @@ class DecodeRole:
                 if slots is not None and await self._undo_if_aborted(rid, stream):
                     return Error("aborted", f"request {rid!r} was aborted")
                 if slots is not None:
-                    transfer = self.receiver.expect(rid, ctx.settings.kv_lease_s)
+                    # A secret per transfer: reaching the KV port and guessing the
+                    # request id must not be enough to write into these blocks.
+                    transfer = self.receiver.expect(rid, ctx.settings.kv_lease_s,
+                                                    token=secrets.token_bytes(16))
                     self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
                                               time.monotonic())
                     asyncio.create_task(self._remote_prefill(rid, rec))
@@ -195,7 +200,7 @@ class DecodeRole:
             stream_addr=rec.stream_addr, kv_addr=self.kv_addr,
             block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
             lease_s=lease, decode_id=ctx.worker_id, cache_salt=rec.cache_salt,
-            kv_advert=self.kv_advert()),
+            kv_advert=self.kv_advert(), kv_token=remote.transfer.token or b""),
             request_id=rid, timeout=lease))
         arriving = asyncio.create_task(remote.transfer.wait())
         try:

@@ -168,7 +168,7 @@ class PrefillRole:
         except (TransferError, OSError) as exc:
             log.warning("prefill failed", request_id=rid, error=str(exc))
             with contextlib.suppress(TransferError, OSError):
-                await self.sender.abort(job.addr, rid, str(exc))
+                await self.sender.abort(job.addr, rid, str(exc), token=rec.kv_token)
             return Error("prefill_failed", str(exc))
         finally:
             sending.cancel()
@@ -186,12 +186,12 @@ class PrefillRole:
             if payload is None or job.error:
                 raise TransferError(job.error or "KV export failed")
             start = start or time.perf_counter()
-            await self.sender.send(job.addr, rid, layer, dest, payload)
+            await self.sender.send(job.addr, rid, layer, dest, payload, token=job.rec.kv_token)
             self.sent_bytes += payload.nbytes
             ctx.metrics.kv_transfer_bytes.inc(payload.nbytes)
             ctx.metrics.kv_sent_bytes.labels(backend=job.addr.partition("://")[0]).inc(
                 payload.nbytes)
-        await self.sender.finish(job.addr, rid, num_layers)
+        await self.sender.finish(job.addr, rid, num_layers, token=job.rec.kv_token)
         ctx.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
         return num_layers
 

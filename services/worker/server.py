@@ -45,6 +45,7 @@ from common.service_main import run_service, until_stopped
 from common.transfer import TransferError
 from common.zmq_auth import make_context
 from common.zmq_io import Publisher
+from common.zmq_metrics import ControlMetrics
 from common.zmq_policy import WORKER_CONTROL
 from common.zmq_rpc import RemoteError, RpcClient, RpcServer, RpcTimeout
 from services.engine.core import NO_HOOKS, EngineHooks
@@ -114,6 +115,7 @@ class Worker:
             f"{settings.role}-{settings.resolved_host_id}-{os.getpid()}")
         self.ctx = make_context(settings.curve_keys_dir, settings.role)
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
+        self.metrics.registry.register(ControlMetrics(self.ctx))
         self._clients: dict[str, RpcClient] = {}
         # Prefix-cache changes, appended on the engine thread, published in batches.
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
