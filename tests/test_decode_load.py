@@ -31,24 +31,29 @@ PROFILE = CostProfile("t", prefill_fixed_s=0.01, prefill_per_token_s=1e-4,
 def test_engine_load_counts_a_request_waiting_for_kv_and_its_output_blocks():
     gate = threading.Event()  # holds the engine inside its first decode step
 
+    async def until(loop, done) -> object:
+        """The loop's snapshot once ``done`` holds for it (it is refreshed on the engine
+        thread between commands and steps)."""
+        async with asyncio.timeout(10):
+            while not done(loop.load):
+                await asyncio.sleep(0.005)
+        return loop.load
+
     async def go():
         e = SimEngine(PROFILE, sleep=lambda s: gate.wait(10), num_blocks=64)
         loop = EngineLoop(lambda outputs, step_s: None)
         await loop.start(lambda: e)
         prompt = list(range(1, 51))  # 4 blocks; with 40 output tokens 90 tokens: 6 blocks
         await loop.call(e.reserve_remote_prefill, "r", prompt, SamplingParams(max_tokens=40))
-        await loop.call(lambda: None)  # the loop refreshes its snapshot between commands
-        waiting = loop.load
+        waiting = await until(loop, lambda load: load.num_requests == 1)
         await loop.call(e.complete_remote_prefill, "r", 7)
-        async with asyncio.timeout(10):
-            while loop.load.running != 1:  # taken as the step that holds on the gate starts
-                await asyncio.sleep(0.01)
-        joined = loop.load
+        # taken as the step that holds on the gate starts
+        joined = await until(loop, lambda load: load.running == 1)
         gate.set()
         await loop.call(e.abort, "r")
-        await loop.call(lambda: None)
+        gone = await until(loop, lambda load: load.num_requests == 0)
         await loop.stop()
-        return waiting, joined, loop.load
+        return waiting, joined, gone
     waiting, joined, gone = asyncio.run(go())
     assert (waiting.waiting, waiting.running, waiting.waiting_for_kv) == (0, 0, 1)
     assert (waiting.free_blocks, waiting.reserved_blocks) == (60, 2)
