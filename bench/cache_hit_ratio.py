@@ -1,11 +1,15 @@
 """Prefix hit ratio of the cache pool's eviction policies on the Mooncake conversation trace.
 
     python bench/cache_hit_ratio.py [--trace PATH] [--fractions 0.01 0.05 0.2]
+                                    [--block-tokens 512 16] [--requests N]
 
 Each trace line is a request whose ``hash_ids`` is its chain of 512-token prefix blocks
 (same id = same content). The replay drives the policy objects of
-``services.cache_pool.eviction`` directly with unit-size blocks, through a cache of C
-blocks, C a fraction of the trace's unique blocks. Per request, in arrival order:
+``services.cache_pool.eviction`` directly, through a cache of C blocks, C a fraction of
+the trace's unique blocks, at each ``--block-tokens`` size: at 16 tokens (the engine's
+paging block, what the pool holds live) each trace block becomes 32 blocks of the same
+content and the capacity 32 times as many blocks, so every size holds the same tokens.
+Per request, in arrival order:
 
 1. count hits: block i is a hit iff it is cached on arrival and blocks 0..i-1 of this
    request were hits (prefix semantics: a cached block after a miss is useless);
@@ -39,9 +43,29 @@ from services.cache_pool.eviction import (  # noqa: E402
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
-def load_chains(path: Path) -> list[list[int]]:
+TRACE_BLOCK_TOKENS = 512
+
+
+def load_chains(path: Path, limit: int = 0) -> list[list[int]]:
+    chains = []
     with open(path) as f:
-        return [json.loads(line)["hash_ids"] for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                chains.append(json.loads(line)["hash_ids"])
+                if limit and len(chains) >= limit:
+                    break
+    return chains
+
+
+def split_chains(chains: list[list[int]], block_tokens: int) -> list[list[int]]:
+    """The same token content in ``block_tokens``-token blocks (a divisor of 512): block
+    ``h`` becomes ``h * n + j`` for j < n = 512 / block_tokens, in chain order."""
+    if block_tokens <= 0 or TRACE_BLOCK_TOKENS % block_tokens:
+        raise ValueError(f"block_tokens must divide {TRACE_BLOCK_TOKENS}, got {block_tokens}")
+    n = TRACE_BLOCK_TOKENS // block_tokens
+    if n == 1:
+        return chains
+    return [[h * n + j for h in chain for j in range(n)] for chain in chains]
 
 
 def prefix_hits(chain: list[int], cached) -> int:
@@ -85,9 +109,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [row["fraction"] * 100 for row in result["rows"]]
-    for name in result["policies"]:
-        ax.plot(xs, [100 * row[name] for row in result["rows"]], marker="o", label=name)
+    for size in sorted({row["block_tokens"] for row in result["rows"]}, reverse=True):
+        rows = [row for row in result["rows"] if row["block_tokens"] == size]
+        xs = [row["fraction"] * 100 for row in rows]
+        for name in result["policies"]:
+            ax.plot(xs, [100 * row[name] for row in rows], marker="o",
+                    linestyle="-" if size == TRACE_BLOCK_TOKENS else ":",
+                    label=f"{name}, {size}-token blocks")
     ax.axhline(100 * result["infinite"], color="gray", linestyle="--", label="infinite")
     ax.set_xscale("log")
     ax.set_xticks(xs, [f"{x:g}%" for x in xs])
@@ -108,36 +136,46 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--half-life", type=float, default=ReuseParams().half_life)
     ap.add_argument("--depth-cost", type=float, default=ReuseParams().depth_cost)
     ap.add_argument("--history-ratio", type=float, default=ReuseParams().history_ratio)
+    ap.add_argument("--block-tokens", type=int, nargs="+", default=[TRACE_BLOCK_TOKENS, 16],
+                    help="replay at these block sizes (divisors of 512)")
+    ap.add_argument("--requests", type=int, default=0, help="first N requests only (0: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
 
     start = time.perf_counter()
-    chains = load_chains(args.trace)
+    chains = load_chains(args.trace, args.requests)
     total = sum(len(c) for c in chains)
     unique = len({k for c in chains for k in c})
     params = ReuseParams(half_life=args.half_life, depth_cost=args.depth_cost,
                          history_ratio=args.history_ratio)
-    factories = {"lru": LRUPolicy, "reuse_aware": lambda: ReuseAwarePolicy(params)}
     result = {
         "trace": os.path.relpath(args.trace, ROOT), "requests": len(chains), "blocks": total,
         "unique_blocks": unique, "infinite": replay_infinite(chains) / total,
-        "policies": list(factories), "reuse_params": {
+        "policies": ["lru", "reuse_aware"], "reuse_params": {
             "half_life": params.half_life, "depth_cost": params.depth_cost,
-            "history_ratio": params.history_ratio},
+            "history_ratio": params.history_ratio, "unit_tokens": params.unit_tokens},
         "rows": [],
     }
-    print(f"{len(chains)} requests, {total} blocks, {unique} unique; "
+    print(f"{len(chains)} requests, {total} blocks of 512 tokens, {unique} unique; "
           f"infinite cache: {100 * result['infinite']:.2f}%")
-    print(f"{'capacity':>16} | {'lru':>7} | {'reuse_aware':>11} | ratio")
-    for fraction in args.fractions:
-        capacity = max(1, int(fraction * unique))
-        row = {"fraction": fraction, "capacity_blocks": capacity}
-        for name, make in factories.items():
-            row[name] = replay(chains, make(), capacity) / total
-        row["ratio"] = row["reuse_aware"] / row["lru"] if row["lru"] else float("inf")
-        result["rows"].append(row)
-        print(f"{fraction:>6.0%} ({capacity:>6}) | {100 * row['lru']:6.2f}% | "
-              f"{100 * row['reuse_aware']:10.2f}% | {row['ratio']:.3f}x")
+    print(f"{'block':>5} | {'capacity (512-token blocks)':>27} | {'lru':>7} | "
+          f"{'reuse_aware':>11} | ratio")
+    for block_tokens in args.block_tokens:
+        split = split_chains(chains, block_tokens)
+        scale = TRACE_BLOCK_TOKENS // block_tokens
+        factories = {"lru": LRUPolicy,
+                     "reuse_aware": lambda bt=block_tokens: ReuseAwarePolicy(params, bt)}
+        for fraction in args.fractions:
+            capacity = max(1, int(fraction * unique))
+            row = {"block_tokens": block_tokens, "fraction": fraction,
+                   "capacity_blocks": capacity}
+            for name, make in factories.items():
+                row[name] = replay(split, make(), capacity * scale) / (total * scale)
+            row["ratio"] = row["reuse_aware"] / row["lru"] if row["lru"] else float("inf")
+            result["rows"].append(row)
+            print(f"{block_tokens:>5} | {fraction:>18.0%} ({capacity:>6}) | "
+                  f"{100 * row['lru']:6.2f}% | {100 * row['reuse_aware']:10.2f}% | "
+                  f"{row['ratio']:.3f}x", flush=True)
     result["seconds"] = time.perf_counter() - start
     print(f"{result['seconds']:.1f} s")
 

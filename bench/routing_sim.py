@@ -1,8 +1,16 @@
 """Routing policies on the Mooncake conversation trace, 8 prefill + 8 decode simulated
-Llama-70B workers (4 x H100 each; ``bench/sim/profiles.py``).
+Llama-70B workers (4 x H100 each; ``deploy/profiles/llama70b-h100x4.json``, the file a
+conductor loads with ``cost_profile``; derivation in ``bench/sim/profiles.py``).
 
     python bench/routing_sim.py [--trace PATH] [--speeds 1,1.5] [--overload-speed 4]
-                                [--limit N] [--out bench/results/routing_sim]
+                                [--limit N] [--profile NAME|PATH] [--noise SIGMA]
+                                [--kv-lease S] [--out bench/results/routing_sim]
+
+Each simulated worker caches prefixes only in its own KV blocks (950 blocks of 512
+tokens from the profile's ``kv_capacity_tokens``), decode reserves a request's blocks
+before its remote prefill (no room: prefills it locally) and waits for its KV for at
+most the KV lease (10 s, the workers' default) before prefilling it locally, and the
+policy's cost model learns step times from heartbeats (bench/sim/simulator.py).
 
 Policies: random, round-robin and least-loaded (``services/conductor/policy.py``, cached
 tokens unknown to them), cache-aware (longest cached prefix in the index, ties broken at
@@ -19,7 +27,8 @@ caching; ``--speeds`` compresses time (1.5x: ~81 %) to reach the loaded regime o
 figures Mooncake reports on its cluster (TTFT 3.07 s cache-aware, 5.27 s load balancing,
 19.65 s random). The overload run (``--overload-speed``) compares ours (reject at arrival
 on predicted SLO miss) with per-stage rejection (ours without admission; reject at
-prefill when its queue holds more than W seconds of work, at decode when KV is full),
+prefill when its queue holds more than W seconds of work, at decode when it has no
+blocks to reserve),
 swept over W and compared at the sweep point of closest goodput.
 """
 
@@ -35,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.sim.profiles import LLAMA70B_H100X4  # noqa: E402
+from bench.sim.profiles import Profile  # noqa: E402
 from bench.sim.simulator import Simulator, load_trace, percentile  # noqa: E402
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig  # noqa: E402
 from services.conductor.cost_model import CostModel  # noqa: E402
@@ -46,7 +55,8 @@ from services.conductor.routing_policy import PolicyRequest  # noqa: E402
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
 SLO_TTFT_S, SLO_TBT_S = 30.0, 0.1
 PREFILL, DECODE = 8, 8
-PROFILE = LLAMA70B_H100X4
+PROFILE_FILE = "llama70b-h100x4"
+TRACE_BLOCK = 512  # tokens per hash id of the Mooncake traces
 
 
 class RandomPick(Picker):
@@ -99,13 +109,13 @@ def max_hit(index: PrefixIndex, seed: int):
     return route
 
 
-def ours(index: PrefixIndex, cost: CostModel, *, admission: bool):
+def ours(profile: Profile, index: PrefixIndex, cost: CostModel, *, admission: bool):
     policy = CacheAwarePolicy(index, cost, PolicyConfig(
-        PROFILE.kv_bytes_per_token, PROFILE.link_bandwidth, PROFILE.pool_bandwidth))
+        profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth))
 
     def route(views, req):
         return policy.decide(views, PolicyRequest(
-            prompt_tokens=req.prompt, block_hashes=req.hashes, block_size=PROFILE.block_size,
+            prompt_tokens=req.prompt, block_hashes=req.hashes, block_size=profile.block_size,
             slo_ttft_s=SLO_TTFT_S, slo_tbt_s=SLO_TBT_S, output_tokens=req.output,
             admission=admission))
     return route
@@ -115,17 +125,22 @@ POLICIES = ("random", "round_robin", "least_loaded", "cache_aware", "ours")
 
 
 def simulate(name: str, trace: str, speed: float, limit: int | None, *, seed: int = 0,
-             admission: bool = False, stage_wait_s: float | None = None) -> dict:
+             admission: bool = False, stage_wait_s: float | None = None,
+             profile: Profile | None = None, noise: float = 0.0,
+             kv_lease_s: float = 10.0) -> dict:
+    profile = profile or Profile.load(PROFILE_FILE, block_size=TRACE_BLOCK)
     reqs = load_trace(trace, speed=speed, limit=limit)
-    index, cost = PrefixIndex(), CostModel(PROFILE.cost)
+    index, cost = PrefixIndex(), CostModel(profile.cost)
     route = {"random": lambda: baseline(RandomPick(seed)),
              "round_robin": lambda: baseline(PerRole(RoundRobin)),
              "least_loaded": lambda: baseline(LeastLoaded()),
              "cache_aware": lambda: max_hit(index, seed),
-             "ours": lambda: ours(index, cost, admission=admission)}[name]()
+             "ours": lambda: ours(profile, index, cost, admission=admission)}[name]()
     t0 = time.perf_counter()
-    Simulator(PROFILE, route, prefill=PREFILL, decode=DECODE, index=index, cost=cost,
-              stage_reject_wait_s=stage_wait_s).run(reqs)
+    sim = Simulator(profile, route, prefill=PREFILL, decode=DECODE, index=index, cost=cost,
+                    stage_reject_wait_s=stage_wait_s, kv_lease_s=kv_lease_s, noise=noise,
+                    seed=seed)
+    sim.run(reqs)
     return summarize(name, reqs, speed, time.perf_counter() - t0)
 
 
@@ -142,6 +157,7 @@ def summarize(name: str, reqs, speed: float, wall_s: float) -> dict:
             "goodput": good, "goodput_rps": good / span, "rejected": sum(rejected.values()),
             "rejected_by_stage": rejected,
             "local_prefills": sum(1 for r in done if r.prefill_id is None),
+            "fell_back": sum(1 for r in done if r.fell_back),
             "cached_token_frac": sum(r.cached for r in done) / max(1, sum(r.prompt
                                                                          for r in done)),
             "sim_wall_s": round(wall_s, 2)}
@@ -150,7 +166,7 @@ def summarize(name: str, reqs, speed: float, wall_s: float) -> dict:
 def print_table(rows: list[dict]) -> None:
     ref = {r["speed"]: r for r in rows if r["policy"] == "least_loaded"}
     print(f"{'speed':>5} {'policy':<13} {'avg TTFT':>9} {'p99 TTFT':>9} {'vs LL':>6} "
-          f"{'p99 TBT':>8} {'goodput':>8} {'vs LL':>6} {'cached':>6} {'local':>6}")
+          f"{'p99 TBT':>8} {'goodput':>8} {'vs LL':>6} {'cached':>6} {'local':>6} {'fell back':>9}")
     for r in rows:
         base = ref.get(r["speed"])
         ratio = r["avg_ttft_s"] / base["avg_ttft_s"] if base else float("nan")
@@ -158,7 +174,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['speed']:>5} {r['policy']:<13} {r['avg_ttft_s']:>8.2f}s "
               f"{r['p99_ttft_s']:>8.2f}s {ratio:>6.2f} {r['p99_tbt_s'] * 1e3:>6.1f}ms "
               f"{r['goodput']:>8} {g:>6.3f} {r['cached_token_frac']:>6.1%} "
-              f"{r['local_prefills']:>6}")
+              f"{r['local_prefills']:>6} {r['fell_back']:>9}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -204,18 +220,25 @@ def main() -> None:
     ap.add_argument("--overload-speed", type=float, default=4.0)
     ap.add_argument("--stage-waits", default="5,10,15,20,25,30")
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--profile", default=PROFILE_FILE, help="cost profile name or path")
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="lognormal sigma on every simulated duration")
+    ap.add_argument("--kv-lease", type=float, default=10.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing_sim"))
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows = [simulate(p, args.trace, float(s), args.limit)
+    profile = Profile.load(args.profile, block_size=TRACE_BLOCK)
+    kw = {"profile": profile, "noise": args.noise, "kv_lease_s": args.kv_lease}
+    rows = [simulate(p, args.trace, float(s), args.limit, **kw)
             for s in args.speeds.split(",") for p in POLICIES]
     print(f"SLO: TTFT <= {SLO_TTFT_S}s, TBT <= {SLO_TBT_S}s; {PREFILL} prefill + {DECODE} "
-          f"decode x {PROFILE.name}")
+          f"decode x {profile.name} ({profile.kv_blocks} KV blocks of {TRACE_BLOCK} tokens), "
+          f"noise {args.noise}, KV lease {args.kv_lease}s")
     print_table(rows)
     ov = args.overload_speed
-    unguarded = simulate("ours", args.trace, ov, args.limit)
-    early = simulate("ours", args.trace, ov, args.limit, admission=True)
-    stage = [dict(simulate("ours", args.trace, ov, args.limit, stage_wait_s=float(w)),
+    unguarded = simulate("ours", args.trace, ov, args.limit, **kw)
+    early = simulate("ours", args.trace, ov, args.limit, admission=True, **kw)
+    stage = [dict(simulate("ours", args.trace, ov, args.limit, stage_wait_s=float(w), **kw),
                   stage_wait_s=float(w)) for w in args.stage_waits.split(",")]
     match = min(stage, key=lambda r: abs(r["goodput"] - early["goodput"]))
     print(f"\noverload at {ov}x: no rejection: goodput {unguarded['goodput']}, avg TTFT "
@@ -228,7 +251,8 @@ def main() -> None:
     print(f"  closest goodput: per-stage W={match['stage_wait_s']:g}s rejects "
           f"{match['rejected']} vs early {early['rejected']} "
           f"(goodput {match['goodput']} vs {early['goodput']})")
-    result = {"slo": {"ttft_s": SLO_TTFT_S, "tbt_s": SLO_TBT_S}, "profile": PROFILE.name,
+    result = {"slo": {"ttft_s": SLO_TTFT_S, "tbt_s": SLO_TBT_S}, "profile": profile.name,
+              "noise": args.noise, "kv_lease_s": args.kv_lease,
               "workers": {"prefill": PREFILL, "decode": DECODE}, "policies": rows,
               "overload": {"speed": ov, "no_rejection": unguarded, "early": early,
                            "per_stage": stage, "closest": match["stage_wait_s"]},

@@ -149,6 +149,8 @@ class Heartbeat:
     control_addr: str = ""
     prefill_steps: list[StepSample] = field(default_factory=list)
     decode_steps: list[StepSample] = field(default_factory=list)
+    waiting_for_kv: int = 0
+    reserved_blocks: int = 0
 
 
 @message("route")

@@ -54,6 +54,8 @@ class WorkerStats:
     transfer_backends: dict = field(default_factory=dict)
     kv_advert: KVAdvert | None = None
     pool: WorkerPoolCounts = field(default_factory=WorkerPoolCounts)
+    waiting_for_kv: int = 0
+    reserved_blocks: int = 0
 
 
 @message("conductor_stats")

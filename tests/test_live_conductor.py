@@ -32,7 +32,7 @@ PROFILE = CostProfile("test", *(getattr(COST, k) for k in COST.__slots__),
                       kv_bytes_per_token=1000, block_size=64, link_bandwidth=1e7,
                       pool_bandwidth=1e7)
 SIM_PROFILE = Profile(name="test", cost=COST, kv_bytes_per_token=1000, block_size=64,
-                      kv_blocks=200, cache_blocks=60, link_bandwidth=1e7, pool_bandwidth=1e7)
+                      kv_blocks=200, link_bandwidth=1e7, pool_bandwidth=1e7)
 
 
 @pytest.fixture
@@ -175,7 +175,8 @@ async def test_simulator_and_live_conductor_make_the_same_decisions(profile_path
         shared = rng.choice(prefixes)[: min(10, n // 64)]
         hashes = shared + [10**6 + i * 40 + j for j in range(n // 64 - len(shared))]
         reqs.append(SimRequest(i, t, n, rng.choice([2, 20, 60]), hashes))
-    sim = Simulator(SIM_PROFILE, route, prefill=2, decode=2, index=router.index, cost=None,
+    sim = Simulator(SIM_PROFILE, route, prefill=2, decode=2, index=router.index,
+                    cost=router.cost,  # fitted on the heartbeats, as the live one is
                     heartbeat_s=0.5)
     real_heartbeat = sim.registry.heartbeat
 

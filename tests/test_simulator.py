@@ -21,7 +21,7 @@ from services.conductor.routing_policy import PolicyRequest
 # prefill(n, c) = 0.1 + 1e-3 n + 1e-6 n (n/2 + c); step(B, K) = 0.01 + 1e-3 B + 1e-5 K;
 # 1000 B of KV per token over 1 MB/s: 1 s per 1000-token prompt.
 TINY = Profile(name="tiny", cost=CostCoefficients(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5),
-               kv_bytes_per_token=1000, block_size=512, kv_blocks=100, cache_blocks=100,
+               kv_bytes_per_token=1000, block_size=512, kv_blocks=100,
                link_bandwidth=1e6, pool_bandwidth=1e6)
 
 
@@ -74,13 +74,16 @@ def test_decode_kv_capacity_queues_or_rejects_per_stage():
     reqs = [SimRequest(i, 0.0, 1000, 201, [2 * i, 2 * i + 1]) for i in range(3)]
     Simulator(small, fixed("prefill-0"), prefill=1, decode=1).run(reqs)
     assert all(r.done is not None and not r.rejected for r in reqs)
-    # KV lands at 2.6, 4.2 and 5.8; each waits for the one before to finish decoding
-    assert reqs[0].ttft == pytest.approx(2.6)
-    assert reqs[1].first_token == reqs[0].done and reqs[2].first_token == reqs[1].done
+    # As the live decode worker does, 1 and 2 find no blocks to reserve and queue to be
+    # prefilled there (1.6 s each), each once the one before has finished decoding.
+    assert reqs[0].ttft == pytest.approx(2.6) and reqs[0].prefill_id == "prefill-0"
+    assert [(r.prefill_id, r.fell_back) for r in reqs[1:]] == [(None, True)] * 2
+    assert reqs[1].first_token == pytest.approx(reqs[0].done + 1.6)
+    assert reqs[2].first_token == pytest.approx(reqs[1].done + 1.6)
     reqs = [SimRequest(i, 0.0, 1000, 201, [2 * i, 2 * i + 1]) for i in range(3)]
     Simulator(small, fixed("prefill-0"), prefill=1, decode=1,
               stage_reject_wait_s=100.0).run(reqs)
-    assert [r.rejected for r in reqs] == ["", "decode", "decode"]  # prefilled, then dropped
+    assert [r.rejected for r in reqs] == ["", "decode", "decode"]  # no blocks to reserve
     reqs = [SimRequest(i, 0.0, 1000, 2, [2 * i, 2 * i + 1]) for i in range(3)]
     Simulator(TINY, fixed("prefill-0"), prefill=1, decode=1,
               stage_reject_wait_s=2.0).run(reqs)

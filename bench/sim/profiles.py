@@ -1,7 +1,12 @@
-"""Cost profiles: what a simulated worker's prefill, decode step and KV transfer cost.
+"""Simulated worker profiles: what a prefill, a decode step and moving KV cost, and how
+many KV blocks a worker has.
 
-The simulator runs the true costs of a profile; the policy's cost model starts from the
-same calibration and refits online from the timings the simulated workers report.
+The costs come from a cost profile file (``deploy/profiles/<name>.json``, the file the
+conductor loads with ``cost_profile``; ``common/cost_profile.py``): the simulator runs
+those true costs (with optional noise, ``Simulator(noise=...)``) and the policy's cost
+model starts from the same calibration and refits from the timings the simulated workers
+report in their heartbeats. A worker's prefix cache is its KV blocks, nothing else: the
+profile's ``kv_capacity_tokens`` in blocks of the trace's hash block.
 
 ``LLAMA70B_H100X4`` -- a Llama-2-70B-shaped model (80 layers, hidden 8192, 64 query heads,
 8 KV heads of dimension 128) in bf16 on one 4 x H100 SXM 80 GB tensor-parallel group.
@@ -18,21 +23,19 @@ Public figures used: H100 SXM dense bf16 989 TFLOP/s and HBM3 3.35 TB/s per GPU
   -> 35 ns per context token. Batch 32 at 12k tokens each: 15 + 3 + 13.6 = 32 ms.
 * KV capacity: 320 GB HBM - 140 GB weights - ~20 GB activations and workspace = 160 GB
   -> 488k tokens -> 950 blocks of 512 tokens.
-* Prefix cache: 0.5 TB of host DRAM per group (half of a 1 TB, 8-GPU node) ->
-  3,000 blocks of 512 tokens (168 MB each).
 * Link: 4 x 400 Gb/s = 200 GB/s raw, 100 GB/s assumed achieved -> 12k tokens of KV
   (3.9 GB) in 39 ms.
 
-``SMALL_CPU2`` -- placeholder for the default small model on a 2-core CPU, to be replaced
-by a calibration run: prefill ~700 tok/s; decode step ~0.05 s at batch 1 and ~0.25 s at
-batch 64 (8k context tokens); 46 KB of fp32 KV per token read at ~10 GB/s of DRAM.
+The file is ``deploy/profiles/llama70b-h100x4.json``. ``SMALL_CPU`` is this machine's
+calibration of the default small model (``smollm2-cpu.json``, ``bench/calibrate.py``)
+with 2048 blocks of 16 tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.cost_profile import cost, decode_terms, prefill_terms
+from common.cost_profile import CostProfile, cost, decode_terms, load_profile, prefill_terms
 from common.records import CostCoefficients
 
 
@@ -42,8 +45,7 @@ class Profile:
     cost: CostCoefficients
     kv_bytes_per_token: int
     block_size: int  # tokens per KV block (the prefix-hash block of the trace)
-    kv_blocks: int  # decode KV capacity in blocks
-    cache_blocks: int  # per-worker prefix cache (LRU), in blocks
+    kv_blocks: int  # a worker's KV capacity in blocks: also its whole prefix cache
     link_bandwidth: float  # bytes/s, prefill -> decode
     pool_bandwidth: float  # bytes/s, pool tier -> worker
 
@@ -51,8 +53,29 @@ class Profile:
         for name in ("kv_bytes_per_token", "block_size", "kv_blocks", "link_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"profile {self.name}: {name} must be > 0")
-        if self.cache_blocks < 0 or self.pool_bandwidth < 0:
-            raise ValueError(f"profile {self.name}: cache_blocks, pool_bandwidth must be >= 0")
+        if self.pool_bandwidth < 0:
+            raise ValueError(f"profile {self.name}: pool_bandwidth must be >= 0")
+
+    @classmethod
+    def from_cost_profile(cls, cp: CostProfile, *, block_size: int | None = None,
+                          kv_blocks: int | None = None) -> Profile:
+        """The simulated worker of a cost profile. ``block_size`` (default the profile's)
+        is the hash block of the trace the simulator replays; ``kv_blocks`` (default the
+        profile's ``kv_capacity_tokens`` in such blocks) its KV capacity."""
+        bs = cp.block_size if block_size is None else block_size
+        blocks = cp.kv_capacity_tokens // bs if kv_blocks is None else kv_blocks
+        if blocks <= 0:
+            raise ValueError(f"profile {cp.name}: no KV capacity (kv_capacity_tokens "
+                             f"{cp.kv_capacity_tokens}); give kv_blocks")
+        return cls(name=cp.name, cost=CostCoefficients(*cp.coefficients()),
+                   kv_bytes_per_token=cp.kv_bytes_per_token, block_size=bs,
+                   kv_blocks=blocks, link_bandwidth=cp.link_bandwidth,
+                   pool_bandwidth=cp.pool_bandwidth)
+
+    @classmethod
+    def load(cls, spec: str, **kw) -> Profile:
+        """``from_cost_profile`` of a profile file (a path or a name in deploy/profiles)."""
+        return cls.from_cost_profile(load_profile(spec), **kw)
 
     @property
     def block_bytes(self) -> int:
@@ -75,20 +98,7 @@ class Profile:
                     decode_terms(batch, context_tokens))
 
 
-LLAMA70B_H100X4 = Profile(
-    name="llama70b-h100x4",
-    cost=CostCoefficients(prefill_fixed_s=0.02, prefill_per_token_s=79e-6,
-                     prefill_per_pair_s=1.5e-9, decode_fixed_s=0.015,
-                     decode_per_seq_s=1e-4, decode_per_ctx_token_s=35e-9),
-    kv_bytes_per_token=327_680, block_size=512, kv_blocks=950, cache_blocks=3000,
-    link_bandwidth=100e9, pool_bandwidth=25e9)
+LLAMA70B_H100X4 = Profile.load("llama70b-h100x4", block_size=512)
+SMALL_CPU = Profile.load("smollm2-cpu", kv_blocks=2048)
 
-SMALL_CPU2 = Profile(
-    name="small-cpu2",
-    cost=CostCoefficients(prefill_fixed_s=0.01, prefill_per_token_s=1 / 700,
-                     prefill_per_pair_s=1e-7, decode_fixed_s=0.045,
-                     decode_per_seq_s=2.6e-3, decode_per_ctx_token_s=4.6e-6),
-    kv_bytes_per_token=46_080, block_size=16, kv_blocks=2048, cache_blocks=2048,
-    link_bandwidth=1e9, pool_bandwidth=1e9)
-
-PROFILES = {p.name: p for p in (LLAMA70B_H100X4, SMALL_CPU2)}
+PROFILES = {p.name: p for p in (LLAMA70B_H100X4, SMALL_CPU)}

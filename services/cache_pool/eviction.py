@@ -99,23 +99,30 @@ class LRUPolicy(EvictionPolicy):
 
 @dataclass(frozen=True, slots=True)
 class ReuseParams:
-    """Parameters of ``ReuseAwarePolicy``; times are in ticks of its logical clock (one
-    tick per insert or access it is told about).
+    """Parameters of ``ReuseAwarePolicy``, in tokens, so the policy behaves the same for
+    any block size. They are written in ticks of ``unit_tokens`` tokens: the policy's
+    clock advances by ``block_tokens / unit_tokens`` ticks per insert or access of one
+    block, and a block's depth counts ``depth * block_tokens / unit_tokens`` units. At the
+    default unit (512 tokens, the block of the Mooncake traces the defaults were tuned on)
+    a 16-token paging block advances the clock by 1/32 tick: replaying the same tokens in
+    32x as many blocks gives the same order.
 
     half_life: after this many ticks a past use counts half as much. It is the workload's
         reuse time scale, not the cache's size: in the Mooncake conversation trace the
-        median time from a block's first use to its second is ~12k block operations.
-    depth_cost: ticks of age charged per doubling of ``depth + 1``; a block 31 deep is
-        treated as ``5 * depth_cost`` ticks older than the chain's first block.
+        median time from a block's first use to its second is ~12k ticks (~6M tokens).
+    depth_cost: ticks of age charged per doubling of ``1 + depth in units``; a block 31
+        units deep is treated as ``5 * depth_cost`` ticks older than the chain's first.
     history_ratio: how many evicted keys' use history is remembered, as a multiple of the
-        keys tracked (at least ``history_floor``), so a block that comes back after
-        eviction keeps its frequency.
+        keys tracked (at least ``history_floor`` units' worth of keys), so a block that
+        comes back after eviction keeps its frequency.
+    unit_tokens: tokens per tick and per depth unit.
     """
 
     half_life: float = 16384.0
     depth_cost: float = 512.0
     history_ratio: float = 4.0
     history_floor: int = 1024
+    unit_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name in ("half_life", "depth_cost", "history_ratio"):
@@ -126,6 +133,8 @@ class ReuseParams:
             raise ValueError("half_life must be > 0")
         if self.history_floor < 0:
             raise ValueError(f"history_floor must be >= 0, got {self.history_floor}")
+        if self.unit_tokens <= 0:
+            raise ValueError(f"unit_tokens must be > 0, got {self.unit_tokens}")
 
 
 class ReuseAwarePolicy(EvictionPolicy):
@@ -142,7 +151,7 @@ class ReuseAwarePolicy(EvictionPolicy):
     same factor per tick, so the *order* of two blocks never changes while neither is
     used. Multiplying by ``half_life`` and adding ``now`` gives a time-free key::
 
-        key = half_life * log2(C at last use) + last_use_tick - depth_cost * log2(1 + depth)
+        key = half_life * log2(C at last use) + last_use_tick - depth_cost * log2(1 + depth units)
 
     computed once per insert or access and pushed on a min-heap; older entries of the same
     block go stale (lazy invalidation: each entry carries a sequence number, and ``victim``
@@ -160,28 +169,43 @@ class ReuseAwarePolicy(EvictionPolicy):
     Limits. With ``half_life`` -> 0 this is LRU over ages inflated by depth; with
     ``half_life`` -> inf it is LFU. Measured against LRU in docs/cache_pool.md.
 
-    Example (default parameters): insert A at depth 0 and access it three times, then
-    insert B at depth 10. LRU would evict A, the least recent; this policy evicts B:
+    Block size. ``block_tokens`` (default: ``params.unit_tokens``) is the size of the
+    blocks this policy orders; the pool passes the engine's. Ticks and depths are scaled
+    by it (see ``ReuseParams``), so a 16-token cache and a 512-token cache holding the
+    same tokens evict the same tokens in the same order, up to ties inside one unit.
+
+    Example (default parameters, 512-token blocks): insert A at depth 0 and access it
+    three times, then insert B at depth 10. LRU would evict A, the least recent; this
+    policy evicts B:
     A's key is ~2 * half_life, B's is about ``5 - 3.46 * depth_cost``.
     """
 
-    def __init__(self, params: ReuseParams | None = None) -> None:
+    def __init__(self, params: ReuseParams | None = None, block_tokens: int | None = None
+                 ) -> None:
         self.params = params or ReuseParams()
-        self._clock = 0
+        self.block_tokens = self.params.unit_tokens if block_tokens is None else block_tokens
+        if self.block_tokens <= 0:
+            raise ValueError(f"block_tokens must be > 0, got {self.block_tokens}")
+        self._tick = self.block_tokens / self.params.unit_tokens  # ticks per block operation
+        self._history_floor = math.ceil(self.params.history_floor / self._tick)
+        self._clock = 0.0
         self._seq = itertools.count()
         # key -> (last use tick, score at last use, depth, seq of its live heap entry)
-        self._live: dict[Hashable, tuple[int, float, int, int]] = {}
+        self._live: dict[Hashable, tuple[float, float, int, int]] = {}
         self._heap: list[tuple[float, int, Hashable]] = []
-        self._ghosts: OrderedDict[Hashable, tuple[int, float]] = OrderedDict()
+        self._ghosts: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
 
-    def _decayed(self, score: float, since: int) -> float:
+    def _depth_ticks(self, depth: int) -> float:
+        return self.params.depth_cost * math.log2(1 + depth * self._tick)
+
+    def _decayed(self, score: float, since: float) -> float:
         return score * 2.0 ** (-(self._clock - since) / self.params.half_life)
 
     def _push(self, key: Hashable, score: float, depth: int) -> None:
         p = self.params
         seq = next(self._seq)
         self._live[key] = (self._clock, score, depth, seq)
-        prio = p.half_life * math.log2(score) + self._clock - p.depth_cost * math.log2(1 + depth)
+        prio = p.half_life * math.log2(score) + self._clock - self._depth_ticks(depth)
         heapq.heappush(self._heap, (prio, seq, key))
         if len(self._heap) > 2 * len(self._live) + 64:
             self._heap = [e for e in self._heap if self._is_live(e)]
@@ -195,20 +219,20 @@ class ReuseAwarePolicy(EvictionPolicy):
         _check_depth(depth)
         if key in self._live:
             raise ValueError(f"key {key!r} is already tracked")
-        self._clock += 1
+        self._clock += self._tick
         ghost = self._ghosts.pop(key, None)
         score = 1.0 if ghost is None else 1.0 + self._decayed(ghost[1], ghost[0])
         self._push(key, score, depth)
 
     def on_access(self, key):
         last, score, depth, _ = self._live[key]  # KeyError if untracked
-        self._clock += 1
+        self._clock += self._tick
         self._push(key, 1.0 + self._decayed(score, last), depth)
 
     def on_remove(self, key):
         last, score, _, _ = self._live.pop(key)  # KeyError if untracked
         self._ghosts[key] = (last, score)
-        limit = max(self.params.history_floor, int(self.params.history_ratio * len(self._live)))
+        limit = max(self._history_floor, int(self.params.history_ratio * len(self._live)))
         while len(self._ghosts) > limit:
             self._ghosts.popitem(last=False)
 
@@ -222,8 +246,8 @@ class ReuseAwarePolicy(EvictionPolicy):
     def score(self, key: Hashable) -> float:
         """The block's current eviction priority in log2 units (lower goes first)."""
         last, score, depth, _ = self._live[key]
-        depth_ticks = self.params.depth_cost * math.log2(1 + depth)
-        return math.log2(self._decayed(score, last)) - depth_ticks / self.params.half_life
+        depth_bits = self._depth_ticks(depth) / self.params.half_life
+        return math.log2(self._decayed(score, last)) - depth_bits
 
     def __len__(self):
         return len(self._live)

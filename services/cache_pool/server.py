@@ -69,7 +69,7 @@ from services.cache_pool import validate
 from services.cache_pool.data_plane import PoolDataPlane
 from services.cache_pool.events import EventOutbox
 from services.cache_pool.metrics import PoolMetrics
-from services.cache_pool.settings import POLICIES, PoolSettings
+from services.cache_pool.settings import PoolSettings
 from services.cache_pool.store import BlockStore, StoreStats
 from services.cache_pool.tiers import DramTier, SsdTier
 from services.cache_pool.validate import BadRequest
@@ -89,7 +89,7 @@ class CachePool:
         self.ctx = make_context(settings.curve_keys_dir, "cache-pool")
         # Applies to sockets made after this: a peer sending a larger frame is dropped.
         self.ctx.setsockopt(zmq.MAXMSGSIZE, max(settings.max_request_bytes, MAX_FRAME_BYTES))
-        self.ssd = (SsdTier(settings.ssd_dir, settings.ssd_bytes, POLICIES[settings.policy]())
+        self.ssd = (SsdTier(settings.ssd_dir, settings.ssd_bytes, settings.make_policy())
                     if settings.ssd_dir else None)
         self.store: BlockStore | None = None
         self.outbox = EventOutbox(self.source)
@@ -158,7 +158,7 @@ class CachePool:
         return max(sizes, default=0)
 
     def _open_store(self, block_bytes: int) -> None:
-        dram = DramTier(self.settings.dram_bytes, POLICIES[self.settings.policy](), block_bytes)
+        dram = DramTier(self.settings.dram_bytes, self.settings.make_policy(), block_bytes)
         self.store = BlockStore(dram, self.ssd, on_stored=self.outbox.on_stored,
                                 on_removed=self.outbox.on_removed)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from services.cache_pool.eviction import EvictionPolicy, LRUPolicy, ReuseAwarePolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "reuse_aware": ReuseAwarePolicy}
+POLICIES = ("lru", "reuse_aware")
 TRANSFER_BACKENDS = ("auto", "tcp", "shm", "ucx")
 
 
@@ -24,6 +24,8 @@ class PoolSettings:
     transfer_backend: "auto" offers every backend available here and lets each peer
         negotiate; "tcp", "shm" or "ucx" offers and uses only that one.
     host_id "": this machine's hostname (equal host ids on both ends enable shm).
+    block_tokens: tokens per block, the engine's ``block_size`` (the same for every worker
+        that shares the pool): the reuse-aware policy counts time and depth in tokens.
     """
 
     instance_id: str = "pool-0"
@@ -45,6 +47,7 @@ class PoolSettings:
     ucx_tls: str = ""  # UCX_TLS for the ucx backend; empty: UCX's choice
     ucx_net_devices: str = ""  # UCX_NET_DEVICES; empty: UCX's choice
     host_id: str = ""
+    block_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -61,8 +64,16 @@ class PoolSettings:
                              f"got {self.transfer_backend!r}")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")
+        if self.block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
         if self.max_request_bytes <= 0:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+
+    def make_policy(self) -> EvictionPolicy:
+        """A fresh policy for one tier."""
+        if self.policy == "lru":
+            return LRUPolicy()
+        return ReuseAwarePolicy(block_tokens=self.block_tokens)
 
     @property
     def dram_bytes(self) -> int:

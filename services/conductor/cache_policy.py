@@ -26,6 +26,11 @@ Admission (prediction-based early rejection, on unless ``admission=False``):
 TBT exceeds ``slo_tbt_s`` or the best predicted TTFT exceeds ``slo_ttft_s``. Nothing is
 accounted for a rejection. With ``admission=False`` the SLOs still shape routing.
 
+Load of a decode worker: its running batch, its local prefill queue (``waiting``), the
+remote prefills whose KV it awaits (``waiting_for_kv``: they join the batch when the
+KV lands) and the decisions since its heartbeat; its room: free blocks less those its
+held requests will still take for their output (``reserved_blocks``).
+
 In-flight accounting: an accepted decision adds one request and its *uncached* tokens
 to the prefill location's ``pending_*`` counters (on a prefill worker kept through its
 next heartbeat, which may not show the request yet: ``Registry.heartbeat``) and, until that
@@ -134,7 +139,7 @@ class CacheAwarePolicy(RoutingPolicy):
         remote = min((self._estimate(p, chain, remote=True) for p in prefillers),
                       key=lambda e: (e.ttft_s, -e.hit_blocks, e.worker.worker_id), default=None)
         stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
-        busy = decode.running + decode.waiting + decode.pending_requests
+        busy = decode.load
         budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
         if remote is None:
             best, why = local, ("colocated" if decode.role == "unified" else "no prefill worker")
@@ -160,9 +165,9 @@ class CacheAwarePolicy(RoutingPolicy):
         best_key, roomiest_key, best, roomiest = None, None, None, None
         for d in decoders:
             led = self._ledger(d)
-            free = d.free_blocks - led.kv_blocks
+            free = d.unpromised_blocks - led.kv_blocks
             need = -(-(prompt + output) // d.block_size)
-            batch = d.running + d.waiting + d.pending_requests + 1
+            batch = d.load + 1  # requests waiting for KV join it when their KV lands
             context = (d.num_blocks - d.free_blocks) * d.block_size + led.kv_tokens
             tbt = self.cost.predict_decode(batch, context + prompt + output // 2)
             local_s = self.cost.prefill_queue_time(d.waiting + led.local,
@@ -195,7 +200,7 @@ class CacheAwarePolicy(RoutingPolicy):
             led = self._ledger(w)
             queue = self.cost.prefill_queue_time(w.waiting + led.local,
                                                  w.queued_prefill_tokens + w.pending_tokens)
-            batch = w.running + w.waiting + w.pending_requests
+            batch = w.load
             if batch:  # the step in progress finishes first
                 step = self.cost.predict_decode(batch, (w.num_blocks - w.free_blocks)
                                                 * w.block_size + led.kv_tokens)

@@ -50,14 +50,15 @@ class RoundRobin(Picker):
 
 
 class LeastLoaded(Picker):
-    """Fewest requests (running + waiting + routed since the last heartbeat), then
-    fewest queued prefill tokens, then the most free KV blocks."""
+    """Fewest requests (running + waiting + waiting for KV + routed since the last
+    heartbeat), then fewest queued prefill tokens, then the most unpromised KV blocks."""
 
     name = "least_loaded"
 
     def pick(self, candidates, prompt_tokens):
         return min(candidates, key=lambda w: (
-            w.load, w.queued_prefill_tokens + w.pending_tokens, -w.free_blocks, w.worker_id))
+            w.load, w.queued_prefill_tokens + w.pending_tokens, -w.unpromised_blocks,
+            w.worker_id))
 
 
 PICKERS = {p.name: p for p in (RoundRobin, LeastLoaded)}

@@ -32,6 +32,8 @@ class WorkerView:
     queued_prefill_tokens: int = 0
     free_blocks: int = 0
     step_time_ms: float = 0.0
+    waiting_for_kv: int = 0  # remote prefills whose KV has not landed (a decode worker's)
+    reserved_blocks: int = 0  # blocks its held requests will still take for their output
     # Decisions the worker's counters may not show yet (see ``Registry.heartbeat``).
     pending_requests: int = 0
     pending_tokens: int = 0
@@ -41,7 +43,12 @@ class WorkerView:
 
     @property
     def load(self) -> int:
-        return self.running + self.waiting + self.pending_requests
+        return self.running + self.waiting + self.waiting_for_kv + self.pending_requests
+
+    @property
+    def unpromised_blocks(self) -> int:
+        """Free KV blocks not spoken for by the output of the requests it holds."""
+        return max(0, self.free_blocks - self.reserved_blocks)
 
     worker_id = property(lambda self: self.info.worker_id)
     role = property(lambda self: self.info.role)
@@ -122,6 +129,7 @@ class Registry:
         view.waiting, view.running = hb.waiting, hb.running
         view.queued_prefill_tokens = hb.queued_prefill_tokens
         view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
+        view.waiting_for_kv, view.reserved_blocks = hb.waiting_for_kv, hb.reserved_blocks
         carry = view.role == "prefill"
         fresh_requests = max(0, view.pending_requests - view.carried_requests) if carry else 0
         fresh_tokens = max(0, view.pending_tokens - view.carried_tokens) if carry else 0

@@ -120,29 +120,38 @@ class Router:
 
     def observe(self, prefill_steps: Sequence[StepSample],
                 decode_steps: Sequence[StepSample]) -> int:
-        """Fit the cost model on a heartbeat's step samples; returns how many were used.
-        A sample whose values make no sense (counts that are not ints >= 0, chunk lists
-        of different lengths, a time that is not finite) is skipped and counted in
-        ``bad_samples``: the codec checks types, but a record built in process is not."""
-        used = 0
-        for s in prefill_steps:
-            try:
-                chunks = list(zip(s.tokens, s.cached, strict=True))
-                if not all(_count(n) and _count(c) for n, c in chunks):
-                    raise ValueError("token counts must be ints >= 0")
-                self.cost.observe_prefill_step(chunks, _seconds(s.seconds))
-                used += 1
-            except (TypeError, ValueError):
-                self.bad_samples += 1
-        for s in decode_steps:
-            try:
-                if not (_count(s.batch) and _count(s.context)):
-                    raise ValueError("batch and context must be ints >= 0")
-                self.cost.observe_decode(s.batch, s.context, _seconds(s.seconds))
-                used += 1
-            except (TypeError, ValueError):
-                self.bad_samples += 1
+        """Fit the cost model on a heartbeat's step samples; returns how many were used
+        (``fit_step_samples``; the senseless ones are counted in ``bad_samples``)."""
+        used, bad = fit_step_samples(self.cost, prefill_steps, decode_steps)
+        self.bad_samples += bad
         return used
+
+
+def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
+                     decode_steps: Sequence[StepSample]) -> tuple[int, int]:
+    """Fit ``cost`` on a heartbeat's step samples, as the conductor and the simulator do;
+    returns (used, skipped). A sample whose values make no sense (counts that are not
+    ints >= 0, chunk lists of different lengths, a time that is not finite) is skipped:
+    the codec checks types, but a record built in process is not."""
+    used = bad = 0
+    for s in prefill_steps:
+        try:
+            chunks = list(zip(s.tokens, s.cached, strict=True))
+            if not all(_count(n) and _count(c) for n, c in chunks):
+                raise ValueError("token counts must be ints >= 0")
+            cost.observe_prefill_step(chunks, _seconds(s.seconds))
+            used += 1
+        except (TypeError, ValueError):
+            bad += 1
+    for s in decode_steps:
+        try:
+            if not (_count(s.batch) and _count(s.context)):
+                raise ValueError("batch and context must be ints >= 0")
+            cost.observe_decode(s.batch, s.context, _seconds(s.seconds))
+            used += 1
+        except (TypeError, ValueError):
+            bad += 1
+    return used, bad
 
 
 def _count(v) -> bool:

@@ -36,6 +36,7 @@ import structlog
 
 from common.protocol import StepSample
 from services.engine.outputs import RequestOutput
+from services.engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from services.engine.core import EngineCore
@@ -66,6 +67,8 @@ class LoadSnapshot(NamedTuple):
     free_blocks: int = 0
     total_blocks: int = 0
     num_requests: int = 0
+    waiting_for_kv: int = 0  # remote prefills whose KV has not all landed
+    reserved_blocks: int = 0  # blocks held requests will still take for their output
 
 
 class EngineLoop:
@@ -199,9 +202,20 @@ class EngineLoop:
         queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
         queued += sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.running
                       if s.num_computed_tokens < s.num_prompt_tokens)
+        bm = engine.block_manager
+        awaiting = reserved = 0
+        # A held request's blocks for its remaining output are spoken for: a conductor
+        # reading only the free count would promise them to the next request.
+        for s in engine.requests.values():
+            if s.status is SequenceStatus.WAITING_FOR_KV:
+                awaiting += 1
+            elif s.status is not SequenceStatus.RUNNING:
+                continue
+            final = s.num_prompt_tokens + s.params.max_tokens
+            reserved += max(0, -(-final // bm.block_size) - len(s.block_table))
         return LoadSnapshot(len(sched.waiting), len(sched.running), queued,
-                            engine.block_manager.num_free_blocks, engine.block_manager.num_blocks,
-                            len(engine.requests))
+                            bm.num_free_blocks, bm.num_blocks, len(engine.requests),
+                            awaiting, reserved)
 
     def _run(self, build: Callable[[], EngineCore], built: asyncio.Future) -> None:
         try:

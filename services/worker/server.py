@@ -267,7 +267,8 @@ class Worker:
         return self.role.report(WorkerStats(
             info=self.info(), executor=self.settings.executor,
             free_blocks=load.free_blocks, waiting=load.waiting, running=load.running,
-            num_requests=load.num_requests, pool=self.pool.stats()))
+            num_requests=load.num_requests, pool=self.pool.stats(),
+            waiting_for_kv=load.waiting_for_kv, reserved_blocks=load.reserved_blocks))
 
     async def _register_and_beat(self) -> None:
         s = self.settings
@@ -307,7 +308,8 @@ class Worker:
                     running=load.running, queued_prefill_tokens=load.queued_prefill_tokens,
                     free_blocks=load.free_blocks, total_blocks=load.total_blocks,
                     step_time_ms=self.loop.recent_step_ms(), control_addr=self.control_addr,
-                    prefill_steps=prefill_steps, decode_steps=decode_steps))
+                    prefill_steps=prefill_steps, decode_steps=decode_steps,
+                    waiting_for_kv=load.waiting_for_kv, reserved_blocks=load.reserved_blocks))
                 seq += 1
         finally:
             await pub.close()

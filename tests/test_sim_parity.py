@@ -1,0 +1,129 @@
+"""The offline simulator and live simulated workers are one model: the same small trace
+through (a) bench/sim and (b) ``--executor sim`` workers behind the real gateway and
+conductor, with the same cost profile, gets the same routing decision for >= 95% of
+requests and a mean TTFT within 10%."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import statistics
+import threading
+import time
+
+import pytest
+
+from bench.sim.profiles import Profile
+from bench.sim.simulator import SimRequest, Simulator
+from common.client import Client
+from common.cost_profile import load_profile
+from common.records import CostCoefficients
+from services.conductor.router import Router, RouteRequest
+from services.conductor.server import ConductorSettings
+from services.engine.tokenizer_export import tokenizer_dir_for
+from services.engine.weights import DEFAULT_MODEL
+from tests.cluster import Cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+PROFILE = "smollm2-cpu"
+SCALE = 1.0  # the live workers sleep the profile's times
+HEARTBEAT_S = 0.2
+BLOCK = 16
+GATEWAY = ["--tokenizer-dir", tokenizer_dir_for(DEFAULT_MODEL), "--max-model-len", "8192"]
+
+
+def trace(n: int = 40, seed: int = 11) -> list[tuple[float, list[int], int]]:
+    """(arrival s, prompt token ids, max tokens). A first request decodes through the
+    whole run, so the decode worker is always busy: a long prompt (a 600-token question
+    after a 128-token system prefix) would stall it beyond the conductor's budget and
+    goes to a prefill worker, a short one (8 tokens after the prefix) is prefilled where
+    its prefix is cached and that is quickest. Long prompts dominate the mean TTFT, so
+    the live path's own ~20-50 ms per request (gateway, sockets) stays a few percent.
+    Arrivals are spaced (over four heartbeats apart) so queues stay short: decisions
+    then follow from the prefix caches, which both sides must keep alike, not from when
+    a heartbeat happened to land."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 49152) for _ in range(128)] for _ in range(3)]
+    out, t = [(0.5, [rng.randrange(3, 49152) for _ in range(32)], 850)], 1.0
+    for _ in range(n):
+        t += rng.uniform(0.8, 1.0)
+        tail = [rng.randrange(3, 49152) for _ in range(rng.choice([8, 600, 600]))]
+        out.append((t, rng.choice(prefixes) + tail, rng.choice([4, 8])))
+    return out
+
+
+def chain(tokens: list[int]) -> list[int]:
+    """Ids of the full blocks' prefix chains (any consistent id stands for the hash)."""
+    return [hash(tuple(tokens[: (i + 1) * BLOCK])) for i in range(len(tokens) // BLOCK)]
+
+
+def offline(reqs, kv_blocks: int) -> list[SimRequest]:
+    cp = load_profile(PROFILE)
+    router = Router(ConductorSettings(policy="cache_aware").router_config(), cp)
+    true = Profile.from_cost_profile(cp, kv_blocks=kv_blocks)
+    true = dataclasses.replace(  # what the live sim executor sleeps; its KV moves at once
+        true, cost=CostCoefficients(*(c * SCALE for c in cp.coefficients())),
+        link_bandwidth=1e15)
+    sims = [SimRequest(i, t, len(p), n, chain(p)) for i, (t, p, n) in enumerate(reqs)]
+
+    def route(views, req):
+        return router.route(views, RouteRequest("sim", req.prompt, req.hashes,
+                                                max_tokens=req.output))
+    Simulator(true, route, prefill=2, decode=1, index=router.index, cost=router.cost,
+              heartbeat_s=HEARTBEAT_S).run(sims)
+    return sims
+
+
+def live(tmp_path, reqs) -> tuple[dict[str, str | None], list[float], int]:
+    cluster = Cluster(DEFAULT_MODEL, tmp_path, ["prefill", "prefill", "decode"],
+                      executor="sim", sim_profile=PROFILE, kv_cache_mib=256,
+                      policy="cache_aware", gateway_args=GATEWAY,
+                      worker_args=["--sim-time-scale", str(SCALE),
+                                   "--heartbeat-interval-s", str(HEARTBEAT_S)])
+    cluster.start(timeout_s=90)
+    try:
+        kv_blocks = cluster.worker_stats("decode-2").info.num_blocks
+        ttft: list[float | None] = [None] * len(reqs)
+        start = time.monotonic() + 0.5
+
+        def one(i: int) -> None:
+            t, prompt, n = reqs[i]
+            time.sleep(max(0.0, start + t - time.monotonic()))
+            with Client(cluster.zmq_addr, timeout_s=60) as client:
+                sent = time.monotonic()
+                for chunk in client.stream(prompt_token_ids=prompt, max_tokens=n,
+                                           request_id=f"par-{i}"):
+                    if ttft[i] is None and chunk.token_ids:
+                        ttft[i] = time.monotonic() - sent
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        log = cluster.procs["conductor"].log.read_text()
+    finally:
+        cluster.stop()
+    # Routed in arrival order (arrivals are 0.8 s apart): the n-th decision is request n's.
+    routed = {}
+    for line in log.splitlines():
+        pre = re.search(r"\brouted\b.*?prefill=(\S+)", line)
+        if pre:
+            routed[len(routed)] = None if pre.group(1) == "None" else pre.group(1)
+    return routed, ttft, kv_blocks
+
+
+def test_offline_simulator_agrees_with_live_sim_workers(tmp_path):
+    reqs = trace()
+    routed, ttft_live, kv_blocks = live(tmp_path, reqs)
+    sims = offline(reqs, kv_blocks)
+    assert len(routed) == len(reqs) and all(t is not None for t in ttft_live)
+    agree = sum(routed[r.rid] == r.routed_prefill for r in sims)
+    decisions = [(routed[r.rid], r.routed_prefill) for r in sims]
+    assert agree >= 0.95 * len(reqs), decisions
+    # Both kinds of decision occur, or the agreement says little.
+    assert {p is None for p, _ in decisions} == {True, False}
+    mean_live = statistics.mean(ttft_live)
+    mean_sim = statistics.mean(r.ttft for r in sims)
+    assert mean_sim == pytest.approx(mean_live, rel=0.10), (mean_sim, mean_live)

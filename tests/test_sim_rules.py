@@ -1,0 +1,137 @@
+"""The simulator follows the live workers' rules, one tiny trace per rule: the prefix
+cache is the worker's KV blocks, the pool a separate tier only when configured, the KV
+lease and the fall-back to a local prefill, timings reach the cost model only after the
+work ran (in heartbeats), and costs come from a profile file, with optional noise."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import pytest
+
+from bench.sim.profiles import Profile
+from bench.sim.simulator import SimRequest, Simulator
+from common.cost_profile import CostProfile, save_profile
+from common.records import CostCoefficients
+from services.conductor.cost_model import CostModel
+from services.conductor.policy import Decision
+
+# prefill(n, c) = 0.1 + 1e-3 n + 1e-6 n (n/2 + c): 1.6 s for a 1000-token prompt;
+# 1000 B of KV per token over 1 MB/s: 1 s per 1000 tokens, on the link or from the pool.
+COST = CostCoefficients(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5)
+TINY = Profile(name="tiny", cost=COST, kv_bytes_per_token=1000, block_size=512,
+               kv_blocks=100, link_bandwidth=1e6, pool_bandwidth=1e6)
+
+
+def fixed(prefill: str | None, decode: str = "decode-0"):
+    def route(views, req):
+        by_id = {v.worker_id: v for v in views}
+        return Decision(by_id[decode], by_id[prefill] if prefill else None, "fixed")
+    return route
+
+
+def four(kv_blocks: int = 100, **sim_kw) -> tuple[list[SimRequest], Simulator]:
+    """A, B, C with distinct prompts, then D repeating A's, 10 s apart."""
+    prof = dataclasses.replace(TINY, kv_blocks=kv_blocks)
+    reqs = [SimRequest(i, 10.0 * i, 1000, 2, h)
+            for i, h in enumerate([[0, 1], [2, 3], [4, 5], [0, 1]])]
+    sim = Simulator(prof, fixed("prefill-0"), prefill=1, decode=1, **sim_kw)
+    sim.run(reqs)
+    return reqs, sim
+
+
+def test_prefix_cache_is_the_workers_kv_blocks():
+    reqs, sim = four(kv_blocks=100)
+    assert reqs[3].cached == 999  # A's blocks still cached on prefill-0
+    # With 4 blocks, B's and C's prompts evict A's freed blocks (oldest first).
+    reqs, sim = four(kv_blocks=4)
+    assert reqs[3].cached == 0
+    assert reqs[3].ttft == pytest.approx(reqs[0].ttft) == pytest.approx(2.6)
+    match = sim.index.match([4, 5])
+    assert match == {"prefill-0": 2, "decode-0": 2}
+    assert sim.index.match([2, 3]) == {}  # evicted everywhere, the index told
+    for w in sim.workers.values():
+        assert w.kv.used == 0 and len(w.kv.lru) <= 4
+
+
+def test_pool_is_a_separate_tier_only_when_configured():
+    reqs, sim = four(kv_blocks=4)
+    assert not any(loc.startswith("pool:") for loc in sim.index.match([4, 5]))
+    reqs, sim = four(kv_blocks=4, pool_blocks=8)
+    assert sim.index.match([0, 1])["pool:dram"] == 2
+    # D's blocks left prefill-0 but the pool kept them: fetched (2 blocks at 1 MB/s)
+    # instead of computed: 1.024 s + prefill(1, 999) + the 1 s transfer.
+    assert reqs[3].cached == 999
+    assert reqs[3].ttft == pytest.approx(1.024 + 0.1 + 1e-3 + 1e-6 * (0.5 + 999) + 1.0)
+
+
+def test_kv_lease_runs_out_and_the_decode_worker_prefills_itself():
+    beats = []
+    reqs = [SimRequest(0, 0.0, 1000, 3, [0, 1]), SimRequest(1, 0.0, 1000, 3, [2, 3])]
+    sim = Simulator(TINY, fixed("prefill-0"), prefill=1, decode=1, kv_lease_s=2.0)
+    real = sim.registry.heartbeat
+    sim.registry.heartbeat = lambda hb, now=None: beats.append(hb) or real(hb, now=now)
+    sim.run(reqs)
+    # At 1 s both wait for their KV on decode-0 (blocks reserved), one on prefill-0.
+    first = {hb.worker_id: hb for hb in beats if hb.seq == 1}
+    assert (first["decode-0"].waiting_for_kv, first["decode-0"].waiting) == (2, 0)
+    assert first["decode-0"].free_blocks == 100 - 2 * 2  # 1003 tokens each
+    # A's KV would land at 2.6 and B's prefill end at 3.2: at 2.0 both leases run out,
+    # and both prompts are prefilled on decode-0, one after the other (1.6 s each).
+    assert [(r.routed_prefill, r.prefill_id, r.fell_back) for r in reqs] == \
+        [("prefill-0", None, True)] * 2
+    assert sorted(r.first_token for r in reqs) == pytest.approx([3.6, 5.2])
+    assert sim.workers["decode-0"].fallbacks == 2
+    pre = sim.workers["prefill-0"]
+    assert pre.kv.used == 0 and not pre.queue and pre.current is None
+
+
+def test_no_blocks_to_reserve_means_a_local_prefill():
+    prof = dataclasses.replace(TINY, kv_blocks=3)
+    reqs = [SimRequest(0, 0.0, 1000, 201, [0, 1]), SimRequest(1, 0.1, 1000, 201, [2, 3])]
+    Simulator(prof, fixed("prefill-0"), prefill=1, decode=1).run(reqs)
+    assert (reqs[0].prefill_id, reqs[1].prefill_id, reqs[1].fell_back) == \
+        ("prefill-0", None, True)
+
+
+def test_the_cost_model_sees_a_duration_only_after_the_work_ran():
+    cost = CostModel(COST)
+    seen = {}
+
+    def route(views, req):
+        seen[req.rid] = cost.observations
+        by_id = {v.worker_id: v for v in views}
+        return Decision(by_id["decode-0"], None, "local")
+    # A local prefill runs 0 .. 1.6; heartbeats at 1, 2, 3 s.
+    reqs = [SimRequest(0, 0.0, 1000, 2, [0, 1]), SimRequest(1, 0.5, 10, 2, [7]),
+            SimRequest(2, 1.7, 10, 2, [8]), SimRequest(3, 2.1, 10, 2, [9])]
+    Simulator(TINY, route, prefill=0, decode=1, cost=cost).run(reqs)
+    assert seen[0] == (0, 0)
+    assert seen[1] == (0, 0)  # in progress: its duration is unknown
+    assert seen[2] == (0, 0)  # done at 1.6, but reported only in the 2 s heartbeat
+    assert seen[3][0] == 3 and seen[3][1] >= 1  # all three prefills ended before 2 s
+
+
+def test_costs_come_from_a_profile_file_with_optional_noise(tmp_path):
+    cp = CostProfile("file", *(getattr(COST, k) for k in COST.__slots__),
+                     kv_bytes_per_token=1000, block_size=16, link_bandwidth=1e6,
+                     pool_bandwidth=1e6, kv_capacity_tokens=51_200)
+    path = save_profile(cp, tmp_path / "file.json")
+    prof = Profile.load(str(path), block_size=512)
+    assert prof == dataclasses.replace(TINY, name="file")  # 51,200 tokens = 100 blocks
+    with pytest.raises(ValueError, match="kv_blocks"):
+        Profile.from_cost_profile(dataclasses.replace(cp, kv_capacity_tokens=0))
+
+    def run(noise: float, seed: int = 0) -> list[float]:
+        reqs = [SimRequest(i, 5.0 * i, 1000, 20, [2 * i, 2 * i + 1]) for i in range(40)]
+        Simulator(prof, fixed(None), prefill=0, decode=1, noise=noise, seed=seed).run(reqs)
+        return [r.ttft for r in reqs]
+    exact = run(0.0)
+    assert exact == pytest.approx([1.6] * 40)
+    noisy = run(0.2)
+    assert noisy == run(0.2) and noisy != run(0.2, seed=1)
+    assert len(set(noisy)) == 40
+    assert statistics.mean(noisy) == pytest.approx(1.6, rel=0.1)
+    with pytest.raises(ValueError, match="noise"):
+        Simulator(prof, fixed(None), prefill=0, decode=1, noise=-0.1)
