@@ -68,6 +68,7 @@ from services.gateway.failover import (
     resumed_sampling,
     wait_for_route,
 )
+from services.gateway.token_order import release_in_order
 
 log = structlog.get_logger(__name__)
 
@@ -337,7 +338,7 @@ class ClusterBackend(GenerationBackend):
                                  error="the gateway's token stream has failed")
                     return
                 pending[tokens.position] = tokens
-                for event in _release(pending, generated):
+                for event in release_in_order(pending, generated):
                     finished = finished or event.finished
                     yield event
                     if event.finished:
@@ -376,28 +377,3 @@ class _SubmitFailed(BackendUnavailable):
 
 
 _STREAM_LOST = object()  # queued to every request when the token dispatcher has died
-
-
-def _release(pending: dict[int, Tokens], generated: list[int]):
-    """Yield the events that continue the stream at ``len(generated)``, in order."""
-    while True:
-        nxt = len(generated)
-        stale = [p for p in pending if p < nxt]
-        for p in stale:  # overlapping or repeated positions: keep only the new tail
-            t = pending.pop(p)
-            if p + len(t.token_ids) > nxt or (t.finished and p + len(t.token_ids) >= nxt):
-                pending[nxt] = _tail(t, nxt - p)
-        t = pending.pop(nxt, None)
-        if t is None:
-            return
-        generated.extend(t.token_ids)
-        yield t  # pending is keyed by position: t.position == nxt
-        if t.finished:
-            return
-
-
-def _tail(t: Tokens, skip: int) -> Tokens:
-    return Tokens(position=t.position + skip, token_ids=list(t.token_ids[skip:]),
-                  finished=t.finished, finish_reason=t.finish_reason,
-                  prompt_tokens=t.prompt_tokens, cached_tokens=t.cached_tokens,
-                  source=t.source, error=t.error, logprobs=list(t.logprobs[skip:]))
