@@ -6,6 +6,7 @@ prefill and decode services drive the same object step by step (see
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from functools import cached_property
@@ -24,7 +25,7 @@ from services.engine.outputs import Completion
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
-from services.engine.weights import LoadedWeights, load_weights
+from services.engine.weights import LoadedWeights, load_weights, release_freed_memory
 from services.engine.weights.quantize import quantize_model
 
 
@@ -52,17 +53,22 @@ class LLMEngine(EngineCore):
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.weights = weights or load_weights(config.model)
-        self.model_config = cfg = self.weights.config
+        owned = weights is None
+        weights = weights or load_weights(config.model)
+        self.model_config = cfg = weights.config
         self.device = config.torch_device
         dtype = config.torch_dtype
 
         max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                             cfg.max_position_embeddings)
-        model = LlamaModel(cfg, make_attention_backend(config.attention_backend, self.device))
-        model.load_hf_weights(self.weights.tensors)
+        model = LlamaModel.from_hf_weights(
+            cfg, make_attention_backend(config.attention_backend, self.device),
+            weights.tensors, consume=owned)
+        # The model holds the weights now; keep what identifies them, not a second copy.
+        self.weights = dataclasses.replace(weights, tensors={})
         quantize_model(model, config.quantization)
         self.model = model.to(device=self.device, dtype=dtype).eval()
+        release_freed_memory()  # what loading, fusing and casting freed
 
         per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size,
                                             cfg.num_kv_heads, cfg.head_dim, dtype)
