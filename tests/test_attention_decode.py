@@ -65,7 +65,7 @@ def test_chunked_decode_matches_the_gather_path(lens, chunk_tokens, monkeypatch)
 def test_plan_walks_only_the_contexts_that_reach_each_chunk(monkeypatch):
     monkeypatch.setattr(attention_decode, "CHUNK_TOKENS", 8)  # 2 blocks of 4
     q, k, v, k_cache, v_cache, meta = _batch([[20, 3], [9, 8]])
-    plan = plan_decodes(meta, BS, q.dtype, q.device)
+    plan = plan_decodes(meta.decode_groups, BS, q.dtype, q.device)
     # Context order 3, 8, 9, 20 is rows 1, 3, 2, 0 of the step.
     assert plan.rows.tolist() == [1, 3, 2, 0]
     assert [c.first for c in plan.chunks] == [0, 2, 3]  # tokens 0-7, 8-15, 16-23
@@ -74,13 +74,12 @@ def test_plan_walks_only_the_contexts_that_reach_each_chunk(monkeypatch):
     assert plan.chunks[0].mask is not None  # the 3-token context ends inside chunk 0
     assert plan.chunks[1].mask[:, 0, 0].isinf().tolist() == [
         [False, True, True, True, True, True, True, True], [False] * 8]
-    assert plan_decodes(AttentionMetadata(torch.tensor([0]), [], []), BS, q.dtype,
-                        q.device) is None
+    assert plan_decodes([], BS, q.dtype, q.device) is None
 
 
 def test_contiguous_decodes_are_a_slice_not_a_copy():
     q, *_, meta = _batch([[5, 9, 30]])
-    assert plan_decodes(meta, BS, q.dtype, q.device).rows == slice(0, 3)
+    assert plan_decodes(meta.decode_groups, BS, q.dtype, q.device).rows == slice(0, 3)
 
 
 def test_matmul_fallback_gives_the_fused_kernels_figures():

@@ -96,7 +96,8 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if self.decode == "chunked":
             if not isinstance(meta.prepared, DecodePlan):
-                meta.prepared = plan_decodes(meta, k_cache.shape[1], q.dtype, q.device)
+                meta.prepared = plan_decodes(meta.decode_groups, k_cache.shape[1], q.dtype,
+                                             q.device)
             if meta.prepared is not None:
                 out[meta.prepared.rows] = decode_attention(q, k_cache, v_cache, meta.prepared)
         else:

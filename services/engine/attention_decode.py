@@ -17,13 +17,10 @@ sequences whose context has already ended.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # attention.py imports this module
-    from services.engine.attention import AttentionMetadata
 
 # Tokens per chunk: 64 tokens of K and V for 64 sequences (3 KV heads of 64 in float32)
 # are ~3 MB, which stays in this class of CPU's L2/L3 between the gather and the matmuls.
@@ -49,10 +46,10 @@ class DecodePlan:
     chunks: tuple[Chunk, ...]
 
 
-def plan_decodes(meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
+def plan_decodes(groups: Sequence, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> DecodePlan | None:
-    """Merge ``meta``'s decode groups into one :class:`DecodePlan` (None: no decodes)."""
-    groups = meta.decode_groups
+    """Merge a step's ``DecodeGroup``s (``AttentionMetadata.decode_groups``; not imported,
+    attention.py imports this module) into one :class:`DecodePlan` (None: no decodes)."""
     if not groups:
         return None
     rows: list[int] = []
