@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine.attention_decode import DecodePlan, decode_attention, plan_decodes
+
 
 @dataclass(slots=True)
 class PrefillSegment:
@@ -75,16 +77,33 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """Reference paged attention in plain torch; the CPU path."""
+    """Paged attention in plain torch; the CPU path.
+
+    Decodes walk the cache a chunk of blocks at a time (``attention_decode.py``);
+    ``decode="gather"`` keeps the earlier path, which copies every context out of the
+    cache first, for comparison (``bench/attention_cpu.py``).
+    """
+
+    def __init__(self, decode: str = "chunked") -> None:
+        if decode not in ("chunked", "gather"):
+            raise ValueError(f"decode must be chunked or gather, got {decode!r}")
+        self.decode = decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            sl = slice(group.start, group.start + group.size)
-            out[sl] = _decode_attention(q[sl], k_cache, v_cache, group)
+        if self.decode == "chunked":
+            if not isinstance(meta.prepared, DecodePlan):
+                meta.prepared = plan_decodes(meta.decode_groups, k_cache.shape[1], q.dtype,
+                                             q.device)
+            if meta.prepared is not None:
+                out[meta.prepared.rows] = decode_attention(q, k_cache, v_cache, meta.prepared)
+        else:
+            for group in meta.decode_groups:
+                sl = slice(group.start, group.start + group.size)
+                out[sl] = _decode_attention(q[sl], k_cache, v_cache, group)
         for seg in meta.prefills:
             sl = slice(seg.start, seg.start + seg.query_len)
             if seg.context_len == seg.query_len:

@@ -32,7 +32,7 @@ from services.engine.tokenizer import Tokenizer
 from services.engine.tp import SINGLE, ParallelContext, check_shardable
 from services.engine.tp_group import Leader
 from services.engine.tp_shard import shard_hf_tensors
-from services.engine.weights import LoadedWeights, load_weights
+from services.engine.weights import LoadedWeights, load_weights, release_freed_memory
 from services.engine.weights.quantize import quantize_model
 
 
@@ -76,15 +76,18 @@ def set_threads(config: EngineConfig) -> None:
 
 
 def build_runner(config: EngineConfig, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                 tp: ParallelContext) -> tuple[ModelRunner, int]:
-    """This rank's model shard and KV cache (its KV heads); and the model length used."""
+                 tp: ParallelContext, *, consume: bool = False) -> tuple[ModelRunner, int]:
+    """This rank's model shard and KV cache (its KV heads); and the model length used.
+    The model holds ``tensors`` themselves (``LlamaModel.from_hf_weights``); ``consume``
+    empties the dict as it goes."""
     device, dtype = config.rank_device(tp.rank), config.torch_dtype
     max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                         cfg.max_position_embeddings)
-    model = LlamaModel(cfg, make_attention_backend(config.attention_backend, device), tp)
-    if tp.world_size > 1:
-        tensors = shard_hf_tensors(tensors, cfg, tp.rank, tp.world_size)
-    model.load_hf_weights(tensors)
+    if tp.world_size > 1:  # a dict of this rank's slices: the model may consume it
+        tensors, consume = shard_hf_tensors(tensors, cfg, tp.rank, tp.world_size), True
+    model = LlamaModel.from_hf_weights(
+        cfg, make_attention_backend(config.attention_backend, device), tensors, tp=tp,
+        consume=consume)
     quantize_model(model, config.quantization)
     model = model.to(device=device, dtype=dtype).eval()
     kv_heads = model.shard.num_kv_heads
@@ -109,6 +112,7 @@ class LLMEngine(EngineCore):
         self.config = config = config or EngineConfig()
         world = config.tensor_parallel_size
         set_threads(config)
+        owned = weights is None  # then its tensors may be consumed as the model takes them
         self.weights = weights or load_weights(config.model)
         self.model_config = cfg = self.weights.config
         check_shardable(cfg, world)  # before any follower starts
@@ -116,9 +120,12 @@ class LLMEngine(EngineCore):
             json.dumps(dataclasses.asdict(config)), world, config.torch_device)
         tp = SINGLE if self.tp_leader is None else self.tp_leader.tp
         self.device = config.torch_device
-        runner, max_model_len = build_runner(config, cfg, self.weights.tensors, tp)
-        if world > 1:  # only this rank's shard stays in memory
-            self.weights = dataclasses.replace(self.weights, tensors={})
+        runner, max_model_len = build_runner(config, cfg, self.weights.tensors, tp,
+                                             consume=owned)
+        # The model holds the weights now (this rank's shard): keep what identifies
+        # them, not a second copy.
+        self.weights = dataclasses.replace(self.weights, tensors={})
+        release_freed_memory()  # what loading, fusing and casting freed
         self.model = runner.model
         kv_cache = runner.kv_cache
         executor = ModelExecutor(runner, Sampler(tuple(cfg.eos_token_ids)), self.tp_leader)

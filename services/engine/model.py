@@ -205,10 +205,29 @@ class LlamaModel(nn.Module):
         logits = self.tp.gather_last_dim(self.lm_head(x).float())
         return logits if self.tp.world_size == 1 else logits[:, :self.cfg.vocab_size]
 
-    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+    @classmethod
+    def from_hf_weights(cls, cfg: ModelConfig, backend: AttentionBackend,
+                        tensors: dict[str, torch.Tensor], *, tp: ParallelContext = SINGLE,
+                        consume: bool = False) -> LlamaModel:
+        """A model holding ``tensors`` themselves where the layout allows, no second copy.
+
+        Built on the meta device (no memory, no random init), then each parameter is the
+        given tensor (o/down projections, norms, an untied embedding) or the one fused or
+        transposed from it. ``consume`` empties ``tensors`` as it goes, so an engine that
+        loaded them for itself never holds two copies of a projection at once.
+        """
+        with torch.device("meta"):
+            model = cls(cfg, backend, tp)
+        model.rotary = Rotary(cfg)  # computed tables, not weights: build them for real
+        model.load_hf_weights(tensors, assign=True, consume=consume)
+        return model
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor], *, assign: bool = False,
+                        consume: bool = False) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; with ``assign``
+        the parameters become those tensors (see ``from_hf_weights``)."""
         own = self.state_dict()
-        loaded: set[str] = set()
+        loaded: dict[str, torch.Tensor] = {}
 
         def put(name: str, value: torch.Tensor) -> None:
             if name.endswith(".weight_t"):
@@ -216,13 +235,16 @@ class LlamaModel(nn.Module):
             if own[name].shape != value.shape:
                 raise ValueError(f"weight {name}: expected shape {tuple(own[name].shape)}, "
                                  f"got {tuple(value.shape)}")
-            own[name].copy_(value)
-            loaded.add(name)
+            if assign:
+                loaded[name] = value.contiguous()
+            else:
+                own[name].copy_(value)
+                loaded[name] = own[name]
 
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise ValueError(f"missing weight {name}")
-            return tensors[name]
+            return tensors.pop(name) if consume else tensors[name]
 
         with torch.no_grad():
             put("norm.weight", take("model.norm.weight"))
@@ -246,6 +268,10 @@ class LlamaModel(nn.Module):
                 put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
                 put(dst + "post_attention_layernorm.weight",
                     take(src + "post_attention_layernorm.weight"))
-        missing = set(own) - loaded
+        missing = set(own) - loaded.keys()
         if missing:
             raise ValueError(f"weights not provided for: {sorted(missing)[:5]}")
+        if assign:
+            self.load_state_dict(loaded, assign=True)
+        if consume:
+            tensors.clear()

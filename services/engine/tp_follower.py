@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     store.set(f"up/{rank}", "1")
     tp, plans = join_group(rank, world, config.rank_device(rank), store)
     weights = load_weights(config.model)
-    runner, _ = build_runner(config, weights.config, weights.tensors, tp)
+    runner, _ = build_runner(config, weights.config, weights.tensors, tp, consume=True)
     del weights  # the shard is in the model now
     steps = 0
     try:

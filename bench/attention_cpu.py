@@ -1,0 +1,114 @@
+"""Attention's share of a batched CPU decode step: chunked decode against the gather path.
+
+    python bench/attention_cpu.py [--model smollm2-135m-instruct] [--batch 64]
+                                  [--prompt-min 64] [--prompt-max 512] [--pairs 10]
+                                  [--threads 1] [--out attention_cpu.json]
+
+One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
+between ``TorchAttention("gather")`` (each decode group's context copied out of the
+paged cache, the earlier path) and ``TorchAttention("chunked")`` (the cache walked a
+chunk of blocks at a time, services/engine/attention_decode.py), old and new in turn
+with the order swapped every pair, so a noisy neighbour hits both alike. Per step:
+wall time of ``engine.step()``, of the attention calls in it (all layers), and the
+process's CPU time. Reported: each path's median [min, max] and the new/old ratio per
+pair, median [min, max]. Both paths write the same K/V, so the batch's context grows
+by one token per step whichever path runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.sampling_params import SamplingParams  # noqa: E402
+from services.engine.attention import AttentionBackend, TorchAttention  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.engine import LLMEngine  # noqa: E402
+
+PATHS = ("gather", "chunked")
+
+
+class Timed(AttentionBackend):
+    """Wraps a backend and adds each call's wall time to ``seconds``."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        t0 = time.perf_counter()
+        out = self.inner.forward(q, k, v, k_cache, v_cache, meta)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="attention_cpu.json")
+    args = ap.parse_args()
+    if args.pairs < 3:
+        raise SystemExit("--pairs must be at least 3: one pair says nothing about the spread")
+    rng = random.Random(args.seed)
+    lens = [rng.randint(args.prompt_min, args.prompt_max) for _ in range(args.batch)]
+    steps = 2 * args.pairs + 2
+    block = 16
+    engine = LLMEngine(EngineConfig(
+        model=args.model, num_threads=args.threads, max_num_seqs=args.batch,
+        block_size=block, max_num_batched_tokens=4096,
+        num_kv_blocks=sum(-(-(n + steps + 1) // block) for n in lens) + 1))
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for n in lens:
+        engine.add_request(None, [rng.randrange(100, 40000) for _ in range(n)], params)
+    t0 = time.perf_counter()
+    while not all(s.output_token_ids for s in engine.requests.values()):
+        engine.step()
+    print(f"prefilled {sum(lens)} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+    engine.model.backend = Timed(TorchAttention("chunked"))
+    engine.step()  # warm: the first decode-only step pays one-time costs
+
+    rows: dict[str, list[dict]] = {p: [] for p in PATHS}
+    for i in range(args.pairs):
+        for path in (PATHS if i % 2 == 0 else PATHS[::-1]):
+            timed = engine.model.backend = Timed(TorchAttention(path))
+            c0, t0 = time.process_time(), time.perf_counter()
+            engine.step()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            rows[path].append({"step_ms": wall * 1e3, "attention_ms": timed.seconds * 1e3,
+                               "share": timed.seconds / wall, "cpu_ms": cpu * 1e3})
+        print(f"pair {i}: " + ", ".join(
+            f"{p} step {rows[p][-1]['step_ms']:.0f} ms attention {rows[p][-1]['share']:.0%}"
+            for p in PATHS), flush=True)
+    summary = {p: {m: _stats([r[m] for r in rows[p]]) for m in rows[p][0]} for p in PATHS}
+    summary["chunked_over_gather"] = {
+        m: _stats([n[m] / o[m] for o, n in zip(rows["gather"], rows["chunked"], strict=True)])
+        for m in ("step_ms", "attention_ms", "cpu_ms")}
+    for key, table in summary.items():
+        print(f"{key}: " + ", ".join(f"{m} {v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]"
+                                     for m, v in table.items()))
+    contexts = [s.num_computed_tokens for s in engine.requests.values()]
+    Path(args.out).write_text(json.dumps({
+        "args": vars(args), "mean_context": statistics.mean(contexts), "runs": rows,
+        "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
