@@ -18,14 +18,20 @@ random, decode least-loaded: no load term) and ours (``CacheAwarePolicy``: predi
 TTFT/TBT from the online cost model, in-flight accounting, conditional disaggregation).
 ``output_tokens`` given to ours is the trace's output length, standing for max_tokens.
 
-SLOs: TTFT <= 30 s and mean TBT <= 0.1 s. The trace's longest prompt (126k tokens)
-prefills in 22 s on an idle group, so 30 s can be met by every request; 0.1 s per token
-is 10 tokens/s, faster than reading. Goodput = requests completed within both.
+Chosen from the workload's own statistics (``derive``; the profile's idle costs, no
+prefix caching), not fixed for one trace:
 
-Load: at the trace's own rate (1x) the prefill groups are ~54 % busy without prefix
-caching; ``--speeds`` compresses time (1.5x: ~81 %) to reach the loaded regime of the
-figures Mooncake reports on its cluster (TTFT 3.07 s cache-aware, 5.27 s load balancing,
-19.65 s random). The overload run (``--overload-speed``) compares ours (reject at arrival
+* SLOs: TTFT <= 2 x the idle prefill of the p99 prompt (every request but the longest
+  1 % can meet it with room for one queue of its own size); mean TBT <= 2 x the decode
+  step of 32 sequences of the mean context (mean prompt + half the mean output).
+* Workers: P prefill = the fewest that the trace at its own rate keeps <= 55 % busy
+  (offered prefill seconds per second / 0.55, rounded up), D decode = P.
+* Speeds (``--speeds auto``): 1x, and the speed at which the P prefill workers would be
+  85 % busy (the loaded regime of Mooncake's figures: TTFT 3.07 s cache-aware, 5.27 s
+  load balancing, 19.65 s random); overload (``--overload-speed auto``): 2x their
+  capacity. ``--quick`` runs least-loaded and ours only, without the overload sweep.
+
+The overload run (``--overload-speed``) compares ours (reject at arrival
 on predicted SLO miss) with per-stage rejection (ours without admission; reject at
 prefill when its queue holds more than W seconds of work, at decode when it has no
 blocks to reserve),
@@ -35,10 +41,13 @@ swept over W and compared at the sweep point of closest goodput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,8 +62,7 @@ from services.conductor.prefix_index import PrefixIndex  # noqa: E402
 from services.conductor.routing_policy import PolicyRequest  # noqa: E402
 
 TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
-SLO_TTFT_S, SLO_TBT_S = 30.0, 0.1
-PREFILL, DECODE = 8, 8
+TARGET_BUSY, LOADED_BUSY, OVERLOAD_BUSY = 0.55, 0.85, 2.0
 PROFILE_FILE = "llama70b-h100x4"
 TRACE_BLOCK = 512  # tokens per hash id of the Mooncake traces
 
@@ -109,22 +117,56 @@ def max_hit(index: PrefixIndex, seed: int):
     return route
 
 
-def ours(profile: Profile, index: PrefixIndex, cost: CostModel, *, admission: bool):
+def ours(profile: Profile, index: PrefixIndex, cost: CostModel, setup: Setup, *,
+         admission: bool):
     policy = CacheAwarePolicy(index, cost, PolicyConfig(
         profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth))
 
     def route(views, req):
         return policy.decide(views, PolicyRequest(
             prompt_tokens=req.prompt, block_hashes=req.hashes, block_size=profile.block_size,
-            slo_ttft_s=SLO_TTFT_S, slo_tbt_s=SLO_TBT_S, output_tokens=req.output,
+            slo_ttft_s=setup.slo_ttft_s, slo_tbt_s=setup.slo_tbt_s, output_tokens=req.output,
             admission=admission))
     return route
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """SLOs, worker counts and speeds derived from a trace (see the module docstring)."""
+
+    slo_ttft_s: float
+    slo_tbt_s: float
+    prefill: int
+    decode: int
+    busy_at_1x: float  # prefill workers' share of time busy at the trace's rate, no cache
+    loaded_speed: float
+    overload_speed: float
+
+    def line(self) -> str:
+        return (f"SLO TTFT <= {self.slo_ttft_s:.1f}s, TBT <= {self.slo_tbt_s * 1e3:.0f}ms; "
+                f"{self.prefill} prefill + {self.decode} decode ({self.busy_at_1x:.0%} busy "
+                f"at 1x); loaded {self.loaded_speed:.2f}x, overload {self.overload_speed:.2f}x")
+
+
+def derive(reqs, profile: Profile) -> Setup:
+    prompts = sorted(r.prompt for r in reqs)
+    p99 = prompts[min(len(prompts) - 1, math.ceil(0.99 * len(prompts)) - 1)]
+    context = sum(prompts) / len(prompts) + sum(r.output for r in reqs) / len(reqs) / 2
+    span = max(r.arrival for r in reqs) - min(r.arrival for r in reqs)
+    work = sum(profile.prefill_s(r.prompt, 0) for r in reqs) / span  # busy workers
+    prefill = max(1, math.ceil(work / TARGET_BUSY))
+    busy = work / prefill
+    return Setup(slo_ttft_s=2 * profile.prefill_s(p99, 0),
+                 slo_tbt_s=2 * profile.decode_step_s(32, int(32 * context)),
+                 prefill=prefill, decode=prefill, busy_at_1x=busy,
+                 loaded_speed=LOADED_BUSY / busy, overload_speed=OVERLOAD_BUSY / busy)
 
 
 POLICIES = ("random", "round_robin", "least_loaded", "cache_aware", "ours")
 
 
-def simulate(name: str, trace: str, speed: float, limit: int | None, *, seed: int = 0,
+def simulate(name: str, trace: str, speed: float, limit: int | None, setup: Setup, *,
+             seed: int = 0,
              admission: bool = False, stage_wait_s: float | None = None,
              profile: Profile | None = None, noise: float = 0.0,
              kv_lease_s: float = 10.0) -> dict:
@@ -135,19 +177,20 @@ def simulate(name: str, trace: str, speed: float, limit: int | None, *, seed: in
              "round_robin": lambda: baseline(PerRole(RoundRobin)),
              "least_loaded": lambda: baseline(LeastLoaded()),
              "cache_aware": lambda: max_hit(index, seed),
-             "ours": lambda: ours(profile, index, cost, admission=admission)}[name]()
+             "ours": lambda: ours(profile, index, cost, setup, admission=admission)}[name]()
     t0 = time.perf_counter()
-    sim = Simulator(profile, route, prefill=PREFILL, decode=DECODE, index=index, cost=cost,
+    sim = Simulator(profile, route, prefill=setup.prefill, decode=setup.decode, index=index,
+                    cost=cost,
                     stage_reject_wait_s=stage_wait_s, kv_lease_s=kv_lease_s, noise=noise,
                     seed=seed)
     sim.run(reqs)
-    return summarize(name, reqs, speed, time.perf_counter() - t0)
+    return summarize(name, reqs, speed, time.perf_counter() - t0, setup)
 
 
-def summarize(name: str, reqs, speed: float, wall_s: float) -> dict:
+def summarize(name: str, reqs, speed: float, wall_s: float, setup: Setup) -> dict:
     done = [r for r in reqs if r.done is not None]
     ttft, tbt = [r.ttft for r in done], [r.tbt for r in done]
-    good = sum(1 for r in done if r.ttft <= SLO_TTFT_S and r.tbt <= SLO_TBT_S)
+    good = sum(1 for r in done if r.ttft <= setup.slo_ttft_s and r.tbt <= setup.slo_tbt_s)
     span = max(r.arrival for r in reqs) or 1.0
     rejected = {s: sum(1 for r in reqs if r.rejected == s) for s in ("arrival", "prefill",
                                                                       "decode")}
@@ -216,8 +259,11 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=TRACE)
-    ap.add_argument("--speeds", default="1,1.5")
-    ap.add_argument("--overload-speed", type=float, default=4.0)
+    ap.add_argument("--speeds", default="auto", help="comma-separated, or auto: 1 and the "
+                    "speed at which the prefill workers are 85%% busy")
+    ap.add_argument("--overload-speed", default="auto")
+    ap.add_argument("--quick", action="store_true",
+                    help="least-loaded and ours only, no overload sweep")
     ap.add_argument("--stage-waits", default="5,10,15,20,25,30")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--profile", default=PROFILE_FILE, help="cost profile name or path")
@@ -228,14 +274,27 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     profile = Profile.load(args.profile, block_size=TRACE_BLOCK)
+    setup = derive(load_trace(args.trace, limit=args.limit), profile)
     kw = {"profile": profile, "noise": args.noise, "kv_lease_s": args.kv_lease}
-    rows = [simulate(p, args.trace, float(s), args.limit, **kw)
-            for s in args.speeds.split(",") for p in POLICIES]
-    print(f"SLO: TTFT <= {SLO_TTFT_S}s, TBT <= {SLO_TBT_S}s; {PREFILL} prefill + {DECODE} "
-          f"decode x {profile.name} ({profile.kv_blocks} KV blocks of {TRACE_BLOCK} tokens), "
-          f"noise {args.noise}, KV lease {args.kv_lease}s")
+    speeds = [1.0, round(setup.loaded_speed, 2)] if args.speeds == "auto" else \
+        [float(s) for s in args.speeds.split(",")]
+    policies = ("least_loaded", "ours") if args.quick else POLICIES
+    rows = [simulate(p, args.trace, s, args.limit, setup, **kw)
+            for s in speeds for p in policies]
+    print(f"{setup.line()}\n{profile.name} ({profile.kv_blocks} KV blocks of {TRACE_BLOCK} "
+          f"tokens), noise {args.noise}, KV lease {args.kv_lease}s")
     print_table(rows)
-    ov = args.overload_speed
+    result = {"setup": dataclasses.asdict(setup), "profile": profile.name,
+              "noise": args.noise, "kv_lease_s": args.kv_lease, "policies": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {out.with_suffix('.json')} in {time.perf_counter() - t0:.0f}s")
+        return
+    ov = round(setup.overload_speed, 2) if args.overload_speed == "auto" else \
+        float(args.overload_speed)
+    kw["setup"] = setup
     unguarded = simulate("ours", args.trace, ov, args.limit, **kw)
     early = simulate("ours", args.trace, ov, args.limit, admission=True, **kw)
     stage = [dict(simulate("ours", args.trace, ov, args.limit, stage_wait_s=float(w), **kw),
@@ -251,14 +310,9 @@ def main() -> None:
     print(f"  closest goodput: per-stage W={match['stage_wait_s']:g}s rejects "
           f"{match['rejected']} vs early {early['rejected']} "
           f"(goodput {match['goodput']} vs {early['goodput']})")
-    result = {"slo": {"ttft_s": SLO_TTFT_S, "tbt_s": SLO_TBT_S}, "profile": profile.name,
-              "noise": args.noise, "kv_lease_s": args.kv_lease,
-              "workers": {"prefill": PREFILL, "decode": DECODE}, "policies": rows,
-              "overload": {"speed": ov, "no_rejection": unguarded, "early": early,
-                           "per_stage": stage, "closest": match["stage_wait_s"]},
-              "wall_s": round(time.perf_counter() - t0, 1)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result |= {"overload": {"speed": ov, "no_rejection": unguarded, "early": early,
+                            "per_stage": stage, "closest": match["stage_wait_s"]},
+               "wall_s": round(time.perf_counter() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and .png in {result['wall_s']}s")

@@ -3,9 +3,14 @@
     pdserve generate [--model NAME] [--max-tokens N] [--temperature T] [--chat] PROMPT...
     pdserve gateway|conductor|prefill|decode|unified|cache-pool [--config FILE] [--key value ...]
     pdserve keys --out DIR
+    pdserve advise --workers N --slo-ttft-ms MS --slo-tpot-ms MS (--trace PATH | --rate R ...)
 
 ``pdserve keys`` writes a CURVE key pair per role into DIR (see docs/security.md);
 point every process at it with ``curve_keys_dir`` (``PDSERVE_CURVE_KEYS_DIR``).
+
+``pdserve advise`` simulates every deployment of N workers (colocated, each P:D split,
+with and without the cache pool) on a workload and writes the best one's config
+(services/advisor/cli.py).
 
 Each service subcommand runs that process; ``pdserve SERVICE --help`` lists its settings.
 """
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from services.advisor import cli as advisor_cli
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -67,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="write a CURVE key pair per role into a directory")
     keys.add_argument("--out", required=True, help="directory for the key files")
     keys.set_defaults(func=_keys)
+    adv = sub.add_parser("advise", help="find the best deployment of N workers for a "
+                         "workload under SLOs, on the simulator")
+    advisor_cli.add_arguments(adv)
+    adv.set_defaults(func=advisor_cli.run)
     return parser
 
 

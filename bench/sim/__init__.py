@@ -1,2 +1,2 @@
-"""Offline simulation of a prefill/decode cluster: cost profiles and a discrete-event
-simulator that drives the conductor's policy objects over a trace."""
+"""The cluster simulator lives in ``services/sim/`` (``pdserve advise`` ships it); these
+modules keep the benchmarks' and tests' ``bench.sim.*`` imports working."""

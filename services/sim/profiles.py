@@ -1,0 +1,104 @@
+"""Simulated worker profiles: what a prefill, a decode step and moving KV cost, and how
+many KV blocks a worker has.
+
+The costs come from a cost profile file (``deploy/profiles/<name>.json``, the file the
+conductor loads with ``cost_profile``; ``common/cost_profile.py``): the simulator runs
+those true costs (with optional noise, ``Simulator(noise=...)``) and the policy's cost
+model starts from the same calibration and refits from the timings the simulated workers
+report in their heartbeats. A worker's prefix cache is its KV blocks, nothing else: the
+profile's ``kv_capacity_tokens`` in blocks of the trace's hash block.
+
+``LLAMA70B_H100X4`` -- a Llama-2-70B-shaped model (80 layers, hidden 8192, 64 query heads,
+8 KV heads of dimension 128) in bf16 on one 4 x H100 SXM 80 GB tensor-parallel group.
+Public figures used: H100 SXM dense bf16 989 TFLOP/s and HBM3 3.35 TB/s per GPU
+(NVIDIA datasheet); one ConnectX-7 400 Gb/s NIC per GPU.
+
+* KV per token: 80 layers x 8 heads x 128 x 2 (K and V) x 2 bytes = 327,680 B (320 KiB).
+* Prefill matmuls: 2 x 70e9 FLOP/token over 4 x 989 TFLOP/s at an assumed 45 % MFU
+  (1.78 PFLOP/s) -> 79 us/token, about 12,700 tok/s per group.
+* Prefill attention: 4 x 8192 x 80 = 2.6 MFLOP per (query, key) pair at the same rate
+  -> 1.5 ns/pair (an 8k-token prompt: 0.65 s of matmuls + 0.05 s of attention).
+* Decode step: weights 140 GB read at 70 % of 4 x 3.35 TB/s -> 15 ms; 0.1 ms per
+  sequence (matmul FLOPs and sampling); KV read 327,680 B/token at the same 9.4 TB/s
+  -> 35 ns per context token. Batch 32 at 12k tokens each: 15 + 3 + 13.6 = 32 ms.
+* KV capacity: 320 GB HBM - 140 GB weights - ~20 GB activations and workspace = 160 GB
+  -> 488k tokens -> 950 blocks of 512 tokens.
+* Link: 4 x 400 Gb/s = 200 GB/s raw, 100 GB/s assumed achieved -> 12k tokens of KV
+  (3.9 GB) in 39 ms.
+
+The file is ``deploy/profiles/llama70b-h100x4.json``. ``SMALL_CPU`` is this machine's
+calibration of the default small model (``smollm2-cpu.json``, ``bench/calibrate.py``)
+with 2048 blocks of 16 tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.cost_profile import CostProfile, cost, decode_terms, load_profile, prefill_terms
+from common.records import CostCoefficients
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    cost: CostCoefficients
+    kv_bytes_per_token: int
+    block_size: int  # tokens per KV block (the prefix-hash block of the trace)
+    kv_blocks: int  # a worker's KV capacity in blocks: also its whole prefix cache
+    link_bandwidth: float  # bytes/s, prefill -> decode
+    pool_bandwidth: float  # bytes/s, pool tier -> worker
+
+    def __post_init__(self) -> None:
+        for name in ("kv_bytes_per_token", "block_size", "kv_blocks", "link_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"profile {self.name}: {name} must be > 0")
+        if self.pool_bandwidth < 0:
+            raise ValueError(f"profile {self.name}: pool_bandwidth must be >= 0")
+
+    @classmethod
+    def from_cost_profile(cls, cp: CostProfile, *, block_size: int | None = None,
+                          kv_blocks: int | None = None) -> Profile:
+        """The simulated worker of a cost profile. ``block_size`` (default the profile's)
+        is the hash block of the trace the simulator replays; ``kv_blocks`` (default the
+        profile's ``kv_capacity_tokens`` in such blocks) its KV capacity."""
+        bs = cp.block_size if block_size is None else block_size
+        blocks = cp.kv_capacity_tokens // bs if kv_blocks is None else kv_blocks
+        if blocks <= 0:
+            raise ValueError(f"profile {cp.name}: no KV capacity (kv_capacity_tokens "
+                             f"{cp.kv_capacity_tokens}); give kv_blocks")
+        return cls(name=cp.name, cost=CostCoefficients(*cp.coefficients()),
+                   kv_bytes_per_token=cp.kv_bytes_per_token, block_size=bs,
+                   kv_blocks=blocks, link_bandwidth=cp.link_bandwidth,
+                   pool_bandwidth=cp.pool_bandwidth)
+
+    @classmethod
+    def load(cls, spec: str, **kw) -> Profile:
+        """``from_cost_profile`` of a profile file (a path or a name in deploy/profiles)."""
+        return cls.from_cost_profile(load_profile(spec), **kw)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    def prefill_s(self, n: int, c: int) -> float:
+        """True seconds to prefill ``n`` new tokens after ``c`` cached ones."""
+        if n <= 0:
+            return 0.0
+        k = self.cost
+        return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
+                    prefill_terms(n, c))
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """True seconds of one decode step."""
+        if batch <= 0:
+            return 0.0
+        k = self.cost
+        return cost((k.decode_fixed_s, k.decode_per_seq_s, k.decode_per_ctx_token_s),
+                    decode_terms(batch, context_tokens))
+
+
+LLAMA70B_H100X4 = Profile.load("llama70b-h100x4", block_size=512)
+SMALL_CPU = Profile.load("smollm2-cpu", kv_blocks=2048)
+
+PROFILES = {p.name: p for p in (LLAMA70B_H100X4, SMALL_CPU)}

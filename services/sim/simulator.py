@@ -1,0 +1,171 @@
+r"""An offline discrete-event simulator of a prefill/decode cluster that drives the
+conductor's own policy objects over a whole trace in seconds, under the rules the live
+workers follow (services/sim/workers.py):
+
+    arrival --route()--> Rejection                                  (rejected "arrival")
+                     \-> Decision
+      remote: decode reserves the blocks (else prefills locally) --> prefill FIFO
+              --prefill--> link FIFO --KV of the blocks decode lacks--> joins the batch
+              (the KV lease runs out first: blocks freed, prefilled locally)
+      local:  decode queue (until its blocks fit) --> prefill on the decode worker,
+              stalling its batch --> joins the batch
+      batch: output-1 steps --> done; its blocks freed and still cached
+
+* Every worker's prefix cache is its own KV blocks (``kv_blocks``, services/sim/kv_blocks.py),
+  blocks of running requests included and evicted LRU once free, as the engine keeps
+  them; no other cache. ``pool_blocks`` > 0 adds the pool's DRAM tier, a separate
+  location that prefill writes back to and any worker fetches from at ``pool_bandwidth``.
+* Decode workers batch continuously; a step of B sequences holding K tokens takes
+  ``profile.decode_step_s(B, K)``. Between batch changes step times form an arithmetic
+  series (K grows by B a step), so the simulator jumps between changes in closed form.
+* Costs are a profile file's (``Profile.load``), times a lognormal factor of
+  ``noise`` (sigma; mean 1) per prefill and per run of decode steps.
+* Caches publish ``stored``/``removed`` to the prefix index at once (KV events); load
+  and step timings reach the policy only in heartbeats every ``heartbeat_s`` through
+  ``Registry`` and the conductor's sample fitting, so the policy sees stale counters
+  plus its own in-flight accounting, and a duration only after the work ran.
+* TTFT = arrival to the first token at the decode worker (KV landed, or the local
+  prefill done); TBT = (done - first token) / (output - 1), the request's mean.
+* ``stage_reject_wait_s`` turns on per-stage rejection: at a prefill worker whose queue
+  holds more than that many seconds of work, and at a decode worker that cannot reserve
+  the request's blocks (instead of prefilling it locally).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from collections.abc import Callable
+
+from common.protocol import WorkerInfo
+from services.conductor.cache_policy import Rejection
+from services.conductor.cost_model import CostModel
+from services.conductor.prefix_index import PrefixIndex
+from services.conductor.registry import Registry, WorkerView
+from services.conductor.router import fit_step_samples
+from services.sim.kv_blocks import PoolTier
+from services.sim.profiles import Profile
+from services.sim.request import SimRequest
+from services.sim.workers import DecodeWorker, PrefillWorker
+
+
+def load_trace(path: str, *, speed: float = 1.0, limit: int | None = None) -> list[SimRequest]:
+    """Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids); ``speed`` > 1
+    compresses time."""
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    with open(path) as f:
+        rows = [json.loads(line) for i, line in enumerate(f) if limit is None or i < limit]
+    return [SimRequest(i, r["timestamp"] / 1000 / speed, int(r["input_length"]),
+                       max(1, int(r["output_length"])), list(r["hash_ids"]))
+            for i, r in enumerate(rows)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))] if s else math.nan
+
+
+Router = Callable[[list[WorkerView], SimRequest], object]  # -> Decision | Rejection
+
+
+class Simulator:
+    """One run: ``Simulator(...).run(requests)`` fills in every request's outcome."""
+
+    def __init__(self, profile: Profile, route: Router, *, prefill: int, decode: int,
+                 index: PrefixIndex | None = None, cost: CostModel | None = None,
+                 heartbeat_s: float = 1.0, pool_blocks: int = 0,
+                 stage_reject_wait_s: float | None = None, kv_lease_s: float = 10.0,
+                 noise: float = 0.0, seed: int = 0) -> None:
+        if decode <= 0 or prefill < 0 or heartbeat_s <= 0:
+            raise ValueError("need decode >= 1, prefill >= 0 workers and heartbeat_s > 0")
+        if pool_blocks and profile.pool_bandwidth <= 0:
+            raise ValueError("a pool tier needs profile.pool_bandwidth > 0")
+        if not kv_lease_s > 0 or not 0 <= noise < 2:
+            raise ValueError("need kv_lease_s > 0 and 0 <= noise < 2")
+        self.profile, self.route, self.cost = profile, route, cost
+        self.index = PrefixIndex() if index is None else index
+        self.heartbeat_s, self.stage_reject_wait_s = heartbeat_s, stage_reject_wait_s
+        self.kv_lease_s, self.noise, self._rng = kv_lease_s, noise, random.Random(seed)
+        self.pool = PoolTier(pool_blocks, self.index) if pool_blocks else None
+        self.registry = Registry(heartbeat_s)
+        self.workers: dict[str, PrefillWorker | DecodeWorker] = {}
+        for role, cls, count in (("prefill", PrefillWorker, prefill),
+                                 ("decode", DecodeWorker, decode)):
+            for i in range(count):
+                wid = f"{role}-{i}"
+                self.workers[wid] = cls(self, wid)
+                self.registry.workers[wid] = WorkerView(WorkerInfo(
+                    worker_id=wid, role=role, model="sim", control_addr="", kv_addr="",
+                    host_id=wid, block_size=profile.block_size, num_blocks=profile.kv_blocks,
+                    fingerprint=profile.name), last_seen=0.0, free_blocks=profile.kv_blocks)
+        self.views = list(self.registry.workers.values())
+        self._heap: list = []
+        self._seq = self.open = 0
+        self.bad_samples = 0
+
+    def jitter(self) -> float:
+        """A lognormal factor of mean 1 (1.0 without noise)."""
+        if not self.noise:
+            return 1.0
+        return math.exp(self._rng.gauss(-self.noise ** 2 / 2, self.noise))
+
+    def prefill_s(self, n: int, c: int) -> float:
+        return self.profile.prefill_s(n, c) * self.jitter()
+
+    def push(self, t: float, fn: Callable, arg: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def finish(self, req: SimRequest, rejected: str, now: float | None = None) -> None:
+        req.rejected, req.done = rejected, now
+        self.open -= 1
+
+    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        cap, bs = self.profile.kv_blocks, self.profile.block_size
+        for req in requests:
+            if max(len(req.hashes), -(-(req.prompt + req.output) // bs)) > cap:
+                raise ValueError(f"request {req.rid} needs more than the {cap} KV blocks "
+                                 "of a decode worker")
+            self.push(req.arrival, self._arrive, req)
+        self.open = len(requests)
+        self.push(self.heartbeat_s, self._heartbeat, 1)
+        while self._heap:
+            t, _, fn, arg = heapq.heappop(self._heap)
+            fn(t) if arg is None else fn(t, arg)
+        return requests
+
+    def _heartbeat(self, now: float, seq: int) -> None:
+        for w in self.workers.values():
+            hb = w.heartbeat(seq, now)
+            if self.registry.heartbeat(hb, now=now) and self.cost is not None:
+                self.bad_samples += fit_step_samples(self.cost, hb.prefill_steps,
+                                                     hb.decode_steps)[1]
+        if self.open > 0:
+            if not self._heap:
+                raise RuntimeError(f"{self.open} requests can never finish (t={now})")
+            self.push(now + self.heartbeat_s, self._heartbeat, seq + 1)
+
+    def _arrive(self, now: float, req: SimRequest) -> None:
+        decision = self.route(self.views, req)
+        if isinstance(decision, Rejection):
+            return self.finish(req, "arrival")
+        req.decode_id = decision.decode.worker_id
+        dec = self.workers[req.decode_id]
+        if decision.prefill is None:
+            dec.accept(req, now, remote=False)
+            return
+        req.prefill_id = req.routed_prefill = decision.prefill.worker_id
+        pre = self.workers[req.prefill_id]
+        if self.stage_reject_wait_s is not None and pre.wait_s(now) > self.stage_reject_wait_s:
+            return self.finish(req, "prefill")
+        outcome = dec.accept(req, now, remote=True)
+        if outcome == "reject":
+            return self.finish(req, "decode")
+        if outcome == "local":  # no blocks to reserve: the decode worker prefills it
+            req.prefill_id, req.fell_back = None, True
+            return
+        pre.enqueue(req, now)

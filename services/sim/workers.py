@@ -1,0 +1,293 @@
+"""Simulated prefill and decode workers, following the live roles' rules
+(services/worker/prefill_role.py, decode_role.py; services/engine/remote_prefill.py).
+
+Decode, for a request routed to a prefill worker: reserve the request's blocks now
+(reusing its own cached prefix) and wait for the KV under a lease of ``kv_lease_s``;
+if the blocks are not free, prefill it here instead (per-stage rejection on: reject
+it). KV that lands in time joins the batch at the next step boundary; a lease that
+runs out frees the blocks, tells the prefill worker to drop the job, and queues the
+prompt here. A local prompt waits in the engine's queue until its blocks are free and
+then prefills between decode steps, stalling the batch.
+
+Prefill: one prompt at a time, in arrival order, once its blocks fit; cached prefix
+from its own KV blocks, then the pool tier's blocks beyond it (fetched); the KV of the
+blocks the decode worker lacks then crosses the link, after which the blocks are freed
+(and stay cached).
+
+Timings reach the conductor only in heartbeats, as step samples of work already done.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from common.protocol import Heartbeat, StepSample
+from services.sim.kv_blocks import KVBlocks
+
+if TYPE_CHECKING:
+    from services.sim.request import SimContext, SimRequest
+
+MAX_SAMPLES = 32  # per heartbeat and kind, as a live worker sends
+
+
+def take(samples: deque) -> list[StepSample]:
+    out = list(samples)
+    samples.clear()
+    return out
+
+
+class PrefillWorker:
+    def __init__(self, sim: SimContext, wid: str) -> None:
+        self.sim, self.id, self.prof = sim, wid, sim.profile
+        self.kv = KVBlocks(wid, self.prof.kv_blocks, sim.index)
+        self.queue: deque[tuple[SimRequest, int]] = deque()  # (request, uncached estimate)
+        self.queued_tokens = 0
+        self.current: tuple[SimRequest, int, float, float] | None = None  # n, compute, end
+        self.link_free = self.last_s = 0.0
+        self.samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
+        self.dropped: set[int] = set()  # jobs whose decode worker gave up
+
+    def blocks(self, req: SimRequest) -> int:
+        return max(len(req.hashes), -(-req.prompt // self.prof.block_size))
+
+    def wait_s(self, now: float) -> float:
+        """True seconds of work ahead of a new arrival."""
+        busy = self.current[3] - now if self.current else 0.0
+        return busy + sum(self.prof.prefill_s(n, r.prompt - n) for r, n in self.queue)
+
+    def enqueue(self, req: SimRequest, now: float) -> None:
+        n = req.prompt - min(self.kv.prefix(req.hashes) * self.prof.block_size,
+                             req.prompt - 1)
+        self.queue.append((req, n))
+        self.queued_tokens += n
+        if self.current is None:
+            self._start(now)
+
+    def drop(self, req: SimRequest) -> None:
+        """The decode worker's lease ran out: a queued job goes, a running one ends
+        without sending its KV."""
+        for i, (r, n) in enumerate(self.queue):
+            if r is req:
+                del self.queue[i]
+                self.queued_tokens -= n
+                return
+        self.dropped.add(req.rid)
+
+    def _start(self, now: float) -> None:
+        if self.current is not None or not self.queue:
+            return
+        req, est = self.queue[0]
+        own = self.kv.admit(req.rid, req.hashes, self.blocks(req))
+        if own is None:
+            return  # its blocks are held by transfers in flight; a release retries
+        self.queue.popleft()
+        self.queued_tokens -= est
+        prof, pool = self.prof, self.sim.pool
+        fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
+        cached = min((own + fetch) * prof.block_size, req.prompt - 1)
+        n = req.prompt - cached
+        compute = self.sim.prefill_s(n, cached)
+        end = now + compute + (fetch * prof.block_bytes / prof.pool_bandwidth if fetch else 0)
+        req.cached = cached
+        self.current = (req, n, compute, end)
+        self.sim.push(end, self._finish)
+
+    def _finish(self, now: float) -> None:
+        (req, n, compute, _), sim = self.current, self.sim
+        self.current, self.last_s = None, compute
+        self.samples.append(StepSample(seconds=compute, tokens=[n], cached=[req.cached]))
+        self.kv.commit(req.rid, req.hashes)
+        if sim.pool:
+            sim.pool.insert(req.hashes)  # write-back of the computed blocks
+        if req.rid in self.dropped:
+            self.dropped.discard(req.rid)
+            self.kv.release(req.rid)
+        else:
+            missing = req.prompt - min(req.decode_hit * self.prof.block_size, req.prompt)
+            self.link_free = max(now, self.link_free) + \
+                missing * self.prof.kv_bytes_per_token / self.prof.link_bandwidth
+            sim.push(self.link_free, self._sent, req)
+        self._start(now)
+
+    def _sent(self, now: float, req: SimRequest) -> None:
+        self.kv.release(req.rid)
+        self.sim.workers[req.decode_id].kv_arrived(now, req)
+        self._start(now)
+
+    def heartbeat(self, seq: int, now: float) -> Heartbeat:
+        left = 0
+        if self.current and self.current[2] > 0:
+            _, n, compute, end = self.current
+            left = int(n * min(1.0, (end - now) / compute))
+        return Heartbeat(worker_id=self.id, role="prefill", seq=seq, running=0,
+                         waiting=len(self.queue) + (self.current is not None),
+                         queued_prefill_tokens=self.queued_tokens + left,
+                         free_blocks=self.kv.free, total_blocks=self.kv.capacity,
+                         step_time_ms=self.last_s * 1e3, prefill_steps=take(self.samples))
+
+
+class DecodeWorker:
+    def __init__(self, sim: SimContext, wid: str) -> None:
+        self.sim, self.id, self.prof = sim, wid, sim.profile
+        self.kv = KVBlocks(wid, self.prof.kv_blocks, sim.index)
+        self.finish: list[tuple[int, int, SimRequest]] = []  # (last step, rid, request)
+        self.joined: dict[int, int] = {}  # rid -> step count when it joined
+        self.B = self.K = self.steps = 0  # batch, context tokens, steps run
+        self.t = self.last_step = 0.0  # t: time of the last step boundary
+        self.factor = 1.0  # noise on the step times until the batch changes
+        self.awaiting: dict[int, SimRequest] = {}  # reserved, KV not landed
+        self.queued: deque[SimRequest] = deque()  # local prompts waiting for blocks
+        self.local: deque[SimRequest] = deque()  # local prompts holding blocks
+        self.joiners: list[SimRequest] = []
+        self.stalled, self.version = False, 0
+        self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
+        self.decode_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
+        self.fallbacks = 0
+
+    def need(self, req: SimRequest) -> int:
+        return max(len(req.hashes), -(-(req.prompt + req.output) // self.prof.block_size))
+
+    def accept(self, req: SimRequest, now: float, *, remote: bool) -> str:
+        """"remote" (blocks reserved, KV expected), "local" (queued to prefill here) or
+        "reject" (no blocks and per-stage rejection on)."""
+        if remote:
+            hit = self.kv.admit(req.rid, req.hashes, self.need(req))
+            if hit is not None:
+                req.decode_hit = hit
+                self.awaiting[req.rid] = req
+                self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
+                return "remote"
+            if self.sim.stage_reject_wait_s is not None:
+                return "reject"
+        self.queued.append(req)
+        self._pump(now)
+        return "local"
+
+    def kv_arrived(self, now: float, req: SimRequest) -> None:
+        if self.awaiting.pop(req.rid, None) is None:
+            return  # its lease ran out: it is prefilled here
+        self.kv.commit(req.rid, req.hashes)
+        req.first_token = now
+        self.joiners.append(req)
+        self._schedule(now)
+
+    def _lease_out(self, now: float, req: SimRequest) -> None:
+        if self.awaiting.pop(req.rid, None) is None:
+            return
+        self.kv.release(req.rid)
+        self.sim.workers[req.prefill_id].drop(req)
+        req.prefill_id, req.fell_back = None, True
+        self.fallbacks += 1
+        self.queued.append(req)
+        self._pump(now)
+
+    def _pump(self, now: float) -> None:
+        """Admit queued local prompts, in order, while their blocks fit."""
+        pool, bs = self.sim.pool, self.prof.block_size
+        while self.queued:
+            req = self.queued[0]
+            own = self.kv.admit(req.rid, req.hashes, self.need(req))
+            if own is None:
+                break
+            self.queued.popleft()
+            req.fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
+            req.cached = min((own + req.fetch) * bs, req.prompt - 1)
+            self.local.append(req)
+        self._schedule(now)
+
+    def _time_at(self, m: int) -> float:
+        """Time of the boundary ``m`` steps after the last one, the batch unchanged."""
+        half_slope = self.prof.cost.decode_per_ctx_token_s * self.B / 2
+        return self.t + self.factor * (m * self.prof.decode_step_s(self.B, self.K)
+                                       + half_slope * m * (m - 1))
+
+    def _schedule(self, now: float) -> None:
+        """Book the next boundary where the batch changes: the first to end a request,
+        or, with requests to add, the first at or after ``now``."""
+        if self.stalled:
+            return
+        self.version += 1
+        if self.B == 0:
+            self.t = max(self.t, now)
+            if self.joiners or self.local:
+                self.sim.push(self.t, self._boundary, (self.version, 0))
+            return
+        m = self.finish[0][0] - self.steps
+        if self.joiners or self.local:
+            h = self.factor * self.prof.cost.decode_per_ctx_token_s * self.B / 2
+            s0, dt = self.factor * self.prof.decode_step_s(self.B, self.K), now - self.t
+            root = dt / s0 if h == 0 else \
+                (-(s0 - h) + math.sqrt((s0 - h) ** 2 + 4 * h * dt)) / (2 * h)
+            k = max(1, math.ceil(root))
+            k = k - 1 if k > 1 and self._time_at(k - 1) >= now else k
+            m = min(m, k + 1 if self._time_at(k) < now else k)
+        self.sim.push(self._time_at(m), self._boundary, (self.version, m))
+
+    def _boundary(self, now: float, arg: tuple[int, int]) -> None:
+        version, m = arg
+        if version != self.version:
+            return
+        if m:
+            self.last_step = (self._time_at(m) - self.t) / m
+            self.decode_samples.append(StepSample(seconds=self.last_step, batch=self.B,
+                                           context=self.K + self.B * (m - 1) // 2))
+            self.K += m * self.B
+            self.steps += m
+        self.t = now
+        while self.finish and self.finish[0][0] <= self.steps:
+            self._retire(heapq.heappop(self.finish)[2], now, joined=True)
+        if self.local:
+            return self._start_local(now)
+        for req in self.joiners:
+            if req.output <= 1:
+                self._retire(req, now, joined=False)
+                continue
+            self.joined[req.rid] = self.steps
+            heapq.heappush(self.finish, (self.steps + req.output - 1, req.rid, req))
+            self.B += 1
+            self.K += req.prompt
+        self.joiners.clear()
+        self.factor = self.sim.jitter()
+        self._pump(now)
+
+    def _retire(self, req: SimRequest, now: float, joined: bool) -> None:
+        if joined:
+            self.B -= 1
+            self.K -= req.prompt + self.steps - self.joined.pop(req.rid)
+        self.kv.release(req.rid)  # its prompt blocks stay cached until evicted
+        self.sim.finish(req, "", now)
+
+    def _start_local(self, now: float) -> None:
+        req = self.local.popleft()
+        n = req.prompt - req.cached
+        compute = self.sim.prefill_s(n, req.cached)
+        fetch_s = req.fetch * self.prof.block_bytes / self.prof.pool_bandwidth \
+            if req.fetch else 0.0
+        self.stalled = True
+        self.version += 1
+        self.sim.push(now + fetch_s + compute, self._end_local, (req, n, compute))
+
+    def _end_local(self, now: float, arg: tuple[SimRequest, int, float]) -> None:
+        req, n, compute = arg
+        self.prefill_samples.append(StepSample(seconds=compute, tokens=[n], cached=[req.cached]))
+        self.stalled, self.t, req.first_token = False, now, now  # the batch resumes now
+        self.kv.commit(req.rid, req.hashes)
+        if self.sim.pool:  # a decode or unified worker writes back what it computed too
+            self.sim.pool.insert(req.hashes)
+        self.joiners.append(req)
+        self._boundary(now, (self.version, 0))
+
+    def heartbeat(self, seq: int, now: float) -> Heartbeat:
+        local = sum(r.prompt for r in self.queued) + sum(r.prompt - r.cached
+                                                         for r in self.local)
+        return Heartbeat(worker_id=self.id, role="decode", seq=seq,
+                         running=self.B + len(self.joiners),
+                         waiting=len(self.queued) + len(self.local),
+                         waiting_for_kv=len(self.awaiting), queued_prefill_tokens=local,
+                         free_blocks=self.kv.free, total_blocks=self.kv.capacity,
+                         step_time_ms=self.last_step * 1e3,
+                         prefill_steps=take(self.prefill_samples),
+                         decode_steps=take(self.decode_samples))
