@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo): a TP=2 engine equals TP=1 token for token, its
-KV blocks hold its heads' slice, and a follower that dies makes the engine fail fast."""
+cache holds its heads' slice, and a follower that dies makes the engine fail fast."""
 
 from __future__ import annotations
 
@@ -58,12 +58,12 @@ def test_tp2_equals_tp1_with_chunks_preemption_and_prefix_hit(tiny_dirs, tp_engi
     assert two.scheduler.num_preemptions > 0
     assert cached == 32  # two full 16-token blocks of the shared prefix
     # Each rank holds half of the 4 query heads and one of the 2 KV heads.
-    assert two.kv_store.k.shape[3] == 1 and one.kv_store.k.shape[3] == 2
+    assert two.kv_store.local.k.shape[3] == 1 and one.kv_store.k.shape[3] == 2
     attn = two.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-    assert two.fingerprint != one.fingerprint  # a rank's blocks are a layout of their own
+    assert two.fingerprint == one.fingerprint  # KV moves in the all-heads layout
 
-    # KV export: rank 0's blocks hold KV head 0 of the whole model's blocks.
+    # Rank 0's cache holds KV head 0 of the whole model's blocks.
     prompt = random_prompts([35], seed=9)[0]
     blocks = []
     for engine in (one, two):
@@ -73,13 +73,10 @@ def test_tp2_equals_tp1_with_chunks_preemption_and_prefix_hit(tiny_dirs, tp_engi
         blocks.append(list(engine.requests[rid].block_table))
         engine.release(rid)
     assert blocks[0] == blocks[1]
-    n = len(blocks[0])
-    full = torch.frombuffer(bytearray(one.kv_store.export_layer_bytes(1, blocks[0])),
-                            dtype=torch.float64).view(2, n, 16, 2, 16)
-    mine = torch.frombuffer(bytearray(two.kv_store.export_layer_bytes(1, blocks[1])),
-                            dtype=torch.float64).view(2, n, 16, 1, 16)
-    torch.testing.assert_close(mine, full[:, :, :, 0:1], rtol=1e-9, atol=1e-9)
-    assert two.kv_store.block_nbytes * 2 == one.kv_store.block_nbytes
+    full = one.kv_store.k[1, blocks[0]]
+    mine = two.kv_store.local.k[1, blocks[1]]
+    torch.testing.assert_close(mine, full[:, :, 0:1], rtol=1e-9, atol=1e-9)
+    assert two.kv_store.block_nbytes == one.kv_store.block_nbytes
 
 
 def test_replicated_kv_head_tied_padded_vocab_with_bias(tmp_path, tp_engines):

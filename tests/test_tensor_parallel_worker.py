@@ -86,10 +86,10 @@ def test_follower_killed_takes_worker_down_then_clean_stop(tmp_path):
 
 
 def test_tensor_parallel_settings():
-    assert WorkerSettings(tensor_parallel_size=2).tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="unified role without cache_pools"):
-        WorkerSettings(role="decode", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="unified role without cache_pools"):
-        WorkerSettings(tensor_parallel_size=2, cache_pools="tcp://127.0.0.1:1")
+    # KV moves in the all-heads layout: every role, and the cache pool, take TP > 1.
+    for role in ("unified", "prefill", "decode"):
+        assert WorkerSettings(role=role, tensor_parallel_size=2).tensor_parallel_size == 2
+    assert WorkerSettings(tensor_parallel_size=2,
+                          cache_pools="tcp://127.0.0.1:1").cache_pools == "tcp://127.0.0.1:1"
     with pytest.raises(ValueError, match=">= 1"):
         WorkerSettings(tensor_parallel_size=0)

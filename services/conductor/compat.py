@@ -14,8 +14,9 @@ that came first wins, and once every worker of the old settings is gone a worker
 settings is accepted and becomes the reference.
 
 Not checked, because KV still moves between workers that differ in them: ``tp_size``
-(a transfer maps KV heads between tensor-parallel sizes; ``num_kv_heads`` is the
-model's, not a rank's share), ``num_blocks``, the role, the host and the addresses.
+(a tensor-parallel engine exports and imports all heads, the TP=1 layout, and its
+fingerprint carries no TP size; ``num_kv_heads`` is the model's, not a rank's share),
+``num_blocks``, the role, the host and the addresses.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager, HashCallback
-from services.engine.executor import Executor, LayerHook
+from services.engine.executor import Executor, LayerHook, completing_prompts
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_store import KVStore
 from services.engine.outputs import RemoteSlots, RequestOutput, StepRecord
@@ -178,8 +178,7 @@ class EngineCore:
         on_layer = self._on_layer
         if on_layer is None:
             return None
-        completing = [seq for seq, n in scheduled if not seq.output_token_ids
-                      and seq.num_computed_tokens + n == seq.num_prompt_tokens]
+        completing = completing_prompts(scheduled)
         if not completing:
             return None
         return lambda layer: on_layer(layer, completing)

@@ -14,23 +14,25 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from functools import cached_property
 
+import msgpack
 import torch
 
 from common.sampling_params import SamplingParams
 from services.engine.attention_backends import make_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
-from services.engine.executor import LayerHook, Sampled
+from services.engine.executor import LayerHook, Sampled, completing_prompts
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.model_config import ModelConfig
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, StepInputs
 from services.engine.outputs import Completion
 from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
-from services.engine.tp import SINGLE, ParallelContext, check_shardable
-from services.engine.tp_group import Leader
+from services.engine.tp import SINGLE, ParallelContext, check_shardable, shard_shape
+from services.engine.tp_group import STEP_EXPORT, Leader
+from services.engine.tp_kv import ShardedKVStore
 from services.engine.tp_shard import shard_hf_tensors
 from services.engine.weights import LoadedWeights, load_weights, release_freed_memory
 from services.engine.weights.quantize import quantize_model
@@ -39,13 +41,16 @@ from services.engine.weights.quantize import quantize_model
 class ModelExecutor:
     """The ``Executor`` that runs the model: a forward pass, then the sampler. With
     tensor parallelism (``leader`` given) each step's inputs go to the followers first,
-    and a broken collective makes the engine dead (``EngineDeadError``)."""
+    after the KV imports waiting for them; in a step with a layer hook every rank
+    gathers each layer of the completing prompts' blocks for it (``tp_kv.py``); and a
+    broken collective makes the engine dead (``EngineDeadError``)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler,
-                 leader: Leader | None = None) -> None:
+                 leader: Leader | None = None, kv: ShardedKVStore | None = None) -> None:
         self.runner = runner
         self.sampler = sampler
         self.leader = leader
+        self.kv = kv
 
     def execute(self, scheduled: list[ScheduledSeq],
                 layer_hook: LayerHook | None) -> list[Sampled]:
@@ -53,16 +58,34 @@ class ModelExecutor:
         if self.leader is None:
             logits = self.runner.forward(inputs, layer_hook)
         else:
-            self.leader.send_step(inputs.to_msgpack())
-            try:
-                logits = self.runner.forward(inputs, layer_hook)
-            except RuntimeError as exc:  # a collective that lost a rank
-                raise self.leader.broken("a tensor-parallel collective", exc) from exc
+            logits = self._execute_tp(inputs, scheduled, layer_hook)
         if not sampling:
             return []
         result = self.sampler.sample(logits, [s.sampling for s in sampling])
         return [Sampled(*t) for t in
                 zip(sampling, result.token_ids, result.logprobs, strict=True)]
+
+    def _execute_tp(self, inputs: StepInputs, scheduled: list[ScheduledSeq],
+                    layer_hook: LayerHook | None):
+        self.kv.flush()
+        bs = self.runner.block_size
+        export = [] if layer_hook is None else sorted({
+            b for seq in completing_prompts(scheduled)
+            for b in seq.block_table[:-(-seq.num_prompt_tokens // bs)]})
+        if export:
+            self.leader.send_step(msgpack.packb([export, inputs.to_msgpack()],
+                                                use_bin_type=True), STEP_EXPORT)
+            self.kv.begin_step(export)
+            layer_hook = self.kv.staging_hook(layer_hook)
+        else:
+            self.leader.send_step(inputs.to_msgpack())
+            self.kv.begin_step([])
+        try:
+            return self.runner.forward(inputs, layer_hook)
+        except RuntimeError as exc:  # a collective that lost a rank
+            raise self.leader.broken("a tensor-parallel collective", exc) from exc
+        finally:
+            self.kv.end_step()
 
 
 def set_threads(config: EngineConfig) -> None:
@@ -127,13 +150,19 @@ class LLMEngine(EngineCore):
         self.weights = dataclasses.replace(self.weights, tensors={})
         release_freed_memory()  # what loading, fusing and casting freed
         self.model = runner.model
-        kv_cache = runner.kv_cache
-        executor = ModelExecutor(runner, Sampler(tuple(cfg.eos_token_ids)), self.tp_leader)
-        # A rank's KV blocks hold its heads only: a layout of its own (see docs).
-        precision = config.precision if world == 1 else f"{config.precision}+tp{world}"
+        kv_store = runner.kv_cache
+        if self.tp_leader is not None:  # exports and imports carry every rank's heads
+            leader = self.tp_leader
+            kv_store = ShardedKVStore(
+                runner.kv_cache, [shard_shape(cfg, r, world) for r in range(world)],
+                cfg.num_kv_heads, leader.kv_group, leader.send_step, leader.broken)
+        executor = ModelExecutor(runner, Sampler(tuple(cfg.eos_token_ids)), self.tp_leader,
+                                 kv_store if self.tp_leader is not None else None)
+        # KV moves in the all-heads layout whatever the TP size: one fingerprint.
         super().__init__(
-            executor, kv_cache,
-            fingerprint=cfg.fingerprint(self.weights.digest, precision, config.block_size),
+            executor, kv_store,
+            fingerprint=cfg.fingerprint(self.weights.digest, config.precision,
+                                        config.block_size),
             max_model_len=max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=cfg.eos_token_ids,
             scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,

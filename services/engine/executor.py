@@ -17,6 +17,13 @@ from services.engine.sequence import Sequence
 LayerHook = Callable[[int], None]
 
 
+def completing_prompts(scheduled: list[ScheduledSeq]) -> list[Sequence]:
+    """The sequences whose prompt this step completes (first time, not a recompute):
+    the ones a layer hook streams out."""
+    return [seq for seq, n in scheduled if not seq.output_token_ids
+            and seq.num_computed_tokens + n == seq.num_prompt_tokens]
+
+
 class Sampled(NamedTuple):
     """The token one sequence drew in a step."""
 

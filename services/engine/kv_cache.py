@@ -45,13 +45,18 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
-    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def check_ids(self, block_ids: Sequence[int]) -> list[int]:
+        """``block_ids`` as ints; ``ValueError`` if one is out of range."""
         ids = [int(i) for i in block_ids]  # checked on the host: no device round trip
         if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
             raise ValueError(f"block ids out of range 0..{self.num_blocks - 1}")
+        return ids
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = self.check_ids(block_ids)
         return torch.tensor(ids, dtype=torch.long, device=self.k.device)
 
-    def _export_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
+    def export_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
         """One layer's K and V of ``block_ids`` as a new contiguous ``[2, n, ...]`` tensor."""
         ids = self._ids(block_ids)
         if self._kernels:
@@ -61,8 +66,8 @@ class KVCache:
         return torch.stack([self.k[layer].index_select(0, ids),
                             self.v[layer].index_select(0, ids)])
 
-    def _import_layer(self, layer: int, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
-        """Write a buffer from :meth:`_export_layer` into ``block_ids`` of this cache."""
+    def import_layer(self, layer: int, block_ids: Sequence[int], buffer: torch.Tensor) -> None:
+        """Write a buffer from :meth:`export_layer` into ``block_ids`` of this cache."""
         ids = self._ids(block_ids)
         expected = (2, len(ids), *self.k.shape[2:])
         if tuple(buffer.shape) != expected or buffer.dtype != self.k.dtype:
@@ -77,8 +82,8 @@ class KVCache:
         self.v[layer].index_copy_(0, ids, buffer[1].to(self.v.device))
 
     def export_layer_bytes(self, layer: int, block_ids: Sequence[int]) -> memoryview:
-        """:meth:`_export_layer` as raw bytes, in a new buffer the view keeps alive."""
-        return _host_bytes(self._export_layer(layer, block_ids))
+        """:meth:`export_layer` as raw bytes, in a new buffer the view keeps alive."""
+        return _host_bytes(self.export_layer(layer, block_ids))
 
     def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
                            payload: Buffer) -> None:
@@ -93,7 +98,7 @@ class KVCache:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8)
         buf = raw.view(self.k.dtype).view(2, len(block_ids), *self.k.shape[2:])
-        self._import_layer(layer, block_ids, buf)
+        self.import_layer(layer, block_ids, buf)
 
     @property
     def block_nbytes(self) -> int:

@@ -2,7 +2,8 @@
 
 Started by rank 0 as ``python -m services.engine.tp_follower '<json>'`` with its rank,
 the world size, the rendezvous port on loopback and the engine's settings. It loads its
-shard, then runs each step rank 0 broadcasts, until a STOP plan. It speaks no ZeroMQ
+shard, then runs each step rank 0 broadcasts, and takes part in its KV gathers and
+scatters (``tp_kv.py``), until a STOP plan. It speaks no ZeroMQ
 and samples nothing. Any failure exits non-zero, which rank 0's watcher reports.
 """
 
@@ -26,12 +27,22 @@ def main(argv: list[str]) -> int:
     rank, world = int(args["rank"]), int(args["world_size"])
     log = structlog.get_logger("tp_follower").bind(rank=rank)
 
+    import msgpack
     import torch.distributed as dist
 
     from services.engine.config import EngineConfig
     from services.engine.engine import build_runner, set_threads
     from services.engine.model_runner import StepInputs
-    from services.engine.tp_group import START_TIMEOUT_S, STEP, STOP, join_group
+    from services.engine.tp_group import (
+        KV_IN,
+        KV_OUT,
+        START_TIMEOUT_S,
+        STEP,
+        STEP_EXPORT,
+        STOP,
+        join_group,
+    )
+    from services.engine.tp_kv import FollowerKV, unpack_ops
     from services.engine.weights import load_weights
 
     config = EngineConfig(**args["config"])
@@ -39,20 +50,30 @@ def main(argv: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", int(args["port"]), world, is_master=False,
                           timeout=timedelta(seconds=START_TIMEOUT_S))
     store.set(f"up/{rank}", "1")
-    tp, plans = join_group(rank, world, config.rank_device(rank), store)
+    tp, plans, kv_group = join_group(rank, world, config.rank_device(rank), store)
     weights = load_weights(config.model)
     runner, _ = build_runner(config, weights.config, weights.tensors, tp, consume=True)
     del weights  # the shard is in the model now
+    kv = FollowerKV(runner.kv_cache, kv_group)
     steps = 0
     try:
         while True:
             kind, payload = plans.receive()
             if kind == STOP:
                 break
-            if kind != STEP:
+            if kind == STEP:
+                runner.forward(StepInputs.from_msgpack(payload))
+                steps += 1
+            elif kind == STEP_EXPORT:
+                block_ids, inputs = msgpack.unpackb(payload)
+                runner.forward(StepInputs.from_msgpack(inputs), kv.step_hook(block_ids))
+                steps += 1
+            elif kind == KV_IN:
+                kv.import_(unpack_ops(payload))
+            elif kind == KV_OUT:
+                kv.export(unpack_ops(payload))
+            else:
                 raise ValueError(f"unknown plan kind {kind}")
-            runner.forward(StepInputs.from_msgpack(payload))
-            steps += 1
     except Exception:
         log.exception("tensor-parallel follower failed", steps=steps)
         return 1

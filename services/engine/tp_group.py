@@ -44,6 +44,9 @@ PLAN_TIMEOUT = timedelta(days=365)  # an idle engine sends no plans
 PLAN_BYTES = 16384  # one broadcast carries a plan this size; a bigger one needs a second
 HEADER = 9  # 8-byte little-endian length, 1-byte kind
 STEP, STOP = 1, 2
+# KV in the all-heads layout (tp_kv.py): imports, exports between steps, and a step
+# whose layers are gathered as they are computed (payload: export block ids, step).
+KV_IN, KV_OUT, STEP_EXPORT = 3, 4, 5
 
 
 def backend_for(device: torch.device) -> str:
@@ -80,13 +83,16 @@ class PlanChannel:
 
 
 def join_group(rank: int, world_size: int, device: torch.device, store) -> tuple[
-        ParallelContext, PlanChannel]:
-    """Join the model's group and the plan group (every rank calls this)."""
+        ParallelContext, PlanChannel, object]:
+    """Join the model's group, the plan group and the KV group (every rank calls this,
+    in this order). KV gathers and scatters run on host memory, so on gloo whatever
+    the model's backend."""
     dist.init_process_group(backend_for(device), store=store, rank=rank,
                             world_size=world_size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     plans = dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
-    return ParallelContext(rank, world_size, dist.group.WORLD), PlanChannel(plans)
+    kv = dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return ParallelContext(rank, world_size, dist.group.WORLD), PlanChannel(plans), kv
 
 
 class Leader:
@@ -111,7 +117,7 @@ class Leader:
         self._watcher = threading.Thread(target=self._watch, name="tp-watcher", daemon=True)
         self._watcher.start()
         self._await_followers(store)
-        self.tp, self.plans = join_group(0, world_size, device, store)
+        self.tp, self.plans, self.kv_group = join_group(0, world_size, device, store)
         self._store = store  # kept alive: the followers' rendezvous lives in it
 
     def _await_followers(self, store) -> None:
@@ -157,12 +163,13 @@ class Leader:
         if self.failed.is_set():
             raise EngineDeadError(self.reason)
 
-    def send_step(self, payload: bytes) -> None:
+    def send_step(self, payload: bytes, kind: int = STEP) -> None:
+        """Send a plan of ``kind`` (a step, or a KV operation) to the followers."""
         self.check()
         try:
-            self.plans.send(STEP, payload)
+            self.plans.send(kind, payload)
         except RuntimeError as exc:
-            raise self.broken("sending a step to the followers", exc) from exc
+            raise self.broken("sending a plan to the followers", exc) from exc
 
     def close(self) -> None:
         """Stop the followers (a STOP plan, then kill what lingers) and leave the group."""

@@ -77,11 +77,6 @@ class WorkerSettings:
         parse_cpus(self.cpu_affinity)
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.tensor_parallel_size > 1 and (self.role != "unified" or self.cache_pools):
-            # Rank 0's blocks hold only its KV heads: moving them needs the ranks'
-            # slices gathered, which KV transfer does not do yet.
-            raise ValueError("tensor_parallel_size > 1 runs the unified role without "
-                             "cache_pools (KV transfer of head slices is not supported yet)")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \

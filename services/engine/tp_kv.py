@@ -1,0 +1,263 @@
+"""The KV of a tensor-parallel engine in the one layout every engine shares (all heads).
+
+Each rank's cache holds its KV heads' slice of every block (``tp.shard_shape``); the
+data plane and the cache pool carry the TP=1 layout (``kv_cache.py``), so a TP=2
+prefill worker feeds a TP=1 decode worker, and a block pooled by one is read by the
+other. Rank 0 gathers the slices into that layout for an export and scatters them for
+an import, over a gloo group of its own (``tp_group.join_group``), on one host.
+
+Gather on rank 0 rather than each rank sending its slice on the data plane: the data
+plane, the decode worker's advert and the pool then stay as they are (one sender, one
+receiver, bytes per layer), and a hop over loopback costs little next to the transfer
+itself. Every slice is gathered once and sent once, so the bytes on the wire equal the
+model's KV for the prompt.
+
+Followers take part through the plans rank 0 broadcasts (``tp_group``), so every
+collective runs in the same order on every rank:
+
+    STEP_EXPORT  a step that completes prompts: after each layer, every rank sends its
+                 slice of those prompts' blocks to rank 0, which hands the layer's
+                 export out of what it gathered (the prefill worker's per-layer stream)
+    KV_OUT       an export between steps (the pool's blocks; a layer outside a step)
+    KV_IN        imports: rank 0 scatters each op's slices
+
+Imports arrive off the engine thread (the data plane's sink), where no collective may
+run: rank 0 keeps a copy and applies them, on every rank, before the next step or KV
+operation, in the order they came (``ShardedKVStore.flush``). Until then no one reads
+those blocks: they are reserved for a request waiting for its KV, or being adopted.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from services.engine.kv_cache import KVCache
+from services.engine.kv_store import Buffer
+from services.engine.tp import ShardShape
+
+BLOCKS = -1  # an op's layer for whole blocks (every layer), the pool's unit
+Op = tuple[int, list[int]]  # (layer or BLOCKS, block ids)
+
+
+def pack_ops(ops: Sequence[Op]) -> bytes:
+    return msgpack.packb([[layer, list(ids)] for layer, ids in ops], use_bin_type=True)
+
+
+def unpack_ops(data: bytes) -> list[Op]:
+    return [(int(layer), [int(i) for i in ids]) for layer, ids in msgpack.unpackb(data)]
+
+
+def local_slice(cache: KVCache, op: Op) -> torch.Tensor:
+    """This rank's heads of ``op`` as host bytes, the head axis second to last:
+    ``[2, n, token, heads, head_dim*itemsize]`` for a layer, ``[n, layer, 2, token,
+    heads, head_dim*itemsize]`` for blocks."""
+    layer, ids = op
+    if layer == BLOCKS:
+        cache.check_ids(ids)
+        t = torch.stack([torch.stack([cache.k[:, i], cache.v[:, i]], dim=1) for i in ids])
+    else:
+        t = cache.export_layer(layer, ids)
+    return t.contiguous().cpu().view(torch.uint8)
+
+
+def slice_shape(cache: KVCache, op: Op) -> tuple[int, ...]:
+    layer, ids = op
+    heads, width = cache.k.shape[3], cache.k.shape[4] * cache.k.element_size()
+    token = (cache.block_size, heads, width)
+    return (len(ids), cache.num_layers, 2, *token) if layer == BLOCKS else (2, len(ids), *token)
+
+
+def apply_slice(cache: KVCache, op: Op, part: torch.Tensor) -> None:
+    """Write this rank's heads (bytes from ``local_slice``'s layout) into ``op``'s blocks."""
+    layer, ids = op
+    values = part.view(cache.k.dtype).to(cache.k.device)
+    if layer != BLOCKS:
+        cache.import_layer(layer, ids, values)
+        return
+    cache.check_ids(ids)
+    for n, i in enumerate(ids):
+        cache.k[:, i].copy_(values[n, :, 0])
+        cache.v[:, i].copy_(values[n, :, 1])
+
+
+class FollowerKV:
+    """A follower's side of the gathers and scatters."""
+
+    def __init__(self, cache: KVCache, group) -> None:
+        self.cache = cache
+        self.group = group
+
+    def gather(self, op: Op) -> None:
+        dist.gather(local_slice(self.cache, op), None, dst=0, group=self.group)
+
+    def step_hook(self, block_ids: list[int]) -> Callable[[int], None]:
+        return lambda layer: self.gather((layer, block_ids))
+
+    def export(self, ops: list[Op]) -> None:
+        for op in ops:
+            self.gather(op)
+
+    def import_(self, ops: list[Op]) -> None:
+        for op in ops:
+            part = torch.empty(slice_shape(self.cache, op), dtype=torch.uint8)
+            dist.scatter(part, None, src=0, group=self.group)
+            apply_slice(self.cache, op, part)
+
+
+class ShardedKVStore:
+    """Rank 0's ``KVStore`` over every rank's slice: exports and imports the TP=1 layout.
+
+    ``send_plan(payload, kind)`` tells the followers (raising ``EngineDeadError`` when
+    the group is gone); ``broken(what, exc)`` turns a failed collective into one."""
+
+    def __init__(self, local: KVCache, shapes: Sequence[ShardShape], num_kv_heads: int,
+                 group, send_plan: Callable[[bytes, int], None],
+                 broken: Callable[[str, BaseException], Exception]) -> None:
+        self.local = local
+        self.num_layers, self.num_blocks = local.num_layers, local.num_blocks
+        self.block_size = local.block_size
+        self.num_kv_heads = num_kv_heads
+        self._shapes = list(shapes)
+        # One rank per KV head: with more ranks than heads, a head's first holder.
+        self._owners = [r for r, s in enumerate(shapes)
+                        if r == 0 or s.kv_head_start != shapes[r - 1].kv_head_start]
+        self._group = group
+        self._send_plan = send_plan
+        self._broken = broken
+        self._pending: collections.deque[tuple[Op, torch.Tensor]] = collections.deque()
+        self._staged: tuple[int, dict[int, int], torch.Tensor] | None = None
+        self._in_step = False
+        self._export_ids: list[int] = []
+        local_heads = local.k.shape[3]
+        self._layer_block_nbytes = local.block_nbytes // local.num_layers // local_heads \
+            * num_kv_heads
+
+    @property
+    def block_nbytes(self) -> int:
+        return self._layer_block_nbytes * self.num_layers
+
+    # ---- collectives (engine thread) --------------------------------------------------
+
+    def _gather(self, op: Op) -> torch.Tensor:
+        mine = local_slice(self.local, op)
+        parts = [torch.empty_like(mine) for _ in self._shapes]
+        try:
+            dist.gather(mine, parts, dst=0, group=self._group)
+        except RuntimeError as exc:
+            raise self._broken("gathering KV from the followers", exc) from exc
+        return torch.cat([parts[r] for r in self._owners], dim=-2)
+
+    def _scatter(self, op: Op, full: torch.Tensor) -> None:
+        parts = [full[..., s.kv_head_start:s.kv_head_start + s.num_kv_heads, :].contiguous()
+                 for s in self._shapes]
+        mine = torch.empty_like(parts[0])
+        try:
+            dist.scatter(mine, parts, src=0, group=self._group)
+        except RuntimeError as exc:
+            raise self._broken("scattering KV to the followers", exc) from exc
+        apply_slice(self.local, op, mine)
+
+    def flush(self) -> None:
+        """Apply the imports received so far on every rank, in order. Engine thread."""
+        from services.engine.tp_group import KV_IN
+
+        if not self._pending:
+            return
+        batch = []
+        while self._pending:
+            batch.append(self._pending.popleft())
+        self._send_plan(pack_ops([op for op, _ in batch]), KV_IN)
+        for op, full in batch:
+            self._scatter(op, full)
+
+    def _export(self, op: Op) -> torch.Tensor:
+        from services.engine.tp_group import KV_OUT
+
+        if self._in_step:
+            raise RuntimeError("during a step only the blocks of prompts it completes "
+                               "can be exported")
+        self.flush()
+        self._send_plan(pack_ops([op]), KV_OUT)
+        return self._gather(op)
+
+    # ---- a step that streams its prompts' KV out ----------------------------------------
+
+    def begin_step(self, export_ids: list[int]) -> None:
+        self._in_step = True
+        self._staged = None
+        self._export_ids = export_ids
+
+    def end_step(self) -> None:
+        self._in_step = False
+        self._staged = None
+
+    def staging_hook(self, layer_hook: Callable[[int], None]) -> Callable[[int], None]:
+        """``layer_hook`` preceded by the gather of that layer of the step's export blocks
+        (every rank gathers at the same point of its forward)."""
+        ids = self._export_ids
+
+        def hook(layer: int) -> None:
+            full = self._gather((layer, ids))
+            self._staged = (layer, {b: i for i, b in enumerate(ids)}, full)
+            layer_hook(layer)
+        return hook
+
+    # ---- the KVStore contract -----------------------------------------------------------
+
+    def export_layer_bytes(self, layer: int, block_ids: Sequence[int]) -> memoryview:
+        ids = [int(i) for i in block_ids]
+        staged = self._staged
+        if staged is not None and staged[0] == layer and all(i in staged[1] for i in ids):
+            rows = torch.tensor([staged[1][i] for i in ids], dtype=torch.long)
+            return _bytes(staged[2].index_select(1, rows))
+        self.local.check_ids(ids)
+        if not ids:
+            return memoryview(bytearray())
+        return _bytes(self._export((layer, ids)))
+
+    def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
+                           payload: Buffer) -> None:
+        """Checked and copied now; written on the ranks at the next ``flush``."""
+        ids = [int(i) for i in block_ids]
+        self.local.check_ids(ids)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        shape = (2, len(ids), *self._full_token_shape())
+        copy = _copy(payload, shape)
+        if ids:
+            self._pending.append(((layer, ids), copy))
+
+    def export_block_bytes(self, block_id: int) -> memoryview:
+        self.local.check_ids([block_id])
+        return _bytes(self._export((BLOCKS, [int(block_id)])))
+
+    def import_block_bytes(self, block_id: int, data: Buffer) -> None:
+        self.local.check_ids([block_id])
+        shape = (1, self.num_layers, 2, *self._full_token_shape())
+        self._pending.append(((BLOCKS, [int(block_id)]), _copy(data, shape)))
+
+    def _full_token_shape(self) -> tuple[int, int, int]:
+        k = self.local.k
+        return self.block_size, self.num_kv_heads, k.shape[4] * k.element_size()
+
+
+def _copy(data: Buffer, shape: tuple[int, ...]) -> torch.Tensor:
+    """``data``'s bytes as a new uint8 tensor of ``shape``; ValueError if they do not fit."""
+    view = memoryview(data).cast("B")
+    want = 1
+    for n in shape:
+        want *= n
+    if view.nbytes != want:
+        raise ValueError(f"KV payload of {view.nbytes} bytes where {want} fit "
+                         f"{shape[:-3]} blocks of this model")
+    return torch.frombuffer(bytearray(view), dtype=torch.uint8).view(shape) if want else \
+        torch.empty(shape, dtype=torch.uint8)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().numpy()).cast("B")

@@ -1,0 +1,61 @@
+"""Disaggregated serving between tensor-parallel sizes, over real processes: prefill TP=2
+feeds decode TP=1, and prefill TP=1 feeds decode TP=2. The output equals one TP=1 engine
+computing alone, and the KV bytes moved equal the model's KV for each prompt: every
+head's slice once, none twice."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.client import Client
+from common.sampling_params import SamplingParams
+from services.engine.config import EngineConfig
+from tests.cluster import Cluster, Host, make_served_tiny_model
+from tests.tiny_models import random_prompts
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_TOKENS = 10
+# The served tiny model: 2 layers, 2 KV heads of 16, float64, 16-token blocks.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 8
+TP2 = Host(env={"PDSERVE_TENSOR_PARALLEL_SIZE": "2"})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_served_tiny_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts_and_want(model_dir):
+    """Prompts over the disaggregation threshold, and what TP=1 alone makes of them."""
+    from services.engine.engine import LLMEngine
+
+    prompts = random_prompts([45, 70], vocab=49152, seed=71)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float64",
+                                    kv_cache_bytes=16 << 20))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return prompts, [c.token_ids for c in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("tp_worker", ["prefill-0", "decode-1"])
+def test_prefill_and_decode_of_different_tp_sizes(model_dir, tmp_path, prompts_and_want,
+                                                  tp_worker):
+    prompts, want = prompts_and_want
+    cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], dtype="float64",
+                      worker_hosts={tp_worker: TP2})
+    cluster.start()
+    try:
+        with Client(cluster.zmq_addr, timeout_s=60) as client:
+            got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, temperature=0,
+                                   ignore_eos=True).token_ids for p in prompts]
+        assert got == want
+        kv = sum(-(-len(p) // 16) for p in prompts) * BLOCK_BYTES
+        prefill, decode = cluster.worker_stats("prefill-0"), cluster.worker_stats("decode-1")
+        assert prefill.prefills_done == 2
+        assert prefill.kv_bytes_sent == decode.kv_bytes_received == kv
+        workers = cluster.conductor_workers()
+        assert workers[tp_worker].info.tp_size == 2
+        assert {w.info.tp_size for w in workers.values()} == {1, 2}
+    finally:
+        cluster.stop()

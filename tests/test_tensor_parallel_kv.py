@@ -1,0 +1,159 @@
+"""KV between tensor-parallel sizes, engine level (CPU, gloo, float64): a TP=2 engine
+exports and imports the TP=1 layout (all heads), so its bytes equal a TP=1 engine's,
+KV streamed either way continues token for token, and pool blocks cross over too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.block_hash import hash_blocks
+from common.sampling_params import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.core import EngineHooks
+from tests.tiny_models import make_tiny_model, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@pytest.fixture
+def engines():
+    """Build engines; each closed after the test, its followers gone, no block leaked."""
+    from services.engine.engine import LLMEngine
+
+    made: list[LLMEngine] = []
+
+    def build(model, tp=1, hooks=None):
+        config = EngineConfig(model=str(model), dtype="float64", tensor_parallel_size=tp)
+        made.append(LLMEngine(config, hooks=hooks) if hooks else LLMEngine(config))
+        return made[-1]
+
+    yield build
+    for engine in made:
+        engine.close()
+        if engine.tp_leader is not None:
+            assert all(p.poll() is not None for p in engine.tp_leader.procs)
+
+
+def prefill(engine, prompt, hooks_sink=None):
+    """Run ``prompt`` to its first token holding its blocks; (block table, first token)."""
+    rid = engine.add_request(None, prompt, ONE_TOKEN, hold_blocks=True)
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = out.new_token_ids[0]
+    return rid, list(engine.requests[rid].block_table), first
+
+
+def stream(src, dst, prompt, params=GREEDY):
+    """Prefill in ``src`` (its on_layer hook set up to call ``stream.hook``), streaming
+    each layer into blocks ``dst`` reserved, as a prefill worker does; then decode in
+    ``dst``. Returns the tokens and the KV bytes moved."""
+    slots = dst.reserve_remote_prefill("d", prompt, params)
+    moved = 0
+
+    def on_layer(layer, seqs):
+        nonlocal moved
+        (seq,) = seqs
+        payload = src.kv_store.export_layer_bytes(layer, seq.block_table[:len(slots.block_ids)])
+        dst.kv_store.import_layer_bytes(layer, slots.block_ids, payload)
+        moved += payload.nbytes
+    stream.hook = on_layer
+    rid, _, first = prefill(src, prompt)
+    src.release(rid)
+    dst.complete_remote_prefill("d", first)
+    tokens = [first]
+    while dst.has_unfinished_requests():
+        for out in dst.step():
+            tokens.extend(out.new_token_ids)
+    return tokens, moved
+
+
+def hooked(build, model, tp):
+    return build(model, tp, hooks=EngineHooks(on_layer=lambda l, s: stream.hook(l, s)))
+
+
+def kv_bytes(prompt_len: int, kv_heads: int = 2) -> int:
+    """The tiny model's KV for a prompt: blocks x layers x K|V x tokens x heads x dim x 8."""
+    return -(-prompt_len // 16) * 2 * 2 * 16 * kv_heads * 16 * 8
+
+
+def as_values(raw) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.float64)
+
+
+def test_tp2_exports_the_tp1_layout(tiny_dirs, engines):
+    one = engines(tiny_dirs["llama"])
+    two = engines(tiny_dirs["llama"], tp=2)
+    assert two.fingerprint == one.fingerprint
+    assert two.kv_store.block_nbytes == one.kv_store.block_nbytes == kv_bytes(16)
+    prompt = random_prompts([45], seed=7)[0]
+    (r1, b1, t1), (r2, b2, t2) = prefill(one, prompt), prefill(two, prompt)
+    assert t1 == t2
+    # Computed on two ranks, the values differ from one rank's in the last bits only
+    # (sharded matmuls sum in another order); in the same places, so the same layout.
+    for layer in range(2):  # between steps: a gather of the follower's slice
+        want = one.kv_store.export_layer_bytes(layer, [b1[2], b1[0]])
+        got = two.kv_store.export_layer_bytes(layer, [b2[2], b2[0]])
+        assert got.nbytes == want.nbytes == kv_bytes(32) // 2  # one layer, two blocks
+        torch.testing.assert_close(as_values(got), as_values(want), rtol=1e-12, atol=1e-12)
+    # TP=1 bytes in, the same bytes out: scattered to the ranks and gathered back.
+    dest = [9, 3, 17]
+    for layer in range(2):
+        want = one.kv_store.export_layer_bytes(layer, b1[:3])
+        two.kv_store.import_layer_bytes(layer, dest, want)
+        assert bytes(two.kv_store.export_layer_bytes(layer, dest)) == bytes(want)
+    for i in range(3):  # the pool's unit: a block across every layer
+        want = one.kv_store.export_block_bytes(b1[i])
+        assert bytes(two.kv_store.export_block_bytes(dest[i])) == bytes(want)
+        two.kv_store.import_block_bytes(dest[i], bytes(want)[::-1])
+        assert bytes(two.kv_store.export_block_bytes(dest[i])) == bytes(want)[::-1]
+    assert bytes(two.kv_store.export_layer_bytes(0, [])) == b""
+    with pytest.raises(ValueError, match="out of range"):
+        two.kv_store.export_layer_bytes(0, [10 ** 6])
+    with pytest.raises(ValueError, match="bytes"):
+        two.kv_store.import_layer_bytes(0, [b2[0]], b"\0" * 7)
+    one.release(r1)
+    two.release(r2)
+
+
+def test_kv_streamed_tp1_to_tp2_and_back_continues_exactly(tiny_dirs, engines):
+    model = tiny_dirs["qwen2"]
+    prompts = random_prompts([37, 16, 5], seed=8)
+    alone = engines(model)
+    want = [c.token_ids for c in alone.generate(prompts, GREEDY)]
+    src_one = hooked(engines, model, 1)
+    two = hooked(engines, model, 2)  # decodes what TP=1 prefilled, then prefills for TP=1
+    got = [stream(src_one, two, p) for p in prompts]
+    assert [t for t, _ in got] == want
+    assert [n for _, n in got] == [kv_bytes(len(p)) for p in prompts]
+    dst_one = engines(model)
+    back = [stream(two, dst_one, p) for p in random_prompts([33, 20], seed=9)]
+    want_back = [c.token_ids for c in alone.generate(random_prompts([33, 20], seed=9),
+                                                     GREEDY)]
+    assert [t for t, _ in back] == want_back
+    assert [n for _, n in back] == [kv_bytes(33), kv_bytes(20)]
+
+
+def test_pool_blocks_cross_tp_sizes_with_a_replicated_kv_head(tmp_path, engines):
+    """One KV head on two ranks (replicated): the export holds it once. Blocks exported
+    by TP=2 are adopted by TP=1 (and the reverse) and hit as a prefix, exactly."""
+    model = make_tiny_model(tmp_path / "mqa", "llama", seed=4, num_key_value_heads=1)
+    one, two = engines(model), engines(model, tp=2)
+    shared = random_prompts([48], seed=3)[0]
+    tail = [7, 8, 9]
+    want = one.generate([shared + tail], GREEDY)[0].token_ids
+    assert two.kv_store.block_nbytes == one.kv_store.block_nbytes == kv_bytes(16, 1)
+    for src, dst in ((two, one), (one, two)):
+        rid, _, _ = prefill(src, shared)
+        src.release(rid)
+        hashes = hash_blocks(shared, 16, src.fingerprint, None)
+        data = src.pool_blocks.export(hashes)
+        assert len(data) == 3 and all(d.nbytes == kv_bytes(16, 1) for d in data)
+        dst.block_manager.reset_prefix_cache()
+        assert dst.pool_blocks.adopt(hashes, shared, 0, data) == 3
+        got = dst.generate([shared + tail], GREEDY)[0]
+        assert got.num_cached_tokens == 48 and got.token_ids == want
+        assert bytes(dst.pool_blocks.export(hashes)[2]) == bytes(data[2])
+
