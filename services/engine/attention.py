@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine.attention_ops import TORCH_OPS, LayerOps
+
 
 @dataclass(slots=True)
 class PrefillSegment:
@@ -60,7 +62,10 @@ class AttentionBackend(ABC):
     head_dim]`` for the T tokens of the batch; ``k_cache``/``v_cache`` are that layer's
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors. Returns ``[T,
     num_heads, head_dim]``. Query heads are grouped onto KV heads in order (GQA).
+    ``ops`` are the norm and rotary the model runs with this backend.
     """
+
+    ops: LayerOps = TORCH_OPS
 
     @abstractmethod
     def forward(

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_write import write_kv
 from kernels.prefill_attention import paged_prefill_attention
+from kernels.rms_norm import rms_norm
+from kernels.rotary import rotary_embedding
 from services.engine.attention import AttentionBackend, AttentionMetadata
 
 
@@ -64,8 +66,24 @@ def _prepare(meta: AttentionMetadata) -> _Batch:
         max(s.query_len for s in segs))
 
 
+class TritonOps:
+    """``LayerOps`` on the kernels: one launch per norm (residual add included) and one
+    for rotary on q and k together."""
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return rms_norm(x, weight, eps, residual)
+
+    def rotary(self, positions, q, k, cos, sin):
+        return rotary_embedding(positions, q, k, cos, sin)
+
+
+TRITON_OPS = TritonOps()
+
+
 class TritonAttention(AttentionBackend):
     """The Triton kernels behind the same contract as ``TorchAttention``."""
+
+    ops = TRITON_OPS
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         if not isinstance(meta.prepared, _Batch):
