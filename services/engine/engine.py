@@ -142,10 +142,11 @@ class LLMEngine(EngineCore):
         return None if self.tp_leader is None else self.tp_leader.failed
 
     def close(self) -> None:
-        """Stop the tensor-parallel followers; nothing to do for one rank. Call on the
-        thread that steps the engine."""
+        """Stop the tensor-parallel followers and free the KV export buffers. Call on
+        the thread that steps the engine."""
         if self.tp_leader is not None:
             self.tp_leader.close()
+        self.kv_store.close()
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
