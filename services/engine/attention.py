@@ -66,6 +66,9 @@ class AttentionBackend(ABC):
     """
 
     ops: LayerOps = TORCH_OPS
+    # Whether a decode step's launches can be captured in a CUDA graph (no host reads,
+    # shapes fixed by the padded inputs).
+    capturable: bool = False
 
     @abstractmethod
     def forward(
