@@ -105,10 +105,12 @@ def _decode_reduce_kernel(OP, LSE, O, num_splits, so_b, so_h, so_s, sl_b, sl_h, 
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           split_len=None):
+                           split_len=None, max_context_len=None):
     """The Triton kernel behind :func:`paged_decode_attention_ref` (same arguments).
     ``split_len`` (tokens per split) defaults to a size that gives long contexts up to
-    ``MAX_SPLITS`` splits."""
+    ``MAX_SPLITS`` splits. ``max_context_len`` (>= every context length), when the
+    caller knows it, spares reading it back from the device: no host sync, so the
+    launch can be captured in a CUDA graph."""
     batch, num_heads, head_dim = q.shape
     page, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -116,7 +118,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return out
     if k_cache.stride(3) != 1 or q.stride(2) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("decode attention needs head_dim-contiguous q and caches")
-    max_ctx = int(context_lens.max())
+    max_ctx = int(context_lens.max()) if max_context_len is None else max_context_len
     if split_len is None:
         split_len = max(MIN_SPLIT_LEN, -(-max_ctx // MAX_SPLITS))
     split_len = -(-max(split_len, 1) // BLOCK_N) * BLOCK_N

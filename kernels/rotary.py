@@ -15,13 +15,16 @@ from kernels._common import pow2
 
 
 def rotary_embedding_ref(positions, q, k, cos, sin):
-    """``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` rotated to ``positions``; new tensors."""
-    c = cos[positions].unsqueeze(1).to(q.dtype)
-    s = sin[positions].unsqueeze(1).to(q.dtype)
+    """``q`` ``[T, H, D]`` and ``k`` ``[T, KVH, D]`` rotated to ``positions``; new tensors.
+    Half types rotate in float32 against float32 tables and round once."""
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    c = cos[positions].unsqueeze(1).to(work)
+    s = sin[positions].unsqueeze(1).to(work)
 
     def rotate(x):
+        x = x.to(work)
         half = x.shape[-1] // 2
-        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+        return (x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s).to(q.dtype)
 
     return rotate(q), rotate(k)
 

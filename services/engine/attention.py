@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention_decode import DecodePlan, decode_attention, plan_decodes
+from services.engine.attention_ops import TORCH_OPS, LayerOps
 
 
 @dataclass(slots=True)
@@ -62,7 +63,13 @@ class AttentionBackend(ABC):
     head_dim]`` for the T tokens of the batch; ``k_cache``/``v_cache`` are that layer's
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensors. Returns ``[T,
     num_heads, head_dim]``. Query heads are grouped onto KV heads in order (GQA).
+    ``ops`` are the norm and rotary the model runs with this backend.
     """
+
+    ops: LayerOps = TORCH_OPS
+    # Whether a decode step's launches can be captured in a CUDA graph (no host reads,
+    # shapes fixed by the padded inputs).
+    capturable: bool = False
 
     @abstractmethod
     def forward(

@@ -51,6 +51,9 @@ class EngineConfig:
     quantization: str = "none"  # "int8": int8 projections (CPU, float32); see weights/quantize
     # Ranks the model is split over (services/engine/tp.py); rank r > 0 on cuda:<index + r>.
     tensor_parallel_size: int = 1
+    # Decode steps replayed from CUDA graphs (services/engine/cuda_graphs.py); None: on
+    # for CUDA, off elsewhere.
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -77,6 +80,8 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.cuda_graphs and self.torch_device.type != "cuda":
+            raise ValueError("cuda_graphs needs a CUDA device")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
@@ -89,6 +94,10 @@ class EngineConfig:
         """The dtype, and the quantization when there is one (it changes KV bytes)."""
         dtype = self.dtype_name
         return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.torch_device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     @property
     def torch_device(self) -> torch.device:

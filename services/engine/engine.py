@@ -21,6 +21,7 @@ from common.sampling_params import SamplingParams
 from services.engine.attention_backends import make_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.core import NO_HOOKS, EngineCore, EngineHooks
+from services.engine.cuda_graphs import make_decode_graphs
 from services.engine.executor import LayerHook, Sampled, completing_prompts
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
@@ -125,7 +126,11 @@ def build_runner(config: EngineConfig, cfg: ModelConfig, tensors: dict[str, torc
                              f"(rank {tp.rank}: {num_blocks})")
     kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads,
                        cfg.head_dim, dtype, device)
-    return ModelRunner(model, kv_cache, device), max_model_len
+    runner = ModelRunner(model, kv_cache, device)
+    if config.use_cuda_graphs:
+        runner.graphs = make_decode_graphs(model, kv_cache, device, config.max_num_seqs,
+                                           max_model_len)
+    return runner, max_model_len
 
 
 class LLMEngine(EngineCore):
@@ -178,10 +183,11 @@ class LLMEngine(EngineCore):
         return None if self.tp_leader is None else self.tp_leader.failed
 
     def close(self) -> None:
-        """Stop the tensor-parallel followers; nothing to do for one rank. Call on the
-        thread that steps the engine."""
+        """Stop the tensor-parallel followers and free the KV export buffers. Call on
+        the thread that steps the engine."""
         if self.tp_leader is not None:
             self.tp_leader.close()
+        self.kv_store.close()
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -13,8 +13,10 @@ engine with the same model, dtype and block size.
 
 On the CPU an export is one gather whose memory the returned view shares, and an import
 reads the caller's bytes in place. On CUDA the blocks are packed on the device (the
-Triton kernel where triton is installed) and copied once into pinned host memory;
-imports go the other way.
+Triton kernel where triton is installed) and copied once into a pooled pinned host
+buffer, on a side stream the compute stream never waits for
+(``services/engine/host_buffers.py``; ``export_layer_async`` lets the caller wait
+later); imports go the other way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.engine.host_buffers import HostBufferPool, PendingBytes, SideStream
 from services.engine.kv_store import Buffer
 
 
@@ -36,8 +39,16 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # The pack/unpack kernels serve CUDA caches; elsewhere torch's gathers do.
-        self._kernels = (self.k.device.type == "cuda"
-                         and importlib.util.find_spec("triton") is not None)
+        on_cuda = self.k.device.type == "cuda"
+        self._kernels = on_cuda and importlib.util.find_spec("triton") is not None
+        # Exports off a device land in reused host buffers, copied on a side stream.
+        self._host = None if self.k.device.type == "cpu" else HostBufferPool(pin=on_cuda)
+        self._side = SideStream(self.k.device) if on_cuda else None
+
+    def close(self) -> None:
+        """Free the idle host buffers (buffers still held are freed when dropped)."""
+        if self._host is not None:
+            self._host.close()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -83,7 +94,30 @@ class KVCache:
 
     def export_layer_bytes(self, layer: int, block_ids: Sequence[int]) -> memoryview:
         """:meth:`export_layer` as raw bytes, in a new buffer the view keeps alive."""
-        return _host_bytes(self.export_layer(layer, block_ids))
+        return self.export_layer_async(layer, block_ids).wait()
+
+    def export_layer_async(self, layer: int, block_ids: Sequence[int]) -> PendingBytes:
+        """:meth:`export_layer_bytes`, started: on CUDA the pack and the copy to the host
+        run on the side stream after what the compute stream has queued so far, and
+        ``wait()`` blocks until they are done; on the CPU the bytes are ready at once."""
+        if self._host is None:
+            return PendingBytes.ready_now(_cpu_bytes(self.export_layer(layer, block_ids)))
+        return self._to_host(lambda: self.export_layer(layer, block_ids))
+
+    def _to_host(self, pack) -> PendingBytes:
+        """``pack()``'s tensor copied into a pooled host buffer (on the side stream on
+        CUDA, where the copy does not block this thread)."""
+        def work() -> torch.Tensor:
+            packed = pack()
+            buf = self._host.take(packed.numel() * packed.element_size())
+            buf.view(packed.dtype).view(packed.shape).copy_(
+                packed, non_blocking=self._side is not None)
+            return buf
+
+        if self._side is None:
+            return PendingBytes(work(), None, self._host.view)
+        buf, done = self._side.run(work)
+        return PendingBytes(buf, done, self._host.view)
 
     def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
                            payload: Buffer) -> None:
@@ -109,8 +143,10 @@ class KVCache:
         """One block, all layers, as ``[layer, 0 = K | 1 = V, token, kv_head, head_dim]``
         bytes."""
         self._ids([block_id])
-        both = torch.stack([self.k[:, block_id], self.v[:, block_id]], dim=1)
-        return _host_bytes(both)
+        if self._host is None:
+            return _cpu_bytes(torch.stack([self.k[:, block_id], self.v[:, block_id]], dim=1))
+        return self._to_host(lambda: torch.stack(
+            [self.k[:, block_id], self.v[:, block_id]], dim=1)).wait()
 
     def import_block_bytes(self, block_id: int, data: Buffer) -> None:
         """Write bytes from :meth:`export_block_bytes` into ``block_id``; ``ValueError``
@@ -129,12 +165,6 @@ class KVCache:
         self.v[:, block_id].copy_(both[:, 1])
 
 
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
-    """A contiguous tensor's bytes in host memory: the tensor's own on the CPU, else one
-    copy into pinned memory (``.numpy()`` works only on CPU tensors)."""
-    if tensor.device.type != "cpu":
-        host = torch.empty(tensor.shape, dtype=tensor.dtype,
-                           pin_memory=tensor.device.type == "cuda")
-        host.copy_(tensor)  # synchronous: the bytes are complete when this returns
-        tensor = host
+def _cpu_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's own bytes (no copy)."""
     return memoryview(tensor.view(torch.uint8).numpy()).cast("B")

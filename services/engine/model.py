@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionBackend, AttentionMetadata
+from services.engine.attention_ops import TORCH_OPS, LayerOps
 from services.engine.model_config import ModelConfig, RopeScaling
 from services.engine.tp import SINGLE, ParallelContext, ShardShape, shard_shape
 
@@ -32,11 +33,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_OPS,
+                residual: torch.Tensor | None = None):
+        """``(norm(x + residual), x + residual)``, or ``(norm(x), None)`` (``LayerOps``)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -58,27 +58,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding in the half-split layout Hugging Face weights expect."""
+    """Rotary position embedding in the half-split layout Hugging Face weights expect.
+
+    The cos/sin tables stay float32 whatever the model's dtype (bfloat16 tables lose
+    the angle at long positions), so they are plain attributes, not buffers that
+    ``model.to(dtype)`` would round; they follow the queries' device on first use.
+    Built on the CPU, as Hugging Face builds them (float32 angles), even when the model
+    is built on the meta device.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float()
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(pos, inv_freq.cpu())
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos.device != device:
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self.cos, self.sin
 
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    def forward(self, positions, q, k, ops: LayerOps = TORCH_OPS):
+        cos, sin = self.tables(q.device)
+        return ops.rotary(positions, q, k, cos, sin)
 
 
 class WideLinear(nn.Module):
@@ -114,7 +118,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rotary(positions, q, k, backend.ops)
         out = backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -140,12 +144,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard, tp)
 
-    def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
-        # The residual stream is this forward's own tensor: add into it in place.
-        x += self.self_attn(self.input_layernorm(x), positions, rotary, backend,
-                            k_cache, v_cache, meta)
-        x += self.mlp(self.post_attention_layernorm(x))
-        return x
+    def forward(self, x, residual, positions, rotary, backend, k_cache, v_cache, meta):
+        """``x`` is the previous layer's MLP output and ``residual`` the stream before it
+        (None on the first layer, where ``x`` is the stream): each norm adds the two
+        first, in one kernel on the Triton backend. Returns the next ``(x, residual)``."""
+        ops = backend.ops
+        if residual is None:
+            h, residual = self.input_layernorm(x, ops)[0], x
+        else:
+            h, residual = self.input_layernorm(x, ops, residual)
+        h = self.self_attn(h, positions, rotary, backend, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, ops, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -196,12 +206,14 @@ class LlamaModel(nn.Module):
         cache (the prefill worker ships each layer while the next one computes).
         """
         k_all, v_all = kv_cache
-        x = self._embed(input_ids)
+        x, residual = self._embed(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, self.backend, k_all[i], v_all[i], meta)
+            x, residual = layer(x, residual, positions, self.rotary, self.backend,
+                                k_all[i], v_all[i], meta)
             if layer_hook is not None:
                 layer_hook(i)
-        x = self.norm(x.index_select(0, logits_indices))
+        x, _ = self.norm(x.index_select(0, logits_indices), self.backend.ops,
+                         residual.index_select(0, logits_indices))
         logits = self.tp.gather_last_dim(self.lm_head(x).float())
         return logits if self.tp.world_size == 1 else logits[:, :self.cfg.vocab_size]
 

@@ -45,6 +45,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
+        self.graphs = None  # DecodeGraphs, for decode-only steps (services/engine/cuda_graphs)
 
     def run(self, batch: list[ScheduledSeq],
             layer_hook=None) -> tuple[torch.Tensor, list[Sequence]]:
@@ -99,6 +100,10 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs, layer_hook=None) -> torch.Tensor:
         """Run the model on ``inputs``: logits ``[len(inputs.logits_rows), vocab]``."""
+        if self.graphs is not None:
+            logits = self.graphs.run(inputs, layer_hook)
+            if logits is not None:
+                return logits
         dev = self.device
 
         def tensor(values) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""KV export off a device: the reusable host-buffer pool, the side-stream copy (with a
+stand-in for torch.cuda), and the CPU path that stays a zero-copy view."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from services.engine.host_buffers import HostBufferPool, PendingBytes, SideStream
+from services.engine.kv_cache import KVCache
+
+
+def test_pool_reuses_a_buffer_once_its_views_are_gone():
+    pool = HostBufferPool(pin=False)
+    buf = pool.take(64)
+    assert buf.dtype == torch.uint8 and buf.numel() == 64 and not buf.is_pinned()
+    view = pool.view(buf)
+    view[:3] = b"abc"
+    sub = view[1:3]  # a slice keeps the bytes (and the buffer) held too
+    del view, buf
+    gc.collect()
+    assert pool.stats.idle == 0
+    assert bytes(sub) == b"bc"
+    del sub
+    gc.collect()
+    assert pool.stats == (1, 0, 1, 64)
+    again = pool.take(64)
+    assert bytes(again[:3].numpy()) == b"abc"  # the very same memory
+    assert pool.stats == (1, 1, 0, 0)
+    other = pool.take(32)  # another size never takes it
+    assert pool.stats.allocated == 2 and other.numel() == 32
+
+
+def test_pool_bounds_what_it_keeps_and_frees_all_on_close():
+    pool = HostBufferPool(pin=False, max_idle_per_size=2, max_idle_bytes=300)
+    bufs = [pool.take(100) for _ in range(4)]
+    for b in bufs:
+        pool.give_back(b)
+    assert pool.stats.idle == 2  # two per size
+    pool.give_back(pool.take(150))  # within the byte cap? 200 + 150 > 300: dropped
+    assert pool.stats.idle == 2 and pool.stats.idle_bytes == 200
+    held = pool.view(pool.take(100))
+    pool.close()
+    assert pool.stats.idle == 0
+    del held  # returned after close: freed, not kept
+    gc.collect()
+    assert pool.stats.idle == 0
+
+
+class _FakeStreams:
+    """torch.cuda's stream API as a log, for CPU tests."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.current = "compute"
+        fake = self
+
+        class Stream:
+            def __init__(self, device):
+                self.device = device
+
+            def wait_event(self, event):
+                fake.log.append(f"side waits {event.name}")
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.name = f"e{Event.count}"
+                self.synced = False
+
+            def record(self, stream):
+                where = "side" if isinstance(stream, Stream) else stream
+                fake.log.append(f"{self.name} on {where}")
+
+            def query(self):
+                return self.synced
+
+            def synchronize(self):
+                fake.log.append(f"sync {self.name}")
+                self.synced = True
+
+        self.Stream, self.Event = Stream, Event
+
+    def current_stream(self, device):
+        return self.current
+
+    def stream(self, s):
+        fake = self
+
+        class _Ctx:
+            def __enter__(self):
+                fake.current = "side"
+                fake.log.append("enter side")
+
+            def __exit__(self, *exc):
+                fake.current = "compute"
+                fake.log.append("leave side")
+
+        return _Ctx()
+
+
+def test_side_stream_orders_the_copy_after_compute_and_never_blocks_it():
+    streams = _FakeStreams()
+    side = SideStream(torch.device("cpu"), streams)
+    seen = []
+    result, done = side.run(lambda: seen.append(streams.current) or "packed")
+    assert result == "packed" and seen == ["side"]  # the work ran under the side stream
+    assert streams.log == ["e1 on compute", "enter side", "side waits e1", "e2 on side",
+                           "leave side"]  # nothing makes compute wait
+    pending = PendingBytes(b"xyz", done, lambda b: memoryview(b))
+    assert not pending.ready()
+    assert bytes(pending.wait()) == b"xyz"
+    assert streams.log[-1] == "sync e2" and pending.ready()
+
+
+def _filled_cache():
+    cache = KVCache(2, 6, 4, 2, 8, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    return cache
+
+
+def test_cpu_export_is_a_view_ready_at_once():
+    cache = _filled_cache()
+    assert cache._host is None and cache._side is None  # no pool, no stream on the CPU
+    pending = cache.export_layer_async(1, [4, 0])
+    assert pending.ready()
+    want = torch.stack([cache.k[1][[4, 0]], cache.v[1][[4, 0]]])
+    assert bytes(pending.wait()) == want.numpy().tobytes()
+
+
+def test_device_export_path_through_pool_and_side_stream():
+    """The CUDA code path run on CPU tensors: fake streams, an unpinned pool."""
+    cache, plain = _filled_cache(), _filled_cache()
+    streams = _FakeStreams()
+    cache._host = HostBufferPool(pin=False)
+    cache._side = SideStream(torch.device("cpu"), streams)
+    pending = cache.export_layer_async(0, [5, 2, 3])
+    assert streams.log[:3] == ["e1 on compute", "enter side", "side waits e1"]
+    got = pending.wait()
+    assert bytes(got) == bytes(plain.export_layer_bytes(0, [5, 2, 3]))
+    assert bytes(cache.export_block_bytes(3)) == bytes(plain.export_block_bytes(3))
+    del got, pending  # the pending export holds its bytes too
+    gc.collect()
+    assert cache._host.stats.idle == 2  # the layer's buffer and the block's
+    again = cache.export_layer_bytes(0, [1, 1, 1])  # same size: the same buffer back
+    assert cache._host.stats.reused == 1 and cache._host.stats.allocated == 2
+    assert bytes(again) == bytes(plain.export_layer_bytes(0, [1, 1, 1]))
+    cache.close()
+    assert cache._host.stats.idle == 0
