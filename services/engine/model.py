@@ -69,11 +69,12 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float()
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(pos, inv_freq.cpu())
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        with torch.device("cpu"):  # real tables even inside a meta-device build
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).float()
+            pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos.device != device:

@@ -141,6 +141,10 @@ class ShardedKVStore:
     def block_nbytes(self) -> int:
         return self._layer_block_nbytes * self.num_layers
 
+    def close(self) -> None:
+        """Free this rank's KV export buffers."""
+        self.local.close()
+
     # ---- collectives (engine thread) --------------------------------------------------
 
     def _gather(self, op: Op) -> torch.Tensor:
