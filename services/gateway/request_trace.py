@@ -62,9 +62,9 @@ class RequestTrace:
         if not event.finished:
             return event
         self.end(event.finish_reason or "")
-        if not self._want:
-            return event
-        return dataclasses.replace(event, timing=self.timing(event.timing))
+        # The workers always measure; the client sees it only when it asked.
+        return dataclasses.replace(
+            event, timing=self.timing(event.timing) if self._want else None)
 
     def timing(self, measured: Timing | None) -> Timing:
         route = self._route
