@@ -10,7 +10,10 @@
 
 Sampling keywords are those of the OpenAI API plus pdserve's extensions (max_tokens,
 temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty,
-repetition_penalty, stop_token_ids, ignore_eos, min_tokens, logprobs). Imports no torch.
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, logprobs). ``timing=True``
+asks for the request's stage timings (``Completion.timing``, the last chunk's
+``timing``); ``traceparent`` makes the request's trace a child of the caller's span.
+Imports no torch.
 
 Wire: the client's DEALER sends ``ClientRequest`` (request id in the envelope); the
 gateway answers with ``ClientChunk`` messages for that id, the last one ``finished``;
@@ -31,7 +34,16 @@ from typing import Any, NamedTuple
 import zmq
 import zmq.asyncio
 
-from common.protocol import Abort, ClientChunk, ClientRequest, Error, Usage, decode, encode
+from common.protocol import (
+    Abort,
+    ClientChunk,
+    ClientRequest,
+    Error,
+    Timing,
+    Usage,
+    decode,
+    encode,
+)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5550"
 
@@ -50,10 +62,11 @@ class Completion(NamedTuple):
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage | None
+    timing: Timing | None = None  # with ``timing=True``: where the time went
 
 
 def _request(model: str, prompt, messages, prompt_token_ids, stop, stream, cache_salt,
-             timeout_s, api_key, sampling: dict[str, Any]) -> ClientRequest:
+             timeout_s, api_key, sampling: dict[str, Any], timing: bool) -> ClientRequest:
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
     if isinstance(stop, str):
@@ -61,7 +74,8 @@ def _request(model: str, prompt, messages, prompt_token_ids, stop, stream, cache
     return ClientRequest(model=model, sampling=sampling, prompt=prompt,
                          prompt_token_ids=list(prompt_token_ids) if prompt_token_ids else None,
                          messages=messages, stop=list(stop or ()), stream=stream,
-                         cache_salt=cache_salt, timeout_s=timeout_s, api_key=api_key)
+                         cache_salt=cache_salt, timeout_s=timeout_s, api_key=api_key,
+                         timing=timing)
 
 
 def _check(msg) -> ClientChunk:
@@ -74,13 +88,13 @@ def _check(msg) -> ClientChunk:
 
 
 def _collect(rid: str, chunks) -> Completion:
-    text, ids, reason, usage = [], [], None, None
+    text, ids, reason, usage, timing = [], [], None, None, None
     for c in chunks:
         text.append(c.text)
         ids.extend(c.token_ids)
         if c.finished:
-            reason, usage = c.finish_reason, c.usage
-    return Completion(rid, "".join(text), ids, reason, usage)
+            reason, usage, timing = c.finish_reason, c.usage, c.timing
+    return Completion(rid, "".join(text), ids, reason, usage, timing)
 
 
 class Client:
@@ -97,11 +111,12 @@ class Client:
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                prompt_token_ids: list[int] | None = None, stop=None,
                request_id: str | None = None, cache_salt: str | None = None,
+               timing: bool = False, traceparent: str | None = None,
                **sampling: Any) -> Iterator[ClientChunk]:
         rid = request_id or f"sdk-{uuid.uuid4().hex}"
         req = _request(self.model, prompt, messages, prompt_token_ids, stop, True,
-                       cache_salt, self.timeout_s, self.api_key, sampling)
-        self._sock.send_multipart(encode(req, request_id=rid))
+                       cache_salt, self.timeout_s, self.api_key, sampling, timing)
+        self._sock.send_multipart(encode(req, request_id=rid, trace=traceparent))
         deadline = time.monotonic() + self.timeout_s
         finished = False
         try:
@@ -164,17 +179,18 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      prompt_token_ids: list[int] | None = None, stop=None,
                      request_id: str | None = None, cache_salt: str | None = None,
+                     timing: bool = False, traceparent: str | None = None,
                      **sampling: Any) -> AsyncIterator[ClientChunk]:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         rid = request_id or f"sdk-{uuid.uuid4().hex}"
         req = _request(self.model, prompt, messages, prompt_token_ids, stop, True,
-                       cache_salt, self.timeout_s, self.api_key, sampling)
+                       cache_salt, self.timeout_s, self.api_key, sampling, timing)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         finished = False
         try:
-            await self._sock.send_multipart(encode(req, request_id=rid))
+            await self._sock.send_multipart(encode(req, request_id=rid, trace=traceparent))
             while not finished:
                 async with asyncio.timeout(self.timeout_s):  # cancel-safe, unlike wait_for
                     msg = await q.get()

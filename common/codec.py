@@ -7,7 +7,8 @@ which exist. What each field annotation allows is :mod:`common.codec_types`.
 Wire format (one ZeroMQ multipart message)::
 
     frame 0    msgpack map {"v": PROTOCOL_VERSION, "type": str, "id": str,
-                            "parent": str | nil, "rid": str | nil, "body": {field: value}}
+                            "parent": str | nil, "rid": str | nil, "body": {field: value},
+                            "trace": str (optional: a W3C traceparent)}
     frame 1..  raw bulk bytes, never interpreted by the codec
 
 Contract of the codec:
@@ -45,6 +46,7 @@ from common.codec_types import (
     is_int,
     record_spec,
 )
+from common.tracing import parse_traceparent
 
 PROTOCOL_VERSION: int = 2
 MAX_FRAME_BYTES: int = 64 << 20  # default limit for frame 0, the envelope
@@ -76,13 +78,15 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Envelope:
-    """Header of every message; ``parent`` is the id of the message this one answers."""
+    """Header of every message; ``parent`` is the id of the message this one answers,
+    ``trace`` the request's trace context (a valid traceparent or None)."""
 
     type: str
     id: str
     parent: str | None
     request_id: str | None
     version: int
+    trace: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +171,10 @@ def encode(
     parent: str | None = None,
     msg_id: str | None = None,
     bulk: Sequence[bytes | memoryview] = (),
+    trace: str | None = None,
 ) -> list[bytes | memoryview]:
     """Frames for ``record``: the msgpack envelope, then ``bulk`` unchanged (not copied).
+    ``trace`` (a traceparent) is sent only when set, and only if valid.
 
     Raises TypeError if ``record`` is not a registered record or a bulk item is not
     bytes-like; ProtocolError "wrong_type" if a field does not match its annotation or
@@ -193,6 +199,8 @@ def encode(
         "rid": request_id,
         "body": body,
     }
+    if (trace := parse_traceparent(trace)) is not None:
+        head["trace"] = trace
     try:
         frame0 = msgpack.packb(head, use_bin_type=True, datetime=False)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -221,7 +229,9 @@ def _read_envelope(head: dict) -> Envelope | None:
         return None
     if not all(x is None or isinstance(x, str) for x in (parent, rid)):
         return None
-    return Envelope(type=kind, id=msg_id, parent=parent, request_id=rid, version=version)
+    # A bad trace context is dropped, never an error: tracing must not cost a request.
+    return Envelope(type=kind, id=msg_id, parent=parent, request_id=rid, version=version,
+                    trace=parse_traceparent(head.get("trace")))
 
 
 def _peek_envelope(frame: memoryview) -> Envelope | None:

@@ -54,6 +54,7 @@ from common.records import (
     PoolInstanceStatus,
     SamplingParams,
     StepSample,
+    Timing,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -70,8 +71,8 @@ __all__ = [
     "records", "registry",
     # nested records
     "CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
-    "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerRefusal",
-    "WorkerStatus",
+    "Timing", "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts",
+    "WorkerRefusal", "WorkerStatus",
     # messages declared beside this module
     "ConductorStats", "GetStats", "HeldBlocks", "KVEvent", "ListWorkers", "PoolBlocks",
     "PoolCommit", "PoolExists", "PoolFound", "PoolGet", "PoolPut", "PoolReady", "PoolRemove",
@@ -228,6 +229,7 @@ class PrefillDone:
     first_token: int
     num_chunks: int
     cached_tokens: int = 0
+    timing: Timing | None = None  # queue, prefill, kv_transfer as the prefill worker saw them
 
 
 @message("abort")
@@ -253,6 +255,7 @@ class Tokens:
     source: str = "decode"
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    timing: Timing | None = None  # on the last Tokens of a stream: the workers' stages
 
 
 # ``Tokens.error`` of a stream its decode worker hands back unfinished (a planned stop):
@@ -282,6 +285,7 @@ class ClientRequest:
     cache_salt: str | None = None
     timeout_s: float | None = None
     api_key: str | None = None  # required when the gateway has API keys configured
+    timing: bool = False  # the last ClientChunk carries the request's Timing
 
 
 @message("client_chunk")
@@ -296,3 +300,4 @@ class ClientChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    timing: Timing | None = None  # on the last chunk, if the request asked for it

@@ -120,6 +120,33 @@ class Usage:
 
 @record
 @dataclass(frozen=True, slots=True)
+class Timing:
+    """Where a request's time went, in milliseconds; each process fills in what it
+    measured (``docs/protocol.md``, *Timing*).
+
+    Stages follow each other: ``route`` (gateway <-> conductor), ``queue`` (waiting on
+    the decode and prefill workers before the prompt ran), ``prefill`` (the prompt's
+    computation, pool fetches included), ``kv_transfer`` (from prefill's end until the
+    decode worker held all KV; 0 for a local prefill), ``decode`` (from then until the
+    last token). ``first_token`` is the time to the first token and ``total`` the whole
+    request, both as the gateway saw them. ``route_reason`` is the conductor's."""
+
+    route_ms: float = 0.0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    first_token_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    kv_bytes: int = 0
+    kv_backend: str = ""
+    decode_id: str = ""
+    prefill_id: str = ""
+    route_reason: str = ""
+
+
+@record
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """A worker as the conductor sees it: what it is, whether it is alive, its load as
     of its last heartbeat."""

@@ -220,15 +220,15 @@ class RpcClient:
         self._loop_task: asyncio.Task | None = None
 
     async def call(self, record: Any, *, request_id: str | None = None, timeout: float = 5.0,
-                   bulk: Sequence[bytes | memoryview] = ()) -> Message:
-        """Send ``record`` and return the reply Message.
+                   bulk: Sequence[bytes | memoryview] = (), trace: str | None = None) -> Message:
+        """Send ``record`` (``trace``: the request's traceparent) and return the reply.
 
         Raises RemoteError if the reply is ``Error``, RpcTimeout if none arrives within
         ``timeout`` seconds (a later reply is dropped), ConnectionError if closed.
         """
         self._ensure_receiving()
         msg_id = uuid.uuid4().hex
-        frames = encode(record, request_id=request_id, msg_id=msg_id, bulk=bulk)
+        frames = encode(record, request_id=request_id, msg_id=msg_id, bulk=bulk, trace=trace)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = future
         try:
@@ -243,11 +243,11 @@ class RpcClient:
             self._pending.pop(msg_id, None)
 
     async def send(self, record: Any, *, request_id: str | None = None,
-                   bulk: Sequence[bytes | memoryview] = ()) -> None:
+                   bulk: Sequence[bytes | memoryview] = (), trace: str | None = None) -> None:
         """Send ``record`` expecting no reply (any reply is dropped)."""
         self._ensure_receiving()
-        await self._sock.send_multipart(encode(record, request_id=request_id, bulk=bulk),
-                                        copy=False)
+        await self._sock.send_multipart(
+            encode(record, request_id=request_id, bulk=bulk, trace=trace), copy=False)
 
     async def close(self) -> None:
         """Stop receiving, fail pending calls with ConnectionError, close. Idempotent."""

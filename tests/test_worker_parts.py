@@ -26,7 +26,8 @@ from services.worker.settings import WorkerSettings
 def test_the_context_is_a_frozen_record():
     assert RoleContext.__dataclass_params__.frozen and hasattr(RoleContext, "__slots__")
     fields = {f.name for f in dataclasses.fields(RoleContext)}
-    assert fields == {"worker_id", "settings", "loop", "streams", "metrics", "zmq", "peer"}
+    assert fields == {"worker_id", "settings", "loop", "streams", "metrics", "zmq", "peer",
+                      "tracer"}
 
 
 def test_the_engine_is_reached_through_its_loop_only():

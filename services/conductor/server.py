@@ -58,6 +58,7 @@ from common.protocol import (
     WorkerStats,
 )
 from common.service_main import run_service, until_stopped
+from common.tracing import Tracer
 from common.zmq_auth import make_context
 from common.zmq_io import Subscriber
 from common.zmq_metrics import ControlMetrics
@@ -94,6 +95,9 @@ class ConductorSettings:
     metrics_port: int = 0
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
+    tracing: bool = False  # OpenTelemetry spans (docs/tracing.md)
+    tracing_endpoint: str = ""  # OTLP/HTTP collector
+    tracing_file: str = ""  # spans as JSON lines
 
     def __post_init__(self) -> None:
         if not (self.pool_check_interval_s > 0 and self.pool_dead_after_s > 0):
@@ -113,6 +117,8 @@ class Conductor:
         self.settings = settings
         self.router = Router(settings.router_config(), load_profile(settings.cost_profile))
         self.ctx = make_context(settings.curve_keys_dir, "conductor")
+        self.tracer = Tracer("conductor", enabled=settings.tracing,
+                             endpoint=settings.tracing_endpoint, file=settings.tracing_file)
         self.registry = Registry(settings.heartbeat_interval_s)
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name="conductor",
                              allowed=CONDUCTOR_CONTROL)
@@ -168,6 +174,7 @@ class Conductor:
             await self.pools.close()
         await self.rpc.close()
         await self.sub.close()
+        self.tracer.close()
         self.ctx.term()
 
     async def _handle(self, msg):
@@ -183,7 +190,16 @@ class Conductor:
         if isinstance(rec, Leaving):
             return Ack(detail="" if self.registry.leave(rec.worker_id) else "unknown")
         if isinstance(rec, Route):
-            return self._route(rec, msg.envelope.request_id)
+            span = self.tracer.span("conductor.route", msg.envelope.trace,
+                                    {"prompt_len": rec.prompt_len})
+            reply = self._route(rec, msg.envelope.request_id)
+            for key, value in ({"decode_id": reply.decode_id, "reason": reply.reason,
+                                "prefill_id": reply.prefill_id or ""}
+                               if isinstance(reply, RouteReply)
+                               else {"error": reply.code, "reason": reply.message}).items():
+                span.set(key, value)
+            span.end()
+            return reply
         if isinstance(rec, ListWorkers):
             return WorkerList(workers=[w.status() for w in self.registry.workers.values()
                                        if not rec.model or w.model == rec.model],

@@ -27,7 +27,8 @@ class GenerationRequest:
     ``sampling`` holds exactly the keys in ``SAMPLING_KEYS`` (the fields of the engine's
     ``SamplingParams``), already validated by the gateway. ``cache_salt`` separates
     prefix-cache entries of different tenants. ``slo_ttft_ms`` / ``slo_tbt_ms`` are the
-    request's latency targets (None: the cluster's defaults).
+    request's latency targets (None: the cluster's defaults). ``timing``: the last event
+    carries the request's ``Timing``; ``trace``: the client's traceparent, if valid.
     """
 
     request_id: str
@@ -36,6 +37,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     slo_ttft_ms: float | None = None
     slo_tbt_ms: float | None = None
+    timing: bool = False
+    trace: str | None = None
 
 
 class BackendOverloaded(Exception):

@@ -50,6 +50,7 @@ from common.protocol import (
     WorkerList,
     WorkerStatus,
 )
+from common.tracing import NO_TRACER, Tracer
 from common.zmq_io import PullSocket
 from common.zmq_policy import GATEWAY_STREAM
 from common.zmq_rpc import RemoteError, RpcClient, RpcTimeout
@@ -68,6 +69,7 @@ from services.gateway.failover import (
     resumed_sampling,
     wait_for_route,
 )
+from services.gateway.request_trace import RequestTrace
 from services.gateway.token_order import release_in_order
 
 log = structlog.get_logger(__name__)
@@ -77,8 +79,9 @@ class ClusterBackend(GenerationBackend):
     def __init__(self, ctx: zmq.asyncio.Context, conductor_addr: str, stream_bind: str,
                  model: str, *, stream_advertise: str = "", rpc_timeout_s: float = 10.0,
                  stall_check_s: float = 2.0, failover: FailoverSettings | None = None,
-                 layout_ttl_s: float = 10.0) -> None:
+                 layout_ttl_s: float = 10.0, tracer: Tracer = NO_TRACER) -> None:
         self.ctx = ctx
+        self.tracer = tracer
         self.model = model
         self.conductor = RpcClient(ctx, conductor_addr, name="gateway", server="conductor")
         self.pull = PullSocket(ctx, stream_bind, bind=True, allowed=GATEWAY_STREAM)
@@ -193,15 +196,18 @@ class ClusterBackend(GenerationBackend):
         return listed_alive(workers, worker_id, addr)
 
     async def _route(self, req: GenerationRequest, prompt: list[int], resumed: bool,
-                     max_tokens: int, exclude: list[str]) -> RouteReply:
+                     max_tokens: int, exclude: list[str], trace: RequestTrace) -> RouteReply:
         # A resumed stream was admitted once already: no SLO may turn it away now.
         slo_ttft, slo_tbt = (math.inf, math.inf) if resumed else (req.slo_ttft_ms, req.slo_tbt_ms)
+        started, route = trace.route_started(), None
         try:
-            return (await self.conductor.call(
+            route = (await self.conductor.call(
                 Route(model=self.model, prompt_len=len(prompt), exclude=exclude,
                       block_hashes=await self._block_hashes(prompt, req.cache_salt),
                       slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt, max_tokens=max_tokens),
-                request_id=req.request_id, timeout=self.rpc_timeout_s)).record
+                request_id=req.request_id, timeout=self.rpc_timeout_s,
+                trace=trace.traceparent)).record
+            return route
         except RemoteError as exc:
             if exc.code == "overloaded":
                 raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
@@ -211,15 +217,17 @@ class ClusterBackend(GenerationBackend):
                    else BackendUnavailable)(exc.message) from exc
         except RpcTimeout as exc:
             raise BackendUnavailable("the conductor did not answer") from exc
+        finally:
+            trace.routed(started, route)
 
     async def _start(self, req: GenerationRequest, generated: list[int],
-                     exclude: list[str], wire_id: str) -> RouteReply:
+                     exclude: list[str], wire_id: str, trace: RequestTrace) -> RouteReply:
         """Route and submit under ``wire_id``; returns the route taken. A failed
         ``Generate`` raises ``_SubmitFailed`` (a BackendUnavailable) naming the worker."""
         prompt = req.prompt_token_ids + generated
         sampling = resumed_sampling(req.sampling, len(generated))
         route = await self._route(req, prompt, bool(generated),
-                                  int(sampling.get("max_tokens", 0)), exclude)
+                                  int(sampling.get("max_tokens", 0)), exclude, trace)
         self.decoders[req.request_id] = (route.decode_addr, wire_id)
         try:
             await self._client(route.decode_addr).call(Generate(
@@ -227,7 +235,7 @@ class ClusterBackend(GenerationBackend):
                 stream_addr=self.stream_addr,
                 prefill_id=route.prefill_id, prefill_addr=route.prefill_addr,
                 cache_salt=req.cache_salt, start_position=len(generated)),
-                request_id=wire_id, timeout=self.rpc_timeout_s)
+                request_id=wire_id, timeout=self.rpc_timeout_s, trace=trace.traceparent)
         except RemoteError as exc:
             if exc.code == "bad_request":
                 raise ValueError(exc.message) from exc
@@ -239,8 +247,8 @@ class ClusterBackend(GenerationBackend):
             raise _SubmitFailed(f"decode worker {route.decode_id} did not answer", route) from exc
         return route
 
-    async def _fail_over(self, req: GenerationRequest, generated: list[int],
-                         lost: LostWorkers) -> tuple[RouteReply, str, asyncio.Queue]:
+    async def _fail_over(self, req: GenerationRequest, generated: list[int], lost: LostWorkers,
+                         trace: RequestTrace) -> tuple[RouteReply, str, asyncio.Queue]:
         """Submit ``req`` again, continuing after ``generated``, on a worker not lost;
         waits up to ``failover.wait_s`` for one. Returns the route, the attempt's
         request id and its queue; raises BackendUnavailable or ValueError."""
@@ -253,7 +261,7 @@ class ClusterBackend(GenerationBackend):
             q = self.queues[wire] = asyncio.Queue()  # tokens may come before the Ack
             try:
                 exclude = lost.exclude(await self._workers())
-                route = await self._start(req, generated, exclude, wire)
+                route = await self._start(req, generated, exclude, wire, trace)
                 lost.attempts += 1
                 return route, wire, q
             except _SubmitFailed as exc:  # it may have admitted it after all
@@ -301,9 +309,10 @@ class ClusterBackend(GenerationBackend):
         pending: dict[int, Tokens] = {}
         lost = LostWorkers()
         failovers, finished = 0, False
+        trace = RequestTrace(self.tracer, rid, request.trace, request.timing)
         try:
             route = await wait_for_route(
-                lambda: self._start(request, generated, [], wire), self.failover, rid)
+                lambda: self._start(request, generated, [], wire, trace), self.failover, rid)
             while True:
                 tokens = await self._next(q, route)
                 # What the worker sent before it left is already queued ahead of this.
@@ -324,7 +333,8 @@ class ClusterBackend(GenerationBackend):
                         if failovers > self.failover.max_failovers:
                             raise BackendUnavailable(
                                 f"{failovers} decode workers lost for this request")
-                        route, wire, q = await self._fail_over(request, generated, lost)
+                        route, wire, q = await self._fail_over(request, generated, lost,
+                                                               trace)
                     except (BackendUnavailable, ValueError) as exc:
                         log.warning("request failed over to no worker", request_id=rid,
                                     error=str(exc))
@@ -340,10 +350,11 @@ class ClusterBackend(GenerationBackend):
                 pending[tokens.position] = tokens
                 for event in release_in_order(pending, generated):
                     finished = finished or event.finished
-                    yield event
+                    yield trace.on_event(event)
                     if event.finished:
                         return
         finally:
+            trace.end("abort")  # a no-op once the last event ended it
             self.queues.pop(wire, None)
             held = self.decoders.pop(rid, None)
             if held is not None and not finished:

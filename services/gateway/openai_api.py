@@ -26,6 +26,7 @@ while it encodes), so a large prompt does not stall other requests or ``/health`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import uuid
@@ -41,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 
 from common.tokenizer import TextTokenizer
+from common.tracing import parse_traceparent
 from services.gateway import openai_format as fmt
 from services.gateway.backend import (
     BackendOverloaded,
@@ -79,7 +81,7 @@ class _Run:
         self._deadline = asyncio.get_running_loop().time() + timeout_s
         request = GenerationRequest(request_id, prepared.prompt_token_ids, prepared.sampling,
                                     prepared.cache_salt, prepared.slo_ttft_ms,
-                                    prepared.slo_tbt_ms)
+                                    prepared.slo_tbt_ms, prepared.timing, prepared.trace)
         self._deltas = pipeline.stream(prepared, backend.generate(request),
                                        on_stop=lambda: backend.abort(request_id))
 
@@ -310,6 +312,9 @@ def create_app(backend: GenerationBackend, tokenizer: TextTokenizer, *, model_na
                                "stream_options")
         include_usage = get_field(options or {}, "include_usage", bool, False)
         request_id, internal_id = request_ids(request, "chatcmpl" if chat else "cmpl")
+        prepared = dataclasses.replace(  # extensions a client may also ask for by header
+            prepared, trace=parse_traceparent(request.headers.get("traceparent")),
+            timing=prepared.timing or request.headers.get("x-pdserve-timing") == "1")
         if internal_id != request_id:
             log.debug("request_labelled", request_id=internal_id, label=request_id)
         writer = fmt.ResponseWriter(tokenizer, chat=chat, request_id=request_id,

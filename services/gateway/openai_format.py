@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 from starlette.responses import JSONResponse
 
-from common.protocol import TokenLogprob, Usage
+from common.protocol import Timing, TokenLogprob, Usage
 from common.tokenizer import TextTokenizer
 from services.gateway.backend import BackendOverloaded, BackendUnavailable
 from services.gateway.pipeline import RequestError, TextDelta
@@ -135,6 +135,16 @@ def reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
             raise RequestError(f"{name} is not supported by this server", name)
 
 
+def timing_object(t: Timing) -> dict[str, Any]:
+    """The ``timing`` extension object: stage durations (ms) and the routing decision."""
+    return {"route": t.route_ms, "queue": t.queue_ms, "prefill": t.prefill_ms,
+            "kv_transfer": t.kv_transfer_ms, "first_token": t.first_token_ms,
+            "decode": t.decode_ms, "total": t.total_ms, "kv_bytes": t.kv_bytes,
+            "kv_backend": t.kv_backend,
+            "routing": {"decode": t.decode_id, "prefill": t.prefill_id or None,
+                        "reason": t.route_reason}}
+
+
 def usage_object(usage: Usage | None) -> dict[str, Any] | None:
     """The OpenAI ``usage`` object."""
     if usage is None:
@@ -198,6 +208,8 @@ class ResponseWriter:
                       "finish_reason": last.finish_reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_object(last.usage)
+        if last.timing is not None:
+            body["timing"] = timing_object(last.timing)
         return body
 
     def _token(self, token_id: int) -> str:
@@ -245,6 +257,8 @@ async def sse_stream(writer: ResponseWriter, first: TextDelta,
                 chunk["choices"][0]["finish_reason"] = None
             if include_usage:
                 chunk["usage"] = None
+            if delta.timing is not None:
+                chunk["timing"] = timing_object(delta.timing)
             yield sse(chunk)
         if failed:
             yield sse(ApiError(500, delta.error or "generation failed", "server_error").body())

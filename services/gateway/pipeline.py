@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import TokenLogprob, Tokens, Usage
+from common.protocol import Timing, TokenLogprob, Tokens, Usage
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from services.gateway.stop_strings import StopMatcher
 
@@ -51,6 +51,8 @@ class PreparedRequest:
     cache_salt: str | None = None
     slo_ttft_ms: float | None = None  # extensions: the request's latency targets
     slo_tbt_ms: float | None = None
+    timing: bool = False  # extension: return the request's Timing with its last chunk
+    trace: str | None = None  # the client's traceparent, if valid
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class TextDelta:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    timing: Timing | None = None  # on the last delta, if the request asked for it
 
 
 def get_field(body: Mapping[str, Any], name: str, kind: type, default: Any = None) -> Any:
@@ -227,7 +230,16 @@ class RequestPipeline:
             skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
             cache_salt=get_field(body, "cache_salt", str, None) or None,
             slo_ttft_ms=self._slo(body, "slo_ttft_ms"),
-            slo_tbt_ms=self._slo(body, "slo_tbt_ms"))
+            slo_tbt_ms=self._slo(body, "slo_tbt_ms"),
+            timing=get_field(self._extension(body), "timing", bool, False))
+
+    @staticmethod
+    def _extension(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The ``pdserve`` object of options no OpenAI field covers (absent: none)."""
+        ext = body.get("pdserve")
+        if ext is not None and not isinstance(ext, dict):
+            raise RequestError("pdserve must be an object", "pdserve")
+        return ext or {}
 
     @staticmethod
     def _slo(body: Mapping[str, Any], name: str) -> float | None:
@@ -301,7 +313,7 @@ class RequestPipeline:
                     pieces.append(stops.flush())
                     reason = event.finish_reason or ("error" if event.error else "stop")
                     yield TextDelta("".join(pieces), ids, start, True, reason, usage(),
-                                    logprobs, event.error)
+                                    logprobs, event.error, event.timing)
                     return
                 yield TextDelta("".join(pieces), ids, start, logprobs=logprobs)
             yield TextDelta(stops.flush(), [], counts["done"], True, "error", usage(),

@@ -20,6 +20,7 @@ from common.config import load_settings
 from common.logging import configure_logging
 from common.service_main import run_service, until_stopped
 from common.tokenizer import TextTokenizer
+from common.tracing import Tracer
 from common.zmq_auth import make_context
 from common.zmq_metrics import ControlMetrics
 from services.gateway.cluster_backend import ClusterBackend
@@ -55,6 +56,9 @@ class GatewaySettings:
     route_wait_s: float = 5.0
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
+    tracing: bool = False  # OpenTelemetry spans (docs/tracing.md)
+    tracing_endpoint: str = ""  # OTLP/HTTP collector, e.g. http://127.0.0.1:4318/v1/traces
+    tracing_file: str = ""  # spans as JSON lines, one file per process
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -87,9 +91,11 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
         max_len = settings.max_model_len or info.max_model_len
     tokenizer = TextTokenizer.from_dir(tok_dir)
     ctx = make_context(settings.curve_keys_dir, "gateway")
+    tracer = Tracer("gateway", enabled=settings.tracing, endpoint=settings.tracing_endpoint,
+                    file=settings.tracing_file)
     backend = ClusterBackend(ctx, settings.conductor_addr, settings.stream_bind, name,
                              stream_advertise=settings.stream_advertise,
-                             failover=settings.failover())
+                             failover=settings.failover(), tracer=tracer)
     await backend.start()
     pipeline = RequestPipeline(tokenizer, max_len)
     frontend = ZmqFrontend(ctx, settings.zmq_addr, backend, pipeline, tokenizer, name,
@@ -116,6 +122,7 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
         await frontend.close()
         await backend.close()
         app.state.metrics_registry.unregister(control_metrics)
+        tracer.close()
         ctx.term()
 
 

@@ -110,7 +110,7 @@ class ZmqFrontend:
                                        "client; use a new id"), rid, msg.envelope.id)
                     continue
                 self.tasks[key] = asyncio.create_task(
-                    self._run(identity, rid, msg.envelope.id, rec))
+                    self._run(identity, rid, msg.envelope.id, rec, msg.envelope.trace))
             else:
                 await self._send(identity, Error("unsupported", type(rec).__name__), rid,
                                  msg.envelope.id)
@@ -147,7 +147,8 @@ class ZmqFrontend:
                                "timeout_s")
         return min(float(given), self.request_timeout_s)
 
-    async def _run(self, identity: bytes, rid: str, parent: str, rec: ClientRequest) -> None:
+    async def _run(self, identity: bytes, rid: str, parent: str, rec: ClientRequest,
+                   trace: str | None = None) -> None:
         started = False
         internal = f"zmq-{uuid.uuid4().hex}"  # client ids are per socket; the backend's are not
         try:
@@ -155,7 +156,7 @@ class ZmqFrontend:
             prepared = await asyncio.to_thread(self._prepare, rec)
             events = self.backend.generate(GenerationRequest(
                 internal, prepared.prompt_token_ids, prepared.sampling, prepared.cache_salt,
-                prepared.slo_ttft_ms, prepared.slo_tbt_ms))
+                prepared.slo_ttft_ms, prepared.slo_tbt_ms, rec.timing, trace))
             started = True
             async with asyncio.timeout(timeout_s):
                 async for d in self.pipeline.stream(
@@ -163,7 +164,7 @@ class ZmqFrontend:
                     await self._send(identity, ClientChunk(
                         text=d.text, token_ids=list(d.token_ids), position=d.position,
                         finished=d.finished, finish_reason=d.finish_reason,
-                        usage=d.usage, error=d.error), rid, parent)
+                        usage=d.usage, error=d.error, timing=d.timing), rid, parent)
         except (RequestError, ValueError) as exc:
             await self._send(identity, Error("bad_request", str(exc)), rid, parent)
         except BackendOverloaded as exc:

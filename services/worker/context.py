@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import zmq.asyncio
 
 from common.address import format_address, parse_address
+from common.tracing import NO_TRACER, Tracer
 from common.zmq_rpc import RpcClient
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
@@ -32,6 +33,7 @@ class RoleContext:
     metrics: WorkerMetrics
     zmq: zmq.asyncio.Context  # for the sockets a part opens itself (cache pool)
     peer: Callable[[str], RpcClient]  # the worker's one client per control address
+    tracer: Tracer = NO_TRACER  # the worker's spans
 
     def advertised(self, addr: str) -> str:
         """``addr`` of a socket bound here, as peers should dial it (see ``advertise``)."""

@@ -44,15 +44,18 @@ from common.protocol import (
     Generate,
     KVAdvert,
     Prefill,
+    Timing,
     Tokens,
     WorkerStats,
 )
+from common.tracing import Span
 from common.transfer import MultiReceiver, Transfer, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.outputs import RemoteSlots
 from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
 from services.worker.pool_link import PoolLink
+from services.worker.stage_timing import stage_timing
 from services.worker.token_streams import logprob_records
 from services.worker.tombstones import Tombstones
 
@@ -67,6 +70,14 @@ class Stream:
     prompt_token_ids: list[int]
     cache_salt: str | None
     next_position: int = 0  # of the next token this worker sends (set once it sends)
+    span: Span | None = None  # decode.request: the parent of this worker's spans
+    # Stage clocks (time.monotonic()): see stage_timing.
+    arrived: float = 0.0
+    asked: float | None = None  # Prefill sent
+    kv_done: float | None = None  # all KV here and PrefillDone in
+    first: float | None = None  # a prompt prefilled here: its first token
+    queued: float = 0.0  # a prompt prefilled here: its wait in the engine's queue
+    measured: Timing | None = None  # the prefill worker's own stages
 
     @property
     def prompt_tokens(self) -> int:
@@ -134,7 +145,7 @@ class DecodeRole:
         return Error("overloaded", f"{self.ctx.worker_id}: {loop.load.waiting} requests "
                      "waiting", retry_after_s=max(1.0, drain))
 
-    async def handle(self, rid: str, rec: Generate):
+    async def handle(self, rid: str, rec: Generate, trace: str | None = None):
         if self.leaving:
             return Error("unavailable", f"{self.ctx.worker_id} is shutting down")
         if rid in self.streams:
@@ -146,16 +157,19 @@ class DecodeRole:
             return refusal
         self.admitting += 1
         try:
-            return await self._admit(rid, rec)
+            return await self._admit(rid, rec, trace)
         finally:
             self.admitting -= 1
 
-    async def _admit(self, rid: str, rec: Generate):
+    async def _admit(self, rid: str, rec: Generate, trace: str | None):
         ctx = self.ctx
         params = rec.sampling  # checked by SamplingParams itself when it was decoded
         prompt, salt = rec.prompt_token_ids, rec.cache_salt
-        stream = self.streams[rid] = Stream(rid, rec.stream_addr, rec.start_position, prompt,
-                                            salt, rec.start_position)
+        stream = self.streams[rid] = Stream(
+            rid, rec.stream_addr, rec.start_position, prompt, salt, rec.start_position,
+            span=ctx.tracer.span("decode.request", trace, {
+                "request_id": rid, "worker_id": ctx.worker_id,
+                "prompt_tokens": len(prompt)}), arrived=time.monotonic())
         try:
             # A resumed stream (start_position > 0) prefills here: the prefill worker
             # only ever streams position 0.
@@ -181,6 +195,7 @@ class DecodeRole:
             return Ack(detail="local")
         except ValueError as exc:
             self.streams.pop(rid, None)
+            stream.span.end()
             return Error("bad_request", str(exc))
 
     async def _undo_if_aborted(self, rid: str, stream: Stream) -> bool:
@@ -195,13 +210,17 @@ class DecodeRole:
         ctx = self.ctx
         remote = self.remote[rid]
         lease = ctx.settings.kv_lease_s
+        stream = self.streams.get(rid)
+        if stream is not None:
+            stream.asked = time.monotonic()
         asking = asyncio.create_task(ctx.peer(rec.prefill_addr).call(Prefill(
             prompt_token_ids=rec.prompt_token_ids, sampling=rec.sampling,
             stream_addr=rec.stream_addr, kv_addr=self.kv_addr,
             block_ids=remote.slots.block_ids, skip_blocks=remote.slots.num_cached_blocks,
             lease_s=lease, decode_id=ctx.worker_id, cache_salt=rec.cache_salt,
             kv_advert=self.kv_advert(), kv_token=remote.transfer.token or b""),
-            request_id=rid, timeout=lease))
+            request_id=rid, timeout=lease,
+            trace=stream.span.traceparent if stream is not None else None))
         arriving = asyncio.create_task(remote.transfer.wait())
         try:
             # Whichever fails first decides: a prefill worker that dies mid-transfer
@@ -212,9 +231,12 @@ class DecodeRole:
                 task.result()  # raises the first failure
             if len(done) < 2:
                 raise TimeoutError(f"KV not complete within its {lease} s lease")
-            first = asking.result().record.first_token
+            done_rec = asking.result().record
+            first = done_rec.first_token
             if rid not in self.remote:  # aborted meanwhile
                 return
+            if stream is not None:
+                stream.kv_done, stream.measured = time.monotonic(), done_rec.timing
             out = await ctx.loop.run(lambda e: e.complete_remote_prefill(rid, first))
             ctx.metrics.kv_transfer_seconds.inc(time.monotonic() - remote.started)
             if out.finished:
@@ -263,6 +285,7 @@ class DecodeRole:
             return
         position = stream.start_position + out.num_output_tokens - len(out.new_token_ids)
         if out.num_output_tokens == len(out.new_token_ids) and out.new_token_ids:
+            stream.first, stream.queued = time.monotonic(), out.queue_time_s or 0.0
             # The first token of a prompt computed here (a remote prefill's first token
             # never passes through): its blocks may serve other workers.
             self.pool.computed(stream.prompt_token_ids, stream.cache_salt)
@@ -271,7 +294,8 @@ class DecodeRole:
             finish_reason=out.finish_reason, prompt_tokens=out.num_prompt_tokens,
             cached_tokens=out.num_cached_tokens, source="decode",
             error="engine step failed" if out.finish_reason == "error" else None,
-            logprobs=logprob_records(out.new_logprobs)))
+            logprobs=logprob_records(out.new_logprobs),
+            timing=self._finished(stream, out.finish_reason) if out.finished else None))
         stream.next_position = position + len(out.new_token_ids)
         if out.finished:
             self.streams.pop(out.request_id, None)
@@ -282,7 +306,14 @@ class DecodeRole:
             self.ctx.streams.send(stream.addr, rid, Tokens(
                 position=stream.start_position + count, token_ids=[], finished=True,
                 finish_reason=reason, prompt_tokens=stream.prompt_tokens,
-                cached_tokens=cached, source="decode"))
+                cached_tokens=cached, source="decode", timing=self._finished(stream, reason)))
+
+    def _finished(self, stream: Stream, reason: str | None) -> Timing:
+        """The stages of ``stream``, now finished; its spans recorded and ended."""
+        timing = stage_timing(stream, self.ctx.tracer, time.monotonic())
+        stream.span.set("finish_reason", reason or "")
+        stream.span.end()
+        return timing
 
     async def hand_back(self) -> int:
         """A planned stop: refuse new requests, end every running stream with
@@ -292,6 +323,7 @@ class DecodeRole:
         handed = list(self.streams.items())
         self.streams.clear()  # what the engine still produces for them is not sent
         for rid, stream in handed:
+            stream.span.end()
             self.ctx.streams.send(stream.addr, rid, Tokens(
                 position=stream.next_position, token_ids=[], finished=True,
                 finish_reason="error", prompt_tokens=stream.prompt_tokens,
@@ -301,7 +333,11 @@ class DecodeRole:
         return len(handed)
 
     async def abort(self, rid: str) -> None:
-        if self.streams.pop(rid, None) is None and rid not in self.remote:
+        stream = self.streams.pop(rid, None)
+        if stream is not None:
+            stream.span.set("finish_reason", "abort")
+            stream.span.end()
+        elif rid not in self.remote:
             self.aborted.add(rid)  # it may not have arrived yet
         remote = self.remote.pop(rid, None)
         if remote is not None:

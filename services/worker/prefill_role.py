@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from common.protocol import Error, Prefill, PrefillDone, Tokens, WorkerStats
+from common.protocol import Error, Prefill, PrefillDone, Timing, Tokens, WorkerStats
 from common.sampling_params import SamplingParams
+from common.tracing import Span, wall_ns
 from common.transfer import MultiSender, TransferError
 from services.engine.outputs import RequestOutput
 from services.worker.context import RoleContext
@@ -52,6 +53,8 @@ class Job:
     done: asyncio.Future  # the finished RequestOutput
     layers: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     error: str | None = None
+    sent_from: float | None = None  # monotonic time the first layer left
+    sent_bytes: int = 0
 
 
 class PrefillRole:
@@ -121,7 +124,18 @@ class PrefillRole:
             await asyncio.sleep(0.05)
         return len(self.jobs)
 
-    async def handle(self, rid: str, rec: Prefill):
+    async def handle(self, rid: str, rec: Prefill, trace: str | None = None):
+        ctx = self.ctx
+        arrived = time.monotonic()
+        span = ctx.tracer.span("prefill.request", trace, {
+            "request_id": rid, "worker_id": ctx.worker_id,
+            "prompt_tokens": len(rec.prompt_token_ids)})
+        try:
+            return await self._handle(rid, rec, arrived, span)
+        finally:
+            span.end()
+
+    async def _handle(self, rid: str, rec: Prefill, arrived: float, span: Span):
         ctx = self.ctx
         if rid in self.jobs:  # a re-routed request while its first prefill still runs
             return Error("bad_request", f"request id {rid!r} is already being prefilled here")
@@ -149,6 +163,7 @@ class PrefillRole:
             except ValueError as exc:
                 return Error("bad_request", str(exc))
             out = await job.done
+            computed = time.monotonic()
             if out.finish_reason in ("abort", "error") or not out.new_token_ids:
                 raise TransferError(f"prefill ended with {out.finish_reason}")
             first = out.new_token_ids[0]
@@ -164,7 +179,9 @@ class PrefillRole:
                 raise TransferError(f"KV not accepted within the {rec.lease_s} s lease") from None
             self.done += 1
             return PrefillDone(first_token=first, num_chunks=chunks,
-                               cached_tokens=out.num_cached_tokens)
+                               cached_tokens=out.num_cached_tokens,
+                               timing=self._timing(job, span, backend, arrived, computed,
+                                                   out.queue_time_s or 0.0))
         except (TransferError, OSError) as exc:
             log.warning("prefill failed", request_id=rid, error=str(exc))
             with contextlib.suppress(TransferError, OSError):
@@ -174,6 +191,22 @@ class PrefillRole:
             sending.cancel()
             self.jobs.pop(rid, None)
             await ctx.loop.run(_drop, rid)
+
+    def _timing(self, job: Job, span: Span, backend: str, arrived: float, computed: float,
+                queued: float) -> Timing:
+        """The stages this worker saw (queue, prefill, the KV sent after the prompt was
+        computed), also recorded as spans under ``span``."""
+        sent = time.monotonic()
+        tracer, parent = self.ctx.tracer, span.traceparent
+        tracer.record("prefill.queue", parent, wall_ns(arrived), wall_ns(arrived + queued))
+        tracer.record("prefill.compute", parent, wall_ns(arrived + queued), wall_ns(computed),
+                      {"cached_tokens": job.rec.skip_blocks})
+        tracer.record("prefill.kv_transfer", parent, wall_ns(job.sent_from or computed),
+                      wall_ns(sent), {"bytes": job.sent_bytes, "backend": backend,
+                                      "layers": self.ctx.loop.facts.num_layers})
+        return Timing(queue_ms=queued * 1e3, prefill_ms=(computed - arrived - queued) * 1e3,
+                      kv_transfer_ms=(sent - computed) * 1e3, kv_bytes=job.sent_bytes,
+                      kv_backend=backend)
 
     async def _send_layers(self, rid: str, job: Job) -> int:
         """Send each layer as the engine hands it over; then close the transfer."""
@@ -186,8 +219,10 @@ class PrefillRole:
             if payload is None or job.error:
                 raise TransferError(job.error or "KV export failed")
             start = start or time.perf_counter()
+            job.sent_from = job.sent_from or time.monotonic()
             await self.sender.send(job.addr, rid, layer, dest, payload, token=job.rec.kv_token)
             self.sent_bytes += payload.nbytes
+            job.sent_bytes += payload.nbytes
             ctx.metrics.kv_transfer_bytes.inc(payload.nbytes)
             ctx.metrics.kv_sent_bytes.labels(backend=job.addr.partition("://")[0]).inc(
                 payload.nbytes)

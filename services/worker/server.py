@@ -42,6 +42,7 @@ from common.protocol import (
     WorkerStats,
 )
 from common.service_main import run_service, until_stopped
+from common.tracing import Tracer
 from common.transfer import TransferError
 from common.zmq_auth import make_context
 from common.zmq_io import Publisher
@@ -121,9 +122,11 @@ class Worker:
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
         self.loop = EngineLoop(self._on_outputs, name=self.worker_id)
         self.streams = TokenStreams(self.ctx)
+        self.tracer = Tracer(settings.role, enabled=settings.tracing,
+                             endpoint=settings.tracing_endpoint, file=settings.tracing_file)
         ctx = RoleContext(worker_id=self.worker_id, settings=settings, loop=self.loop,
                           streams=self.streams, metrics=self.metrics, zmq=self.ctx,
-                          peer=self.client)
+                          peer=self.client, tracer=self.tracer)
         self.pool = PoolLink(ctx)
         self.role: DecodeRole | PrefillRole = (
             PrefillRole(ctx, self.pool) if settings.role == "prefill"
@@ -199,6 +202,7 @@ class Worker:
                 async with asyncio.timeout(15):
                     await self.loop.run(lambda e: getattr(e, "close", lambda: None)())
         await self.loop.stop()
+        self.tracer.close()
         self.ctx.term()
 
     @property
@@ -235,11 +239,11 @@ class Worker:
         if isinstance(rec, Generate):
             if not isinstance(self.role, DecodeRole):
                 return Error("wrong_role", f"{self.worker_id} is a prefill worker")
-            return await self.role.handle(rid, rec)
+            return await self.role.handle(rid, rec, msg.envelope.trace)
         if isinstance(rec, Prefill):
             if not isinstance(self.role, PrefillRole):
                 return Error("wrong_role", f"{self.worker_id} does not run remote prefills")
-            return await self.role.handle(rid, rec)
+            return await self.role.handle(rid, rec, msg.envelope.trace)
         if isinstance(rec, Abort):
             await self.role.abort(rid)
             return Ack(detail="aborted")

@@ -44,6 +44,9 @@ class WorkerSettings:
     host_id: str = ""  # empty: this machine's hostname
     log_format: str = "json"
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
+    tracing: bool = False  # OpenTelemetry spans (docs/tracing.md)
+    tracing_endpoint: str = ""  # OTLP/HTTP collector
+    tracing_file: str = ""  # spans as JSON lines
     executor: str = "model"  # "model": the real engine; "sim": sleep what sim_profile says
     sim_profile: str = "smollm2-cpu"  # cost profile name (deploy/profiles) or JSON path
     sim_time_scale: float = 1.0  # multiplies the simulated step times
