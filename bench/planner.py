@@ -142,8 +142,8 @@ def one_run(name: str, workdir: Path, specs, args, lo: int, hi: int) -> dict:
         peak = [max(peak[0], pa), max(peak[1], da)]
     summary = summarize(results, results_duration(results),
                         Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms))
-    keep = ("completed", "failed", "output_len_mismatch", "duration_s", "goodput", "goodput_fraction",
-            "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+    keep = ("completed", "failed", "output_len_mismatch", "duration_s", "goodput",
+            "goodput_fraction", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
     return {"run": name, **{k: summary.get(k) for k in keep}, "worker_seconds": worker_s,
             "peak_workers": {"prefill": peak[0], "decode": peak[1]}, "decisions": decisions}
 
@@ -172,18 +172,18 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = segment[0]["timestamp"] if segment else 0
     report = {"segment_start_s": t0 / 1000, "segment_s": args.segment_s,
               "requests": len(specs), "settings": vars(args), "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planner.json").write_text(json.dumps(report, indent=2))
     print(f"{len(specs)} requests from trace second {t0 / 1000:.0f}, replayed "
           f"{args.time_scale}x; SLO TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms")
     print(f"{'run':<24}{'done':>6}{'fail':>6}{'goodput r/s':>13}{'met SLO':>9}"
           f"{'TTFT p99':>10}{'TPOT p99':>10}{'worker-s':>10}{'peak P+D':>10}")
     for r in runs:
         print(f"{r['run']:<24}{r['completed']:>6}{r['failed']:>6}{r['goodput']:>13.2f}"
-              f"{100 * r['goodput_fraction']:>8.0f}%{r['ttft_p99_ms']:>10.0f}"
-              f"{r['tpot_p99_ms']:>10.1f}{r['worker_seconds']:>10.1f}"
+              f"{100 * r['goodput_fraction']:>8.0f}%{r['p99_ttft_ms'] or 0:>10.0f}"
+              f"{r['p99_tpot_ms'] or 0:>10.1f}{r['worker_seconds']:>10.1f}"
               f"{r['peak_workers']['prefill']:>6}+{r['peak_workers']['decode']}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "planner.json").write_text(json.dumps(report, indent=2))
     return report
 
 
