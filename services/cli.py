@@ -1,7 +1,8 @@
 """The ``pdserve`` command.
 
     pdserve generate [--model NAME] [--max-tokens N] [--temperature T] [--chat] PROMPT...
-    pdserve gateway|conductor|prefill|decode|unified|cache-pool [--config FILE] [--key value ...]
+    pdserve gateway|conductor|prefill|decode|unified|cache-pool|planner [--config FILE]
+            [--key value ...]
     pdserve keys --out DIR
     pdserve advise --workers N --slo-ttft-ms MS --slo-tpot-ms MS (--trace PATH | --rate R ...)
 
@@ -91,11 +92,14 @@ def _run_service(name: str, argv: list[str]) -> int:
     if name == "cache-pool":
         from services.cache_pool.server import main as run
         return run(argv)
+    if name == "planner":
+        from services.planner.server import main as run
+        return run(argv)
     from services.worker.server import main as run
     return run(argv, role=name)
 
 
-SERVICES = ("gateway", "conductor", "prefill", "decode", "unified", "cache-pool")
+SERVICES = ("gateway", "conductor", "prefill", "decode", "unified", "cache-pool", "planner")
 
 
 def main(argv: list[str] | None = None) -> int:

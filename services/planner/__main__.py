@@ -1,0 +1,5 @@
+import sys
+
+from services.planner.server import main
+
+sys.exit(main())
