@@ -4,7 +4,7 @@ A ``BufferedProtocol`` rather than a ``StreamReader``: the event loop ``recv_int
 straight into this reader's buffers, so a payload reaches the sink without passing
 through an intermediate stream buffer or a ``bytes`` copy. Per connection it holds::
 
-    ahead    256 KiB                what the socket had, read in one go: prefixes,
+    ahead    1 MiB                  what the socket had, read in one go: prefixes,
                                     headers, and payloads that fit (handed to the sink
                                     from here); grown only for a header larger than it
     payload  largest chunk so far   the rest of a payload that did not fit, received
@@ -50,7 +50,7 @@ from common.transfer.table import TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
 
-_AHEAD_BYTES = 256 << 10
+_AHEAD_BYTES = 1 << 20
 _SCRATCH_BYTES = 1 << 20
 VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
 VERDICT_BATCH_BYTES = 16 << 20  # what the sender keeps until they come
