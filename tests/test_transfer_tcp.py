@@ -449,9 +449,17 @@ def test_wire_round_trip_and_rejections():
     with pytest.raises(wire.WireError, match="magic"):
         wire.decode_prefix(b"XXXX" + frame[4 : wire.PREFIX.size])
     finish = wire.encode(wire.Finish("r", 1))
-    with pytest.raises(wire.WireError) as info:
+    assert wire.decode_header(wire.Kind.FINISH, finish[wire.PREFIX.size :]) == wire.Finish("r", 1)
+    with pytest.raises(wire.WireError, match="lengths say"):  # a msgpack map is no CHUNK
         wire.decode_header(wire.Kind.CHUNK, finish[wire.PREFIX.size :])
+    # A CHUNK header whose request id can be read names it, so its transfer can fail.
+    retried_twice = wire.CHUNK_HEAD.pack(0, 0, wire.MAX_ATTEMPTS, 0, 1, 0) + b"r"
+    with pytest.raises(wire.WireError, match="attempt") as info:
+        wire.decode_header(wire.Kind.CHUNK, retried_twice)
     assert info.value.request_id == "r"
+    huge = wire.Chunk("r", 0, [2**64], 0)
+    with pytest.raises(wire.WireError, match="block_ids"):
+        wire.encode(huge, 1)
 
 
 def test_verdicts_round_trip_and_split_before_a_partial_one():
