@@ -10,7 +10,14 @@ alternating; a repetition ends when the receiving process says (a stdout line) i
 
 Limits: tcp, blocking ``sendall`` of each layer / ``recv_into`` one buffer (goal 0.9x);
 shm, ``memcpy`` of each layer into a pre-faulted segment the receiver maps (goal 0.8x);
-ucx, the whole payload in one ucxx send (goal 0.9x). Writes bench/results/transfer.*
+ucx, the whole payload in one ucxx send (goal 0.9x). The limit moves the same bytes in
+the same messages (one per layer, the same sizes) between the same two kinds of process,
+and its receiver says it has all the same way. Writes bench/results/transfer.*
+
+Runs on bench/harness.py: backend and limit interleaved round by round, the ratio taken
+per round, its median and spread reported, the machine and its load recorded. Besides
+the wall time, each side reports the CPU time both processes spent per transfer, which a
+busy machine moves much less than the wall time: on a shared machine compare that.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import logging
 import math
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,9 +39,15 @@ import structlog
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import Metric, Session  # noqa: E402
+from bench.machine import load_average, machine_line  # noqa: E402
+
 LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
 GOALS, MIB = {"tcp": 0.9, "shm": 0.8, "ucx": 0.9}, 1 << 20
+LIMIT_NAMES = {"tcp": "blocking sendall of each message / recv_into",
+               "shm": "memcpy of each message into a mapped segment, a pipe line to wake",
+               "ucx": "the whole payload in one ucxx send"}
 
 
 async def serve_backend(kind: str, count: str) -> None:
@@ -47,7 +59,7 @@ async def serve_backend(kind: str, count: str) -> None:
     print(f"addr {rx.address}", flush=True)
     for i, transfer in enumerate(transfers):
         await transfer.wait()
-        print(f"done r{i}", flush=True)
+        print(f"done r{i} {time.process_time()}", flush=True)
     await rx.close()
 
 
@@ -63,7 +75,7 @@ def serve_raw_tcp() -> None:
     while total := int.from_bytes(conn.recv(8, socket.MSG_WAITALL) or b"", "little"):
         while total:
             total -= conn.recv_into(buffer[: min(total, len(buffer))])
-        print("done", flush=True)
+        print(f"done {time.process_time()}", flush=True)
 
 
 def serve_raw_shm(name: str) -> None:
@@ -72,7 +84,7 @@ def serve_raw_shm(name: str) -> None:
     segment = Segment.attach(SHM_DIR, name)
     print("addr mapped", flush=True)
     for _line in sys.stdin:  # one line a repetition: the bytes are in place
-        print("done", flush=True)
+        print(f"done {time.process_time()}", flush=True)
     segment.close()
 
 
@@ -85,7 +97,7 @@ async def serve_raw_ucx(max_bytes: str) -> None:
         try:
             while True:
                 await ep.recv(buffer)
-                print("done", flush=True)
+                print(f"done {time.process_time()}", flush=True)
         except Exception:
             finished.set()
 
@@ -96,7 +108,17 @@ async def serve_raw_ucx(max_bytes: str) -> None:
 
 
 class Peer:
-    """A receiving process: its first line is its address, then one line a repetition."""
+    """A receiving process: its first line is its address, then one line a repetition,
+    ending with the CPU seconds the process has used so far (``cpu``: at the last one)."""
+
+    cpu = 0.0
+
+    async def done(self) -> str:
+        """The next repetition's line, less its CPU figure; ``cpu_spent`` the CPU it took."""
+        line = await self.line()
+        head, _, cpu = line.rpartition(" ")
+        self.cpu_spent, self.cpu = float(cpu) - self.cpu, float(cpu)
+        return head
 
     async def start(self, *args: str) -> str:
         pipe = asyncio.subprocess.PIPE
@@ -128,7 +150,7 @@ async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[
         for layer, chunk in enumerate(chunks):
             await sender.send(address, f"r{rep}", layer, blocks, chunk)
         await sender.finish(address, f"r{rep}", len(chunks))
-        if await peer.line() != f"done r{rep}":
+        if await peer.done() != f"done r{rep}":
             raise RuntimeError(f"{kind} transfer r{rep} did not complete")
 
     try:
@@ -149,7 +171,7 @@ async def tcp_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
         sock.sendall(payload.nbytes.to_bytes(8, "little"))
         for chunk in chunks:
             sock.sendall(chunk)
-        await peer.line()
+        await peer.done()
 
     with sock:
         yield one
@@ -168,7 +190,7 @@ async def shm_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
             segment.view[offset : offset + chunk.nbytes] = chunk
             offset += chunk.nbytes
         peer.proc.stdin.write(b"go\n")
-        await peer.line()
+        await peer.done()
 
     try:
         await peer.start("raw", "shm", segment.name)
@@ -187,7 +209,7 @@ async def ucx_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
 
     async def one(rep: int) -> None:
         await ep.send(payload)
-        await peer.line()
+        await peer.done()
 
     try:
         yield one
@@ -198,46 +220,76 @@ async def ucx_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
 LIMITS = {"tcp": tcp_limit, "shm": shm_limit, "ucx": ucx_limit}
 
 
-async def measure_pair(kind: str, chunks, payload, blocks, reps: int) -> tuple[float, float]:
-    """Median seconds of (backend, limit), alternating so that both see the same machine."""
-    peers = Peer(), Peer()
+METRICS = [Metric("gbps", "throughput", "GB/s"),
+           Metric("cpu_ms", "CPU of both processes per transfer", "ms", higher_is_better=False)]
+
+
+def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, repeats: int,
+                 warmup: int, settings: dict) -> dict:
+    """The harness report of (backend, limit) for one backend and size, interleaved."""
+    peers, stack = (Peer(), Peer()), contextlib.AsyncExitStack()
+
+    async def open_both():
+        ours = await stack.enter_async_context(
+            backend(peers[0], kind, chunks, blocks, warmup + repeats))
+        limit = await stack.enter_async_context(LIMITS[kind](peers[1], chunks, payload))
+        return ours, limit
+
+    def side(one, peer: Peer):
+        def run(ctx) -> dict:
+            wall, cpu = time.perf_counter(), time.process_time()
+            runner.run(one(ctx.round))
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            return {"gbps": payload.nbytes / wall / 1e9,
+                    "cpu_ms": 1e3 * (cpu + peer.cpu_spent), "seconds": wall}
+        return run
+
     try:
-        async with (
-            backend(peers[0], kind, chunks, blocks, reps) as ours,
-            LIMITS[kind](peers[1], chunks, payload) as limit,
-        ):
-            seconds: tuple[list[float], list[float]] = ([], [])
-            for rep in range(reps):
-                for one, spent in ((ours, seconds[0]), (limit, seconds[1])):
-                    start = time.perf_counter()
-                    await one(rep)
-                    spent.append(time.perf_counter() - start)
-        return statistics.median(seconds[0][1:]), statistics.median(seconds[1][1:])
+        ours, limit = runner.run(open_both())
+        session = Session(f"transfer-{kind}", settings=settings, log=lambda line: None)
+        runs = session.run({"backend": side(ours, peers[0]), "limit": side(limit, peers[1])},
+                           repeats=repeats, warmup=warmup)
+        return session.finish(METRICS, runs)
     finally:
+        runner.run(stack.aclose())
         for peer in peers:
-            await peer.stop()
+            runner.run(peer.stop())
 
 
-async def measure(kinds: list[str], sizes: list[int]) -> list[dict]:
+def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: float) -> list:
     rows = []
     for mib in sizes:
         blocks = list(range(1, 3 * math.ceil(mib * MIB / (LAYERS * BLOCK_LAYER_BYTES)), 3))
         layer_bytes = len(blocks) * BLOCK_LAYER_BYTES
-        reps = 31 if mib <= 1 else 11 if mib <= 16 else 4  # each after a warm-up
-        repeats = math.ceil(LAYERS * layer_bytes / MIB)
-        payload = memoryview(os.urandom(MIB) * repeats)[: LAYERS * layer_bytes]
+        repeats = max(3, round(scale * (31 if mib <= 1 else 11 if mib <= 16 else 4)))
+        warmup = max(1, round(scale * (10 if mib <= 1 else 3 if mib <= 16 else 1)))
+        copies = math.ceil(LAYERS * layer_bytes / MIB)
+        payload = memoryview(os.urandom(MIB) * copies)[: LAYERS * layer_bytes]
         chunks = [payload[i * layer_bytes : (i + 1) * layer_bytes] for i in range(LAYERS)]
         for kind in kinds:
-            ours, limit = await measure_pair(kind, chunks, payload, blocks, reps)
+            settings = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
+                        "messages": LAYERS, "message_bytes": layer_bytes,
+                        "blocks": len(blocks), "limit": LIMIT_NAMES[kind]}
+            report = measure_pair(runner, kind, chunks, payload, blocks, repeats, warmup,
+                                  settings)
+            ratio = report["ratios"]["backend/limit"]
             row = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
-                   "blocks": len(blocks), "backend_gbps": payload.nbytes / ours / 1e9,
-                   "limit_gbps": payload.nbytes / limit / 1e9, "ratio": limit / ours,
-                   "goal": GOALS[kind]}
+                   "blocks": len(blocks), "goal": GOALS[kind],
+                   "backend_gbps": report["sides"]["backend"]["gbps"]["median"],
+                   "limit_gbps": report["sides"]["limit"]["gbps"]["median"],
+                   "ratio": ratio["gbps"]["median"], "ratio_spread": ratio["gbps"],
+                   "backend_cpu_ms": report["sides"]["backend"]["cpu_ms"]["median"],
+                   "limit_cpu_ms": report["sides"]["limit"]["cpu_ms"]["median"],
+                   "cpu_ratio": ratio["cpu_ms"]["median"], "report": report}
             rows.append(row)
+            spread = ratio["gbps"]
             print(f"{kind:>4} {mib:>4} MiB ({len(blocks):>3} blocks) "
                   f"{row['backend_gbps']:7.2f} GB/s  limit {row['limit_gbps']:7.2f} GB/s  "
-                  f"{row['ratio']:4.2f}x  goal {row['goal']}x "
-                  f"{'met' if row['ratio'] >= row['goal'] else 'MISSED'}", flush=True)
+                  f"{row['ratio']:4.2f}x [{spread['q1']:.2f}-{spread['q3']:.2f}, "
+                  f"n={spread['n']}]  CPU {row['backend_cpu_ms']:.2f} vs "
+                  f"{row['limit_cpu_ms']:.2f} ms ({row['cpu_ratio']:.2f}x)  goal "
+                  f"{row['goal']}x {'met' if row['ratio'] >= row['goal'] else 'MISSED'}",
+                  flush=True)
     return rows
 
 
@@ -261,6 +313,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,16,256", help="payload sizes in MiB")
     parser.add_argument("--backends", default="", help="default: every available one")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="repeats and warm-ups times this (0.3: a quick look)")
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -282,9 +336,14 @@ def main() -> None:
         except BackendUnavailable as exc:  # an optional package missing is no failure here
             print(f"skipping ucx: {exc}")
             kinds.remove("ucx")
-    started = time.perf_counter()
-    rows = asyncio.run(measure(kinds, [int(s) for s in args.sizes.split(",")]))
-    meta = {"cpus": os.cpu_count(), "seconds": time.perf_counter() - started, "layout": LAYOUT}
+    started, load_before = time.perf_counter(), load_average()
+    with asyncio.Runner() as runner:
+        rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale)
+    machine = rows[0]["report"]["machine"] if rows else {}
+    machine = {**machine, "load_before": load_before, "load_after": load_average()}
+    meta = {"cpus": os.cpu_count(), "seconds": time.perf_counter() - started, "layout": LAYOUT,
+            "machine": machine, "busy": any(r["report"]["busy"] for r in rows)}
+    print(machine_line(machine))
     (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     try:

@@ -8,6 +8,7 @@ import array
 import asyncio
 import os
 import random
+import resource
 import struct
 import subprocess
 import sys
@@ -503,3 +504,31 @@ def test_new_backends_import_without_torch_or_numpy():
     code = "import sys;" + "".join(f"import common.transfer.{m};" for m in modules)
     code += "bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30, cwd=ROOT)
+
+
+@pytest.mark.skipif(UCX_MISSING is not None, reason=str(UCX_MISSING))
+async def test_idle_ucx_connection_does_not_keep_a_core_busy(serve):
+    # Connected both ways (a run receive posted on the receiver, a verdict receive on
+    # the sender), then idle: ucxx's own wait would poll them without a pause.
+    got = []
+    rx = await serve("ucx", lambda r, layer, b, p: got.append(bytes(p)))
+    tx = make_sender("ucx")
+    try:
+        transfer = rx.expect("r", lease_s=30)
+        await tx.send(rx.address, "r", 0, [1], b"v" * 4096)
+        await tx.finish(rx.address, "r", 1)
+        await transfer.wait()
+        await asyncio.sleep(0.2)
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        await asyncio.sleep(3)
+        after, wall = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - start
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        assert cpu / wall < 0.2, f"idle ucx pair used {cpu / wall:.0%} of a core"
+        # Still connected and quick to answer after the pause.
+        again = rx.expect("again", lease_s=30)
+        await tx.send(rx.address, "again", 0, [2], b"w" * 4096)
+        await tx.finish(rx.address, "again", 1)
+        await again.wait()
+        assert got == [b"v" * 4096, b"w" * 4096] and tx.connections == 1
+    finally:
+        await tx.close()

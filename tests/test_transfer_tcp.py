@@ -449,9 +449,17 @@ def test_wire_round_trip_and_rejections():
     with pytest.raises(wire.WireError, match="magic"):
         wire.decode_prefix(b"XXXX" + frame[4 : wire.PREFIX.size])
     finish = wire.encode(wire.Finish("r", 1))
-    with pytest.raises(wire.WireError) as info:
+    assert wire.decode_header(wire.Kind.FINISH, finish[wire.PREFIX.size :]) == wire.Finish("r", 1)
+    with pytest.raises(wire.WireError, match="lengths say"):  # a msgpack map is no CHUNK
         wire.decode_header(wire.Kind.CHUNK, finish[wire.PREFIX.size :])
+    # A CHUNK header whose request id can be read names it, so its transfer can fail.
+    retried_twice = wire.CHUNK_HEAD.pack(0, 0, wire.MAX_ATTEMPTS, 0, 1, 0) + b"r"
+    with pytest.raises(wire.WireError, match="attempt") as info:
+        wire.decode_header(wire.Kind.CHUNK, retried_twice)
     assert info.value.request_id == "r"
+    huge = wire.Chunk("r", 0, [2**64], 0)
+    with pytest.raises(wire.WireError, match="block_ids"):
+        wire.encode(huge, 1)
 
 
 def test_verdicts_round_trip_and_split_before_a_partial_one():
@@ -525,3 +533,79 @@ async def test_sender_gone_between_messages_fails_its_transfer_at_once(receiver)
         await transfer.wait()
     assert time.monotonic() - start < 1.0
     assert receiver.live() == 0
+
+
+class CountingSocket:
+    """Stands in for a sender connection's socket to count its system calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.sendmsgs, self.buffers = sock, 0, 0
+
+    def sendmsg(self, buffers):
+        self.sendmsgs += 1
+        self.buffers += len(buffers)
+        return self.sock.sendmsg(buffers)
+
+
+async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender, sink):
+    # One warm-up transfer opens the connection, then 30 small chunks (a layer each, as
+    # a few hundred tokens of KV are) sent without the loop turning in between.
+    warm = receiver.expect("warm", lease_s=5)
+    await send_all(sender, receiver.address, chunks_for("warm", seed=1))
+    await warm.wait()
+    conn = sender._conns[receiver.address]
+    counting = conn.sock = CountingSocket(conn.sock)
+    plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(24576))
+            for layer in range(30)]
+    transfer = receiver.expect("r", lease_s=5)
+    await send_all(sender, receiver.address, plan)
+    await transfer.wait()
+    assert sink.of("r") == plan
+    # Corked until the FINISH: 30 heads, 30 payloads and the FINISH in one sendmsg.
+    assert (counting.sendmsgs, counting.buffers) == (1, 61)
+
+
+async def test_corked_bytes_go_out_at_the_next_turn_without_a_finish(receiver, sender, sink):
+    transfer = receiver.expect("r", lease_s=5)
+    await sender.send(receiver.address, "r", 0, [1], b"k" * 1000)
+    await until(lambda: len(sink.of("r")) == 1)  # no finish: the loop's next turn sent it
+    await sender.finish(receiver.address, "r", 1)
+    await transfer.wait()
+    assert sink.of("r") == [("r", 0, [1], b"k" * 1000)]
+
+
+async def test_small_and_large_messages_keep_their_order_on_one_connection(receiver, sink):
+    # Small chunks are corked, large ones written in slices: a large one must not
+    # overtake the small ones corked before it, nor they it.
+    tx = TcpSender(write_slice_bytes=64 << 10)
+    sizes = [100, 600 << 10, 200, 300, 2 << 20, 50]
+    plan = [("m", i, [i], random.Random(i).randbytes(n)) for i, n in enumerate(sizes)]
+    transfer = receiver.expect("m", lease_s=10)
+    try:
+        await send_all(tx, receiver.address, plan)
+        await transfer.wait()
+    finally:
+        await tx.close()
+    assert sink.of("m") == plan
+
+
+async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
+    # Tiny buffers: a 3 MiB chunk leaves bytes in the transport, so the next small send
+    # waits its turn; cancelled there it wrote nothing and the stream stays framed.
+    rx = TcpReceiver(sink=sink, socket_buffer_bytes=16384)
+    await rx.start()
+    tx = TcpSender(socket_buffer_bytes=16384, write_slice_bytes=8 << 20)
+    try:
+        big = rx.expect("big", lease_s=10)
+        stuck = asyncio.ensure_future(tx.send(rx.address, "big", 0, [0], bytes(3 << 20)))
+        await until(lambda: rx.address in tx._conns)
+        small = asyncio.ensure_future(tx.send(rx.address, "gone", 0, [1], b"s" * 100))
+        await asyncio.sleep(0)
+        small.cancel()
+        await asyncio.gather(stuck, small, return_exceptions=True)
+        await tx.finish(rx.address, "big", 1)
+        await big.wait()
+        assert [c[0] for c in sink.chunks] == ["big"] and rx.dropped == 0
+    finally:
+        await tx.close()
+        await rx.close()

@@ -204,13 +204,16 @@ class KVSender(ABC):
     Messages to one address arrive in the order their calls started writing; concurrent
     calls never interleave bytes of two messages. A connection that breaks is dropped
     and the next call reconnects. A call cancelled mid-write drops its connection too,
-    so the receiver fails that message's transfer; one cancelled while waiting for its
-    chunk's verdict leaves the connection as it is.
+    so the receiver fails that message's transfer; one cancelled before it wrote (while
+    waiting for its turn or for room) or after (its message is whole in the backend's
+    hands) leaves the connection as it is.
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
     ValueError for a malformed address or argument. Returning from ``send`` means the
-    chunk is on its way (handed to the OS, posted to UCX, or staged in shared memory with
-    its notice written by the event loop's next turn); its verdict comes back later (so
+    chunk is on its way (a small one corked with its neighbours and handed to the OS by
+    the event loop's next turn, a large one handed to the OS; posted to UCX; or staged in
+    shared memory with its notice written by the event loop's next turn); its verdict
+    comes back later (so
     sends pipeline), and ``finish`` returns once every chunk of the request has its final
     verdict. The receiver's ``Transfer`` is the authority on the outcome. ``resent``
     counts chunks sent a second time.

@@ -4,7 +4,7 @@ A ``BufferedProtocol`` rather than a ``StreamReader``: the event loop ``recv_int
 straight into this reader's buffers, so a payload reaches the sink without passing
 through an intermediate stream buffer or a ``bytes`` copy. Per connection it holds::
 
-    ahead    256 KiB                what the socket had, read in one go: prefixes,
+    ahead    1 MiB                  what the socket had, read in one go: prefixes,
                                     headers, and payloads that fit (handed to the sink
                                     from here); grown only for a header larger than it
     payload  largest chunk so far   the rest of a payload that did not fit, received
@@ -14,9 +14,9 @@ through an intermediate stream buffer or a ``bytes`` copy. Per connection it hol
 Reading ahead matters for small chunks: one ``recv`` then brings in the whole message,
 or several, where reading each prefix, header and payload into its own buffer took
 three trips through the event loop per message. Large chunks are better off without it:
-once a payload has not fit in ``ahead``, the reader asks for exactly the next prefix and
-header, so that the next payload lands straight in its place, not partly in ``ahead``
-to be copied; a payload that fits turns reading ahead back on.
+after a payload of more than ``_EXACT_BYTES`` (256 KiB), the reader asks for exactly the
+next prefix and header, so that the next payload lands straight in its place, not partly
+in ``ahead`` to be copied; a smaller payload turns reading ahead back on.
 
 Every CHUNK is answered with one VERDICT (``wire.py``) on this connection, in the order
 the chunks arrived. Urgent ones (``wire.is_urgent``) are written at once; the others
@@ -50,7 +50,8 @@ from common.transfer.table import TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
 
-_AHEAD_BYTES = 256 << 10
+_AHEAD_BYTES = 1 << 20
+_EXACT_BYTES = 256 << 10  # a payload larger than this is read straight into place
 _SCRATCH_BYTES = 1 << 20
 VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
 VERDICT_BATCH_BYTES = 16 << 20  # what the sender keeps until they come
@@ -220,7 +221,7 @@ class FrameReader(asyncio.BufferedProtocol):
             )
             wanted = False
         start, have = self._start, self._end - self._start
-        self._exact = size > len(self._ahead)
+        self._exact = size > _EXACT_BYTES
         if size <= have:
             self._start = start + size
             self._complete(self._ahead[start : start + size] if wanted else None)

@@ -15,7 +15,8 @@ import socket
 
 SCHEME = "tcp"
 SOCKET_BUFFER_BYTES = 4 << 20
-JOIN_BYTES = 256 << 10  # payloads up to this go out in one write with their head
+JOIN_BYTES = 256 << 10  # payloads up to this are corked with their head (tcp_sender.py)
+CORK_BYTES = 1 << 20  # corked messages go out once they hold this many bytes
 
 
 def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:

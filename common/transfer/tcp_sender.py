@@ -1,9 +1,18 @@
 """Sending side of the tcp backend (protocol and socket settings: ``tcp.py``).
 
 asyncio streams: one connection per receiver address, kept while it works, with a lock
-so that messages never interleave, and each payload slice drained into the kernel before
-the next is written, so at most one slice plus the socket buffers are in flight per
-connection; a task per connection reads the receiver's verdicts.
+so that messages never interleave; a task per connection reads the receiver's verdicts.
+
+Per-message costs are what limit small payloads (a system call, a wake-up of the
+receiver, a pass through the event loop each), so a message whose payload is at most
+``JOIN_BYTES`` is corked: its head and payload (not copied) wait, with the messages
+corked after it, until the event loop's next turn, a FINISH or ABORT, a large message,
+or ``CORK_BYTES`` of them, and then go out in one ``sendmsg`` (scatter-gather). A run of
+small sends then costs one system call here and one wake-up on the receiver, instead of
+one each. What the kernel does not take at once is handed to the transport, and the
+next message waits until it is drained. A large payload goes out in ``write_slice_bytes``
+slices, each drained into the kernel before the next, so at most one slice plus the
+socket buffers are in flight per connection.
 """
 
 from __future__ import annotations
@@ -19,21 +28,68 @@ from common.address import dial_target
 from common.transfer import wire
 from common.transfer.base import TransferError
 from common.transfer.connections import InFlight, StreamSender
-from common.transfer.tcp import JOIN_BYTES, SCHEME, SOCKET_BUFFER_BYTES, tune_socket
+from common.transfer.tcp import CORK_BYTES, JOIN_BYTES, SCHEME, SOCKET_BUFFER_BYTES, tune_socket
 
 log = structlog.get_logger("pdserve.transfer")
 
 
-class _Connection:
-    __slots__ = ("reader", "writer", "lock", "broken", "verdicts", "task")
+_MAX_CORKED = 256  # buffers in one sendmsg, well under IOV_MAX (1024)
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+
+class _Connection:
+    __slots__ = ("reader", "writer", "sock", "lock", "broken", "verdicts", "task",
+                 "corked", "corked_bytes", "flushing", "error")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 sock: socket.socket) -> None:
+        self.reader, self.writer, self.sock = reader, writer, sock
         self.lock = asyncio.Lock()
         self.broken = False
         # The chunks written and not answered yet, in write order.
         self.verdicts: collections.deque[InFlight] = collections.deque()
         self.task: asyncio.Task | None = None
+        self.corked: list[bytes | memoryview] = []  # heads and payloads, in order
+        self.corked_bytes = 0
+        self.flushing: asyncio.Handle | None = None
+        self.error: OSError | None = None  # a flush that failed: the connection is gone
+
+    def cork(self, head: bytes, payload: memoryview | None) -> None:
+        self.corked.append(head)
+        self.corked_bytes += len(head)
+        if payload is not None and payload.nbytes:
+            self.corked.append(payload)
+            self.corked_bytes += payload.nbytes
+        if self.corked_bytes >= CORK_BYTES or len(self.corked) >= _MAX_CORKED:
+            self.flush()
+        elif self.flushing is None:
+            self.flushing = asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Hand every corked buffer to the kernel in one ``sendmsg``; what it does not
+        take goes to the transport (which copies it), in order."""
+        if self.flushing is not None:
+            self.flushing.cancel()
+            self.flushing = None
+        corked, self.corked, self.corked_bytes = self.corked, [], 0
+        if not corked or self.broken or self.writer.is_closing():
+            return
+        sent = 0
+        if not self.writer.transport.get_write_buffer_size():  # else it must go first
+            try:
+                sent = self.sock.sendmsg(corked)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                self.error = exc
+                self.writer.transport.abort()  # the verdict reader then fails the chunks
+                return
+        for buffer in corked:
+            size = len(buffer) if isinstance(buffer, bytes) else buffer.nbytes
+            if sent >= size:
+                sent -= size
+                continue
+            self.writer.transport.write(buffer[sent:] if sent else buffer)
+            sent = 0
 
     def usable(self) -> bool:
         return not (self.broken or self.writer.is_closing() or self.reader.at_eof())
@@ -71,6 +127,7 @@ class TcpSender(StreamSender):
         await self._stop_resending()
         conns, self._conns = self._conns, {}
         for conn in conns.values():
+            conn.flush()
             conn.broken = True
             conn.writer.close()  # flushes what is buffered, then FIN
         for conn in conns.values():
@@ -97,19 +154,25 @@ class TcpSender(StreamSender):
                 if not conn.usable():
                     self._drop(address, conn)
                     continue
+                if conn.writer.transport.get_write_buffer_size():
+                    await self._drained(address, conn, request_id)  # backpressure
+                    if not conn.usable():
+                        self._drop(address, conn)
+                        continue
                 if attempt is not None:
                     conn.verdicts.append(attempt)
+                if payload is None or payload.nbytes <= JOIN_BYTES:
+                    # Whole or not at all: a cancel after this leaves the stream framed.
+                    conn.cork(head, payload)
+                    if payload is None:
+                        conn.flush()  # FINISH, ABORT: the receiver answers what came
+                    return
+                conn.flush()
                 try:
-                    if payload is not None and payload.nbytes <= JOIN_BYTES:
-                        conn.writer.write(head + payload)  # one send() instead of two
-                    else:
-                        conn.writer.write(head)
-                        for start in range(
-                            0, 0 if payload is None else payload.nbytes, self._slice
-                        ):
-                            conn.writer.write(payload[start : start + self._slice])
-                            await conn.writer.drain()
-                    await conn.writer.drain()
+                    conn.writer.write(head)
+                    for start in range(0, payload.nbytes, self._slice):
+                        conn.writer.write(payload[start : start + self._slice])
+                        await conn.writer.drain()
                 except BaseException as exc:
                     # Part of a message may be out: the stream is no longer framed.
                     self._drop(address, conn, f"connection to {address} broke: {exc!r}")
@@ -120,6 +183,13 @@ class TcpSender(StreamSender):
                     raise
             return
         raise TransferError(f"connection to {address} kept breaking", request_id)
+
+    async def _drained(self, address: str, conn: _Connection, request_id: str) -> None:
+        try:
+            await conn.writer.drain()
+        except OSError as exc:
+            self._drop(address, conn, f"connection to {address} broke: {exc!r}")
+            raise TransferError(f"connection to {address} broke: {exc!r}", request_id) from exc
 
     async def _read_verdicts(self, address: str, conn: _Connection) -> None:
         reader, unparsed = conn.reader, bytearray()
@@ -136,6 +206,7 @@ class TcpSender(StreamSender):
                         raise wire.WireError("a verdict for no chunk")
                     conn.verdicts.popleft().answered(verdict)
         except (asyncio.IncompleteReadError, OSError) as exc:
+            exc = conn.error or exc
             reason = f"connection to {address} lost before the receiver's verdict: {exc!r}"
         except wire.WireError as exc:
             log.warning("kv_transfer.protocol_error", backend="tcp", error=str(exc))
@@ -170,7 +241,7 @@ class TcpSender(StreamSender):
                     # caller's payload once it is written (it may on Python >= 3.12);
                     # only its InFlight does, until the verdict.
                     writer.transport.set_write_buffer_limits(high=0)
-                    conn = _Connection(reader, writer)
+                    conn = _Connection(reader, writer, sock)
                     conn.task = asyncio.create_task(self._read_verdicts(address, conn))
                     return conn
                 raise error
@@ -179,6 +250,7 @@ class TcpSender(StreamSender):
 
     def _drop(self, address: str, conn: _Connection, reason: str = "connection dropped") -> None:
         conn.broken = True
+        conn.corked.clear()
         if self._conns.get(address) is conn:
             del self._conns[address]
         conn.writer.transport.abort()

@@ -20,7 +20,14 @@ from common.address import is_wildcard
 from common.transfer import wire
 from common.transfer.frame_reader import VERDICT_BATCH, VERDICT_BATCH_BYTES
 from common.transfer.table import TableReceiver, TransferTable
-from common.transfer.ucx import BATCH_LENGTH, RUN_BUFFER_BYTES, SCHEME, load_ucxx, split_run
+from common.transfer.ucx import (
+    BATCH_LENGTH,
+    RUN_BUFFER_BYTES,
+    SCHEME,
+    load_ucxx,
+    receive,
+    split_run,
+)
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -136,11 +143,11 @@ class UcxReceiver(TableReceiver):
                 waiting.append(exc)
                 return
             run_turn ^= 1
-            next_run = asyncio.ensure_future(ep.recv(runs[run_turn]))
+            next_run = asyncio.ensure_future(receive(ep, runs[run_turn]))
 
         # What came and is not applied yet, in order; an error is raised when reached.
         waiting: collections.deque[_Incoming | Exception] = collections.deque()
-        next_run = asyncio.ensure_future(ep.recv(runs[0]))
+        next_run = asyncio.ensure_future(receive(ep, runs[0]))
         item = None
         try:
             while True:

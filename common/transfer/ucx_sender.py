@@ -31,7 +31,14 @@ from common.transfer import wire
 from common.transfer.base import TransferError
 from common.transfer.connections import InFlight, StreamSender
 from common.transfer.frame_reader import VERDICT_BATCH
-from common.transfer.ucx import BATCH_LENGTH, INLINE_BYTES, RUN_BYTES, SCHEME, load_ucxx
+from common.transfer.ucx import (
+    BATCH_LENGTH,
+    INLINE_BYTES,
+    RUN_BYTES,
+    SCHEME,
+    load_ucxx,
+    receive,
+)
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -172,7 +179,7 @@ class UcxSender(StreamSender):
         buffer = bytearray(BATCH_LENGTH.size + VERDICT_BATCH * wire.MAX_VERDICT_BYTES)
         try:
             while True:
-                await conn.ep.recv(buffer)
+                await receive(conn.ep, buffer)
                 if conn.broken:
                     return
                 (length,) = BATCH_LENGTH.unpack_from(buffer)
