@@ -51,7 +51,8 @@ def render(template: Path, out: Path, config: Path, run_dir: Path, sections: lis
     for name in sections:
         text += (f"\n[program:{name}]\ncommand={sys.executable} -m services.{name}\n"
                  f"directory={ROOT}\nenvironment={env}\n"
-                 f"priority={SERVICES[name]}\nautorestart=true\nstopasgroup=true\n"
+                 f"priority={SERVICES[name]}\nautorestart=unexpected\nexitcodes=0,78\n"
+                 f"stopasgroup=true\n"
                  f"stopwaitsecs={STOP_WAIT_S.get(name, 10)}\n"
                  f"redirect_stderr=true\nstdout_logfile={run_dir}/{name}.log\n")
     out.write_text(text)
