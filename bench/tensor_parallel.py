@@ -13,7 +13,11 @@ machine with the other's processes: an earlier version built both engines once i
 process, and the TP side's idle followers, spinning in their collectives, slowed every
 TP=1 step several times over. Both sides of a round decode the same prompts, drawn from
 the round's seed. Torch threads: all usable CPUs for TP=1; TP=N's ranks share them
-(``services/engine/engine.py`` ``set_threads``).
+(``services/engine/engine.py`` ``set_threads``), one thread each on two cores. A third
+side, TP=1 on one torch thread (``tp1_1thread``; ``--no-single-thread`` leaves it out),
+tells how much of a difference comes from splitting the model and how much from running
+single-threaded ranks: on a machine whose cores other processes also want, a step of
+several threads waits at each operator for its slowest thread.
 
 Reported: the median step time of each side, the per-round ratio, and the share of rank
 0's TP=N step spent inside collectives (all-reduce, all-gather: transfer plus waiting
@@ -78,8 +82,9 @@ def fill(engine, batch: int, prompt_len: int, seed: int) -> None:
 
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=100000, ignore_eos=True)
+    vocab = (VOCAB[0], min(VOCAB[1], engine.model_config.vocab_size))  # tiny test models
     for _ in range(batch):
-        engine.add_request(None, [rng.randrange(*VOCAB) for _ in range(prompt_len)], params)
+        engine.add_request(None, [rng.randrange(*vocab) for _ in range(prompt_len)], params)
     while any(s.num_computed_tokens < s.num_prompt_tokens
               for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -96,7 +101,7 @@ def run_side(args) -> dict:
     from services.engine.engine import LLMEngine
 
     if args.side == 1:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     clock = CollectiveClock() if args.side > 1 else None
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, dtype="float32",
@@ -121,11 +126,12 @@ def run_side(args) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def side(tp: int, args):
+def side(tp: int, args, threads: int = 0):
     def run(ctx: RunContext) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--side", str(tp),
                "--seed", str(ctx.seed), "--model", args.model, "--batch", str(args.batch),
-               "--prompt-len", str(args.prompt_len), "--steps", str(args.steps)]
+               "--prompt-len", str(args.prompt_len), "--steps", str(args.steps),
+               "--threads", str(threads)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               timeout=SIDE_TIMEOUT_S, env={**os.environ,
                                                            "PYTHONPATH": str(ROOT)})
@@ -148,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=str(RESULTS / "tensor_parallel.json"))
+    ap.add_argument("--no-single-thread", action="store_true",
+                    help="leave out the TP=1 side on one torch thread")
     ap.add_argument("--side", type=int, help=argparse.SUPPRESS)  # one side, in this process
+    ap.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)  # TP=1 side
     args = ap.parse_args(argv)
     if args.side is not None:
         print(json.dumps(run_side(args)), flush=True)
@@ -159,11 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                 "prompt_len": args.prompt_len, "steps": args.steps, "tp": args.tp,
                 "cpus": len(os.sched_getaffinity(0)),
                 "sides": "each in a fresh process per run"}
-    session = Session("tensor_parallel", settings, seed=args.seed)
+    session = Session("tensor_parallel", settings, seed=args.seed,
+                      log=lambda line: print(line, flush=True))
     print(settings_line(settings), flush=True)
     names = ("tp1", f"tp{args.tp}")
-    runs = session.run({names[0]: side(1, args), names[1]: side(args.tp, args)},
-                       repeats=args.rounds, warmup=args.warmup)
+    sides = {names[0]: side(1, args), names[1]: side(args.tp, args)}
+    if not args.no_single_thread:
+        sides["tp1_1thread"] = side(1, args, threads=1)
+    runs = session.run(sides, repeats=args.rounds, warmup=args.warmup)
     share = spread([r["collective_share"] for r in runs[names[1]]])
     report = session.finish(METRICS, runs, extra={"tp_collective_share": share})
     print_summary(report)
