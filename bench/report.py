@@ -11,8 +11,11 @@ A section of the document between
 
 is replaced by the table of ``<results>/NAME.json`` (a report of bench/harness.py): the
 machine line, the settings, then one row per metric with each side's median [min, max]
-and the per-round ratio of the first side over the others. Sections whose JSON is absent
-are left as they are (and named on stderr); text outside the markers is never touched.
+and the per-round ratio of the first side against each other one, named for what it
+divides: a rate the first side's by the other's, a time the other side's by the first's
+(bench/harness.py ``ratios``), so > 1× always means the first side did better. Sections
+whose JSON is absent are left as they are (and named on stderr); text outside the
+markers is never touched.
 ``--check`` exits 1 instead of writing when the document would change.
 """
 
@@ -51,6 +54,12 @@ def cell(s: dict, unit: str = "") -> str:
     return f"{fmt(s['median'])}{unit} [{fmt(s['min'])}, {fmt(s['max'])}]"
 
 
+def quotient(pair: str, metric: dict) -> str:
+    """What the harness's ratio of ``pair`` ("first/other") divides for ``metric``."""
+    first, other = pair.split("/", 1)
+    return f"{first} ÷ {other}" if metric["higher_is_better"] else f"{other} ÷ {first}"
+
+
 def render(report: dict, source: str) -> str:
     """The markdown of one report (without the markers)."""
     sides, pairs = list(report["sides"]), list(report["ratios"])
@@ -66,18 +75,19 @@ def render(report: dict, source: str) -> str:
     if settings:
         lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ".",
                   ""]
-    head = [*sides, *(f"{p.replace('/', ' / ')} (per round)" for p in pairs)]
+    head = [*sides, *(f"{p.replace('/', ' vs ')} (per round)" for p in pairs)]
     lines += ["| | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
     for m in report["metrics"]:
         label = m["label"] + (f" ({m['unit']})" if m["unit"] else "")
         row = [label, *(cell(report["sides"][s][m["key"]]) for s in sides)]
-        row += [f"**{fmt(report['ratios'][p][m['key']]['median'])}×** "
+        row += [f"**{fmt(report['ratios'][p][m['key']]['median'])}×** {quotient(p, m)} "
                 f"[{fmt(report['ratios'][p][m['key']]['min'])}, "
                 f"{fmt(report['ratios'][p][m['key']]['max'])}]" for p in pairs]
         lines.append("| " + " | ".join(row) + " |")
     if pairs:
-        lines += ["", "Ratios: > 1× means the first side did better (faster, or more "
-                  "tokens per second)."]
+        lines += ["", "Ratios, per round: each cell names its quotient (a rate is the "
+                  "first side's over the other's, a time the other's over the first's), "
+                  "so > 1× means the first side did better."]
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import socket
 import sys
 import time
@@ -55,8 +56,11 @@ async def serve_backend(kind: str, count: str) -> None:
 
     rx = make_receiver(kind, sink=lambda *args: None)
     await rx.start()
-    transfers = [rx.expect(f"r{i}", lease_s=600) for i in range(int(count))]
+    # One token a transfer, drawn here and told to the sender, as a decode worker does.
+    tokens = [secrets.token_bytes(16) for _ in range(int(count))]
+    transfers = [rx.expect(f"r{i}", lease_s=600, token=t) for i, t in enumerate(tokens)]
     print(f"addr {rx.address}", flush=True)
+    print("tokens " + ",".join(t.hex() for t in tokens), flush=True)
     for i, transfer in enumerate(transfers):
         await transfer.wait()
         print(f"done r{i} {time.process_time()}", flush=True)
@@ -145,11 +149,12 @@ async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[
     from common.transfer import make_sender
 
     sender, address = make_sender(kind), await peer.start("backend", kind, str(reps))
+    tokens = [bytes.fromhex(t) for t in (await peer.line()).removeprefix("tokens ").split(",")]
 
     async def one(rep: int) -> None:
         for layer, chunk in enumerate(chunks):
-            await sender.send(address, f"r{rep}", layer, blocks, chunk)
-        await sender.finish(address, f"r{rep}", len(chunks))
+            await sender.send(address, f"r{rep}", layer, blocks, chunk, token=tokens[rep])
+        await sender.finish(address, f"r{rep}", len(chunks), token=tokens[rep])
         if await peer.done() != f"done r{rep}":
             raise RuntimeError(f"{kind} transfer r{rep} did not complete")
 

@@ -5,12 +5,21 @@
     serve           bind, load the model, then run        fails to start: exit 1, one line
                     until SIGINT/SIGTERM                  clean stop: exit 0
                     or until a vital loop fails           exit 1, traceback logged, one line
+                    or on a ServiceExit                   its exit_code, one line
 
 A service is a coroutine ``serve(settings, stop)``: it starts its parts, waits with
 :func:`until_stopped` (which watches the loops it cannot live without), and closes its
 parts in a ``finally``. A loop that dies must take the process down: a process that
 still answers nothing would hang its peers silently, while a dead one is restarted by
 its supervisor and seen by the conductor.
+
+Some ends are not crashes, and restarting would only repeat them (a worker the conductor
+refuses for its settings). Such an end raises a :class:`ServiceExit` subclass, from
+``serve`` or from a vital loop; its ``exit_code`` (e.g. :data:`EXIT_CONFIG`) lets the
+supervisor tell it from a crash: the shipped supervisord and systemd configs do not
+restart on ``EXIT_CONFIG`` (docs/deploy.md). The one-line error also goes to
+``/dev/termination-log`` where it exists, which Kubernetes shows as the container's
+termination message.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import TypeVar
 
 import structlog
@@ -32,6 +42,12 @@ S = TypeVar("S")
 EXIT_OK = 0
 EXIT_FAILED = 1  # could not start (address in use, missing model), or a vital loop died
 EXIT_USAGE = 2  # bad settings or command line, as argparse does
+# sysexits.h EX_CONFIG: the settings conflict with the cluster's; a restart with the same
+# settings ends the same way, so supervisors are told not to restart on it.
+EXIT_CONFIG = 78
+
+# Kubernetes' default terminationMessagePath; written only where it exists.
+TERMINATION_LOG = Path("/dev/termination-log")
 
 # Failures whose message says it all (a bind, a file, a setting a service checks late);
 # anything else is a bug and gets its traceback logged as well.
@@ -40,6 +56,13 @@ STARTUP_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, zmq.ZMQE
 
 class LoopFailed(RuntimeError):
     """A loop the service cannot live without ended with an error or was cancelled."""
+
+
+class ServiceExit(RuntimeError):
+    """An end of the service that is not a crash: the process exits with ``exit_code``
+    and the message on one line, without a traceback. Subclasses set ``exit_code``."""
+
+    exit_code: int = EXIT_FAILED
 
 
 def install_uvloop() -> None:
@@ -97,7 +120,11 @@ def run_service(name: str, load: Callable[[], S],
     install_uvloop()
     try:
         asyncio.run(_serve_until_signal(serve, settings))
+    except ServiceExit as exc:
+        return _fail(name, _describe(exc), exc.exit_code)
     except LoopFailed as exc:
+        if isinstance(exc.__cause__, ServiceExit):  # raised by a vital loop
+            return _fail(name, _describe(exc.__cause__), exc.__cause__.exit_code)
         log.error("service loop failed", service=name, exc_info=exc.__cause__ or exc)
         return _fail(name, str(exc), EXIT_FAILED)
     except (*STARTUP_ERRORS, *startup_errors) as exc:
@@ -119,7 +146,13 @@ async def _serve_until_signal(serve: Callable[[S, asyncio.Event], Awaitable[None
 
 
 def _fail(name: str, message: str, code: int) -> int:
-    print(f"pdserve {name}: error: {message}", file=sys.stderr, flush=True)
+    line = f"pdserve {name}: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if TERMINATION_LOG.exists():
+        try:
+            TERMINATION_LOG.write_text(line + "\n")
+        except OSError as exc:  # the message is on stderr already
+            print(f"pdserve {name}: cannot write {TERMINATION_LOG}: {exc}", file=sys.stderr)
     return code
 
 

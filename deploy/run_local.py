@@ -57,7 +57,7 @@ def _program(name: str, command: str, env: str, priority: int, run_dir: Path, *,
     start = "" if autostart else "autostart=false\n"  # a spare waits for the planner
     return (f"\n[program:{name}]\ncommand={command}\ndirectory={ROOT}\nenvironment={env}\n"
             f"priority={priority}\n{start}"
-            f"autorestart=true\nstopasgroup=true\nstopwaitsecs={stop_wait_s}\n"
+            f"autorestart=unexpected\nexitcodes=0,78\nstopasgroup=true\nstopwaitsecs={stop_wait_s}\n"
             f"redirect_stderr=true\nstdout_logfile={run_dir}/{name}.log\n")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.report import fmt, main, regenerate
+from bench.report import fmt, main, regenerate, render
 
 REPORT = {
     "benchmark": "throughput", "seed": 42, "repeats": 3, "warmup": 1, "busy": False,
@@ -49,12 +49,14 @@ warm-up; seed 42).
 
 Settings: `dtype=float32`, `threads=2`.
 
-| | pdserve | transformers | pdserve / transformers (per round) |
+| | pdserve | transformers | pdserve vs transformers (per round) |
 |---|---|---|---|
-| output (tok/s) | 135 [130, 1,500] | 73.1 [70.0, 75.2] | **1.85×** [1.70, 1.90] |
-| TTFT (s) | 0.441 [0.36, 0.47] | 0.32 [0.31, 0.4] | **0.89×** [0.65, 0.91] |
+| output (tok/s) | 135 [130, 1,500] | 73.1 [70.0, 75.2] | \
+**1.85×** pdserve ÷ transformers [1.70, 1.90] |
+| TTFT (s) | 0.441 [0.36, 0.47] | 0.32 [0.31, 0.4] | **0.89×** transformers ÷ pdserve [0.65, 0.91] |
 
-Ratios: > 1× means the first side did better (faster, or more tokens per second).
+Ratios, per round: each cell names its quotient (a rate is the first side's over the \
+other's, a time the other's over the first's), so > 1× means the first side did better.
 <!-- /bench:throughput -->
 """
 
@@ -91,3 +93,28 @@ def test_main_writes_and_checks(tmp_path):
     assert main(args) == 0
     assert "| output (tok/s) | 135 [130, 1,500]" in doc.read_text()
     assert main([*args, "--check"]) == 0
+
+
+def test_a_ratio_is_labelled_with_the_quotient_it_is():
+    """lone_prompt's ratio is disaggregated TTFT ÷ colocated TTFT (the harness divides
+    the other side's time by the first's); the table must say so, not "colocated /
+    disaggregated". The number comes from the harness itself, so label and value agree."""
+    from bench.harness import Metric, spread
+    from bench.harness import ratios as harness_ratios
+
+    metrics = [Metric("ttft_s", "TTFT", "s", higher_is_better=False),
+               Metric("tok_s", "decode", "tok/s")]
+    runs = {"colocated": [{"ttft_s": 1.0, "tok_s": 20.0}, {"ttft_s": 2.0, "tok_s": 20.0}],
+            "disaggregated": [{"ttft_s": 1.2, "tok_s": 10.0}, {"ttft_s": 2.4, "tok_s": 10.0}]}
+    report = {**REPORT, "metrics": [{"key": m.key, "label": m.label, "unit": m.unit,
+                                     "higher_is_better": m.higher_is_better} for m in metrics],
+              "sides": {s: {m.key: spread([r[m.key] for r in rows]) for m in metrics}
+                        for s, rows in runs.items()},
+              "ratios": harness_ratios(runs, metrics)}
+    table = render(report, "lone_prompt.json")
+    assert "colocated / disaggregated" not in table
+    assert "| colocated vs disaggregated (per round) |" in table
+    assert "| TTFT (s) | 1.50 [1.00, 2.00] | 1.80 [1.20, 2.40] | " \
+           "**1.20×** disaggregated ÷ colocated [1.20, 1.20] |" in table
+    assert "| decode (tok/s) | 20.0 [20.0, 20.0] | 10.0 [10.0, 10.0] | " \
+           "**2.00×** colocated ÷ disaggregated [2.00, 2.00] |" in table

@@ -5,15 +5,21 @@ module, the systemd units cover the services, and local.toml's peers point at ea
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
+import time
 import tomllib
 
 import pytest
 
 from common.config import load_settings
+from common.service_main import EXIT_CONFIG
 from services.cache_pool.settings import PoolSettings
 from services.conductor.server import ConductorSettings
 from services.gateway.server import GatewaySettings
+from services.worker.handshake import WorkerRefused
 from services.worker.settings import WorkerSettings
 from tests.cluster import ROOT
 
@@ -124,3 +130,62 @@ def test_every_decode_capable_worker_bounds_its_queue(config):
         assert "max_waiting" in t[section], f"{config}: [{section}]"
         s = load_settings(WorkerSettings, section, ["--config", str(path)], env={})
         assert 1 <= s.max_waiting <= s.max_num_seqs, (config, section, s.max_waiting)
+
+
+def test_systemd_restarts_a_crash_but_not_a_refusal():
+    """Restart=on-failure restarts exit 1 and signals; exit 78 (EX_CONFIG, a worker the
+    conductor refused) is kept from it, as a restart would only be refused again."""
+    assert WorkerRefused.exit_code == EXIT_CONFIG == 78
+    units = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+    assert len(units) == 5
+    for unit in units:
+        text = unit.read_text()
+        assert re.findall(r"^Restart=(.*)$", text, re.M) == ["on-failure"], unit.name
+        assert re.findall(r"^RestartPreventExitStatus=(.*)$", text, re.M) == ["78"], unit.name
+
+
+def _program_options(run_dir) -> dict[str, str]:
+    """The restart options run_local gives the decode program."""
+    config = ROOT / "deploy" / "configs" / "local.toml"
+    out = run_dir / "rendered.conf"
+    run_local.render(ROOT / "deploy" / "supervisord.conf.in", out, config, run_dir, ["decode"])
+    block = out.read_text().split("[program:decode]")[1]
+    options = dict(re.findall(r"^(\w+)=(.*)$", block, re.M))
+    return {k: options[k] for k in ("autorestart", "exitcodes")}
+
+
+@pytest.mark.timeout(60)
+def test_supervisord_restarts_a_crash_but_not_a_refusal(tmp_path):
+    """A real supervisord with run_local's restart options: a program that exits 1 is
+    started again, one that exits 78 stays down. Each program lives past supervisord's
+    startsecs (1 s), as a worker does while it loads its model and says Hello."""
+    options = _program_options(tmp_path)
+    assert options == {"autorestart": "unexpected", "exitcodes": "0,78"}
+    supervisord = os.path.join(os.path.dirname(sys.executable), "supervisord")
+    if not os.path.exists(supervisord):
+        pytest.skip("supervisord is not installed")
+    text = (ROOT / "deploy" / "supervisord.conf.in").read_text().replace("@RUN@", str(tmp_path))
+    for name, code in (("crashes", 1), ("refused", 78), ("stops", 0)):
+        starts = tmp_path / f"{name}.starts"
+        script = (f"open({str(starts)!r}, 'a').write('x'); import time, sys; "
+                  f"time.sleep(1.3); sys.exit({code})")
+        text += (f"\n[program:{name}]\ncommand={sys.executable} -c \"{script}\"\n"
+                 f"autorestart={options['autorestart']}\nexitcodes={options['exitcodes']}\n"
+                 "startretries=0\n")
+    conf = tmp_path / "supervisord.conf"
+    conf.write_text(text)
+    proc = subprocess.Popen([supervisord, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        crashes = tmp_path / "crashes.starts"
+        while time.monotonic() < deadline:  # the crashing one comes back at least twice
+            if crashes.exists() and len(crashes.read_text()) >= 3:
+                break
+            time.sleep(0.2)
+        assert len(crashes.read_text()) >= 3
+        assert (tmp_path / "refused.starts").read_text() == "x"
+        assert (tmp_path / "stops.starts").read_text() == "x"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

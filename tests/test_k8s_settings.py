@@ -12,6 +12,7 @@ import tomllib
 
 import pytest
 
+from common import service_main
 from common.address import is_wildcard, parse_address
 from common.config import load_settings
 from common.zmq_auth import CurveKeys, generate_keys
@@ -186,6 +187,20 @@ def test_grace_periods_cover_each_process_drain(overlay, tmp_path):
         else:
             need = MARGIN_S
         assert grace >= need, (section, grace, need)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_reports_why_it_ended(overlay, tmp_path):
+    """Kubernetes restarts a refused worker whatever its exit code (78, EX_CONFIG); the
+    reason at least shows in the pod's status: the process writes /dev/termination-log
+    (common/service_main.py), or the log's tail stands in."""
+    objects = render.build(K8S / overlay)
+    assert workloads(objects)
+    for obj in workloads(objects):
+        (c,) = obj["spec"]["template"]["spec"]["containers"]
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError", obj["metadata"]["name"]
+        assert c.get("terminationMessagePath", "/dev/termination-log") == str(
+            service_main.TERMINATION_LOG)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -133,7 +133,7 @@ async def test_data_plane_requests_carry_no_bulk_frames(ctx, pools):
         token = ready.record.kv_token
         assert len(token) == 16
         # Anyone may reach the data-plane port; without the token a block is not taken.
-        await sender.send(address, "t-1", 0, [0], bytes(len(d0)))
+        await sender.send(address, "t-1", 0, [0], bytes(len(d0)), token=b"")
         await sender.finish(address, "t-1", 1, token=token[::-1])
         await sender.send(address, "t-1", 0, [0], d0, token=token)
         await sender.finish(address, "t-1", 1, token=token)
@@ -258,7 +258,7 @@ async def test_a_client_that_vanishes_mid_put_costs_the_pool_one_lease(ctx, pool
                                          block_bytes=BLOCK, transfer_id="gone", lease_s=0.3))
         address = sender.address_for(ready.record.kv_advert)
         for i, (_, data, _) in enumerate(chain[:2]):
-            await sender.send(address, "gone", 0, [i], data)
+            await sender.send(address, "gone", 0, [i], data, token=ready.record.kv_token)
         assert pool_stats(pool).live_transfers == 1 and len(pool.data_plane.inbox) == 1
         # The lease ended it; nothing stored.
         await until(lambda: pool.data_plane.receiver.live() == 0)

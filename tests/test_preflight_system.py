@@ -1,5 +1,6 @@
 """Cluster preflight with real processes: a decode worker started with another block size
-is refused by the conductor, exits 1 with the reason in its log, the gateway's /health
+is refused by the conductor, exits 78 (EX_CONFIG, which the shipped supervisors do not
+restart) with the reason in its log, the gateway's /health
 names it, and requests go on being served by the workers that agree."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from common.client import Client
+from common.service_main import EXIT_CONFIG
 from services.engine.sim import sim_token
 from services.engine.tokenizer_export import tokenizer_dir_for
 from services.engine.weights import DEFAULT_MODEL
@@ -34,7 +36,7 @@ def test_a_decode_worker_of_another_block_size_is_refused_and_the_rest_serve(tmp
         cluster.worker_args = [*good, "--block-size", "32"]
         bad = cluster.start_worker("decode-bad", "decode")
         cluster.worker_args = good
-        assert bad.popen.wait(timeout=60) == 1  # loudly, not retrying for ever
+        assert bad.popen.wait(timeout=60) == EXIT_CONFIG == 78  # loudly, not retrying
         listed = cluster.conductor_stats()
         assert sorted(w.info.worker_id for w in listed.workers) == ["decode-1", "prefill-0"]
         [refusal] = listed.refused
@@ -42,6 +44,8 @@ def test_a_decode_worker_of_another_block_size_is_refused_and_the_rest_serve(tmp
         assert REASON.fullmatch(refusal.reason)
         log = bad.log.read_text(errors="replace")
         assert f"refused by the conductor: {refusal.reason}" in log
+        assert f"pdserve decode: error: refused by the conductor: {refusal.reason}" in log
+        assert "Traceback" not in log  # an expected end, not a crash
 
         health = httpx.get(cluster.base_url + "/health", timeout=10)
         assert health.status_code == 200

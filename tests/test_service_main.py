@@ -17,7 +17,15 @@ import time
 import pytest
 
 from common import service_main
-from common.service_main import EXIT_FAILED, EXIT_OK, EXIT_USAGE, LoopFailed, until_stopped
+from common.service_main import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    LoopFailed,
+    ServiceExit,
+    until_stopped,
+)
 from tests.cluster import ROOT, free_port, stats
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,3 +241,54 @@ def test_stop_gives_exit_0_and_help_passes_through(no_uvloop):
     def asks_for_help():
         raise SystemExit(0)
     assert service_main.run_service("demo", asks_for_help, serve) == EXIT_OK
+
+
+class _Refused(ServiceExit):
+    exit_code = EXIT_CONFIG
+
+
+def test_a_service_exit_from_a_vital_loop_gives_its_code_and_one_line(no_uvloop, capsys,
+                                                                     monkeypatch, tmp_path):
+    """A refusal ends the process with its own code and message, no traceback, and the
+    line is the container's termination message where Kubernetes provides the file."""
+    term = tmp_path / "termination-log"
+    term.touch()
+    monkeypatch.setattr(service_main, "TERMINATION_LOG", term)
+
+    async def refused():
+        raise _Refused("refused by the conductor:\nblock_size 32 differs")
+
+    async def serve(settings, stop):
+        await until_stopped(stop, [asyncio.create_task(refused())])
+
+    assert service_main.run_service("demo", lambda: "s", serve) == EXIT_CONFIG == 78
+    err = capsys.readouterr().err
+    line = "pdserve demo: error: refused by the conductor: block_size 32 differs"
+    assert error_lines(err, "demo") == [line]
+    assert "Traceback" not in err
+    assert term.read_text() == line + "\n"
+
+
+def test_a_service_exit_while_starting_gives_its_code(no_uvloop, capsys, monkeypatch,
+                                                     tmp_path):
+    monkeypatch.setattr(service_main, "TERMINATION_LOG", tmp_path / "absent")
+
+    async def serve(settings, stop):
+        raise _Refused("wrong settings")
+
+    assert service_main.run_service("demo", lambda: "s", serve) == EXIT_CONFIG
+    assert error_lines(capsys.readouterr().err, "demo") == ["pdserve demo: error: wrong settings"]
+    assert not (tmp_path / "absent").exists()  # written only where the file exists
+
+
+def test_a_crash_is_still_exit_1_and_reaches_the_termination_log(no_uvloop, capsys,
+                                                                monkeypatch, tmp_path):
+    term = tmp_path / "termination-log"
+    term.touch()
+    monkeypatch.setattr(service_main, "TERMINATION_LOG", term)
+
+    async def serve(settings, stop):
+        await until_stopped(stop, [asyncio.create_task(_broken())])
+
+    assert service_main.run_service("demo", lambda: "s", serve) == EXIT_FAILED
+    assert "_broken failed" in term.read_text()

@@ -9,6 +9,7 @@ import asyncio
 import os
 import random
 import resource
+import secrets
 import struct
 import subprocess
 import sys
@@ -39,6 +40,10 @@ from common.transfer import (
 )
 from common.transfer.shm_sender import ShmSender
 from common.transfer.ucx import load_ucxx
+
+# Every transfer is expected with a token and every message presents it; one drawn per run
+# serves these tests (tests/test_transfer_tokens.py checks that the wrong one is refused).
+TOKEN = secrets.token_bytes(16)
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_VALUES = 16 * 3 * 64  # tokens x KV heads x head dim: one block's K (or V), one layer
@@ -139,14 +144,14 @@ async def test_kv_round_trip_into_non_contiguous_blocks(kind, serve, sender, dty
     rx, rng = await serve(kind, cache), random.Random(seed)
     runs = [[17, 3, 29], [8], [39, 0]]  # out of order, with gaps
     sent: dict[tuple[int, int], list[float]] = {}
-    transfer = rx.expect("kv", lease_s=10)
+    transfer = rx.expect("kv", lease_s=10, token=TOKEN)
     for layer in range(3):
         for run in runs:
             k, v = ([[rng.uniform(-8, 8) for _ in range(BLOCK_VALUES)] for _ in run] for _ in "kv")
             sent.update({(layer, b): k[j] + v[j] for j, b in enumerate(run)})
             flat = [x for values in k + v for x in values]
-            await sender.send(rx.address, "kv", layer, run, encode(flat, dtype))
-    await sender.finish(rx.address, "kv", 9)
+            await sender.send(rx.address, "kv", layer, run, encode(flat, dtype), token=TOKEN)
+    await sender.finish(rx.address, "kv", 9, token=TOKEN)
     await transfer.wait()
     assert transfer.bytes_received == 18 * 2 * BLOCK_VALUES * itemsize
     assert cache.calls == [(layer, run) for layer in range(3) for run in runs]
@@ -161,14 +166,14 @@ async def test_256_mib_in_32_layers_of_8_mib(kind, serve, sender):
     got = []
     rx = await serve(kind, lambda r, layer, b, p: got.append((layer, b, xxhash.xxh3_64_digest(p))))
     data, expected = bytearray(random.Random(7).randbytes(8 << 20)), []
-    transfer = rx.expect("big", lease_s=60)
+    transfer = rx.expect("big", lease_s=60, token=TOKEN)
     for layer in range(32):
         data[:8] = layer.to_bytes(8, "little")  # each layer's bytes differ
         blocks = list(range(layer * 3, 400, 37))
         expected.append((layer, blocks, xxhash.xxh3_64_digest(data)))
         # A buffer of its own: a payload must stay unchanged until finish (base.py).
-        await sender.send(rx.address, "big", layer, blocks, bytes(data))
-    await sender.finish(rx.address, "big", 32)
+        await sender.send(rx.address, "big", layer, blocks, bytes(data), token=TOKEN)
+    await sender.finish(rx.address, "big", 32, token=TOKEN)
     await transfer.wait()
     assert transfer.bytes_received == 256 << 20 and got == expected
 
@@ -179,13 +184,13 @@ async def test_four_senders_into_one_receiver_at_once(kind, serve):
     senders, rng = [make_sender(kind) for _ in range(4)], random.Random(3)
     plans = {f"s{i}-{r}": [(layer, [9, 2 + i], rng.randbytes(rng.choice((3, 70000, 1 << 20))))
                            for layer in range(4)] for i in range(4) for r in range(2)}
-    transfers = [rx.expect(rid, lease_s=20) for rid in plans]
+    transfers = [rx.expect(rid, lease_s=20, token=TOKEN) for rid in plans]
 
     async def run(i: int) -> None:
         for rid in (f"s{i}-0", f"s{i}-1"):
             for layer, blocks, data in plans[rid]:
-                await senders[i].send(rx.address, rid, layer, blocks, data)
-            await senders[i].finish(rx.address, rid, len(plans[rid]))
+                await senders[i].send(rx.address, rid, layer, blocks, data, token=TOKEN)
+            await senders[i].finish(rx.address, rid, len(plans[rid]), token=TOKEN)
 
     try:
         await asyncio.gather(*(run(i) for i in range(4)))
@@ -201,7 +206,8 @@ async def test_bit_flipped_once_is_sent_again_and_arrives_exact(kind, serve, sen
     chunks = []
     rx = await serve(kind, lambda r, layer, b, p: chunks.append((r, layer, bytes(p))))
     data, other = (random.Random(seed).randbytes(50000) for seed in (4, 5))
-    flaky, good = rx.expect("flaky", lease_s=10), rx.expect("good", lease_s=10)
+    flaky = rx.expect("flaky", lease_s=10, token=TOKEN)
+    good = rx.expect("good", lease_s=10, token=TOKEN)
     real_checksum, seen = table.checksum, []
 
     def checksum(payload) -> int:  # what the receiver computes over the bytes it got
@@ -211,10 +217,10 @@ async def test_bit_flipped_once_is_sent_again_and_arrives_exact(kind, serve, sen
         return real_checksum(flipped if len(seen) == 1 else payload)
 
     monkeypatch.setattr(table, "checksum", checksum)
-    await sender.send(rx.address, "flaky", 0, [5], data)
-    await sender.send(rx.address, "good", 0, [6], other)  # another transfer meanwhile
-    await sender.finish(rx.address, "flaky", 1)  # waits for the resent chunk's verdict
-    await sender.finish(rx.address, "good", 1)
+    await sender.send(rx.address, "flaky", 0, [5], data, token=TOKEN)
+    await sender.send(rx.address, "good", 0, [6], other, token=TOKEN)  # another transfer meanwhile
+    await sender.finish(rx.address, "flaky", 1, token=TOKEN)  # waits for the resent chunk's verdict
+    await sender.finish(rx.address, "good", 1, token=TOKEN)
     await asyncio.gather(flaky.wait(), good.wait())
     assert seen == [True, False, True]  # `data`, `other`, `data` again
     assert (sender.resent, rx.retried) == (1, 1)
@@ -230,7 +236,8 @@ async def test_bit_flipped_on_both_attempts_fails_only_that_transfer(
     data = random.Random(4).randbytes(50000)
     corrupted = bytearray(data)
     corrupted[31337] ^= 0x04
-    bad, good = rx.expect("bad", lease_s=10), rx.expect("good", lease_s=10)
+    bad = rx.expect("bad", lease_s=10, token=TOKEN)
+    good = rx.expect("good", lease_s=10, token=TOKEN)
     real_checksum, real_stage = wire.checksum, shm_sender.stage
 
     def stage(destination, source) -> int:  # shm hashes as it copies
@@ -240,13 +247,14 @@ async def test_bit_flipped_on_both_attempts_fails_only_that_transfer(
     # Each sender checks `data`, but `corrupted` is what travels, both times.
     monkeypatch.setattr(wire, "checksum", lambda payload: real_checksum(data))
     monkeypatch.setattr(shm_sender, "stage", stage)
-    await sender.send(rx.address, "bad", 0, [5], corrupted)
+    await sender.send(rx.address, "bad", 0, [5], corrupted, token=TOKEN)
     with pytest.raises(TransferError, match=r"checksum mismatch on layer 0 blocks \[5\]") as info:
-        await sender.finish(rx.address, "bad", 1)  # the sender hears it, sends no FINISH
+        # The sender hears it, sends no FINISH.
+        await sender.finish(rx.address, "bad", 1, token=TOKEN)
     assert info.value.request_id == "bad" and info.value.reason.endswith("(attempt 2 of 2)")
     monkeypatch.undo()
-    await sender.send(rx.address, "good", 0, [6], data)
-    await sender.finish(rx.address, "good", 1)
+    await sender.send(rx.address, "good", 0, [6], data, token=TOKEN)
+    await sender.finish(rx.address, "good", 1, token=TOKEN)
     await good.wait()
     with pytest.raises(TransferError, match=r"checksum mismatch on layer 0 blocks \[5\]"):
         await bad.wait()
@@ -259,12 +267,13 @@ SENDER_PROCESS = """
 import asyncio, os, sys
 from common.transfer import make_sender
 
-async def main(kind, address):
-    sender = make_sender(kind)
+async def main(kind, address, token):
+    sender, token = make_sender(kind), bytes.fromhex(token)
     small, big = os.urandom(1 << 16), os.urandom(64 << 20)
     for layer in range(3):
-        await sender.send(address, "victim", layer, [2 * layer + 1], small)
-    await sender.send(address, "victim", 3, [9], big)  # more than a stalled receiver takes
+        await sender.send(address, "victim", layer, [2 * layer + 1], small, token=token)
+    # More than a stalled receiver takes.
+    await sender.send(address, "victim", 3, [9], big, token=token)
     await asyncio.sleep(60)
 
 asyncio.run(main(*sys.argv[1:]))
@@ -282,8 +291,9 @@ async def test_sender_killed_mid_transfer_fails_it_at_once_and_leaks_nothing(kin
             killed_at.append(time.monotonic())
 
     rx = await serve(kind, sink)
-    transfer = rx.expect("victim", lease_s=30)
-    child.append(subprocess.Popen([sys.executable, "-c", SENDER_PROCESS, kind, rx.address],
+    transfer = rx.expect("victim", lease_s=30, token=TOKEN)
+    child.append(subprocess.Popen([sys.executable, "-c", SENDER_PROCESS, kind, rx.address,
+                                   TOKEN.hex()],
                                   cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
     try:
         with pytest.raises(TransferError, match="connection lost"):
@@ -294,20 +304,20 @@ async def test_sender_killed_mid_transfer_fails_it_at_once_and_leaks_nothing(kin
     assert time.monotonic() - killed_at[0] < 2.0
     assert transfer.state is TransferState.FAILED and rx.live() == 0
     assert shm_entries() <= before  # already, not only once the receiver closes
-    after = rx.expect("after", lease_s=10)  # and the receiver keeps serving
-    await sender.send(rx.address, "after", 0, [1], b"still here")
-    await sender.finish(rx.address, "after", 1)
+    after = rx.expect("after", lease_s=10, token=TOKEN)  # and the receiver keeps serving
+    await sender.send(rx.address, "after", 0, [1], b"still here", token=TOKEN)
+    await sender.finish(rx.address, "after", 1, token=TOKEN)
     await after.wait()
 
 
 async def test_receiver_gone_makes_send_raise_and_frees_the_sender(kind, serve, sender):
     rx = await serve(kind, lambda *a: None)
-    await sender.send(rx.address, "nobody", 0, [0], bytes(1 << 20))
+    await sender.send(rx.address, "nobody", 0, [0], bytes(1 << 20), token=TOKEN)
     await rx.close()
     deadline = time.monotonic() + 8  # ucxx takes its 5 s connect timeout on a closed port
     with pytest.raises(TransferError):
         while time.monotonic() < deadline:  # until the sender has seen the hang-up
-            await sender.send(rx.address, "nobody", 0, [0], bytes(1 << 20))
+            await sender.send(rx.address, "nobody", 0, [0], bytes(1 << 20), token=TOKEN)
             await asyncio.sleep(0.01)
     assert sender.connections == 0
 
@@ -316,11 +326,12 @@ async def test_shm_ring_reuses_its_slots_within_the_in_flight_budget(serve):
     rx = await serve("shm", lambda *a: None)
     tx = ShmSender(slots=16, max_in_flight_bytes=2 << 20, min_segment_bytes=1 << 20)
     try:
-        transfer = rx.expect("r", lease_s=10)
-        sends = (tx.send(rx.address, "r", i, [i], bytes(1 << 20)) for i in range(12))
+        transfer = rx.expect("r", lease_s=10, token=TOKEN)
+        sends = (tx.send(rx.address, "r", i, [i], bytes(1 << 20), token=TOKEN) for i in range(12))
         await asyncio.gather(*sends)  # all at once: the budget lets two through at a time
-        await tx.send(rx.address, "r", 12, [12], bytes(3 << 20))  # over budget: goes alone
-        await tx.finish(rx.address, "r", 13)
+        # Over budget: goes alone.
+        await tx.send(rx.address, "r", 12, [12], bytes(3 << 20), token=TOKEN)
+        await tx.finish(rx.address, "r", 13, token=TOKEN)
         await transfer.wait()
         assert tx.segments_created == 3  # two slots in use, one of them grown once
     finally:
@@ -333,10 +344,10 @@ async def test_shm_small_chunks_share_a_segment(serve):
     tx = ShmSender()  # 4 MiB segments: 40 chunks of 48 KiB fit in one
     chunks = [random.Random(i).randbytes(48 << 10) for i in range(40)]
     try:
-        transfer = rx.expect("r", lease_s=10)
+        transfer = rx.expect("r", lease_s=10, token=TOKEN)
         for layer, chunk in enumerate(chunks):
-            await tx.send(rx.address, "r", layer, [layer], chunk)
-        await tx.finish(rx.address, "r", len(chunks))
+            await tx.send(rx.address, "r", layer, [layer], chunk, token=TOKEN)
+        await tx.finish(rx.address, "r", len(chunks), token=TOKEN)
         await transfer.wait()
         assert got == chunks and tx.segments_created == 1
     finally:
@@ -372,13 +383,14 @@ def test_ucx_run_holds_small_payloads_and_ends_with_a_large_one():
 async def test_ucx_run_applies_the_messages_before_a_malformed_one(serve):
     got = []
     rx = await serve("ucx", lambda r, layer, b, p: got.append((r, bytes(p))))
-    done, left = rx.expect("done", lease_s=30), rx.expect("left", lease_s=30)
+    done = rx.expect("done", lease_s=30, token=TOKEN)
+    left = rx.expect("left", lease_s=30, token=TOKEN)
     data = b"x" * 1000
     bad = b"\x81\xa1z\x01"  # a CHUNK header without its fields
     run = b"".join([
-        wire.encode(wire.Chunk("left", 0, [1], wire.checksum(data)), len(data)) + data,
-        wire.encode(wire.Chunk("done", 0, [2], wire.checksum(data)), len(data)) + data,
-        wire.encode(wire.Finish("done", 1)),
+        wire.encode(wire.Chunk("left", 0, [1], wire.checksum(data), token=TOKEN), len(data)) + data,
+        wire.encode(wire.Chunk("done", 0, [2], wire.checksum(data), token=TOKEN), len(data)) + data,
+        wire.encode(wire.Finish("done", 1, token=TOKEN)),
         wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.CHUNK, 0, len(bad), 0) + bad,
     ])
     ucxx = load_ucxx()
@@ -402,9 +414,9 @@ def test_works_under_uvloop(kind):
         try:
             await rx.start()
             tx = make_sender(kind)
-            transfer = rx.expect("u", lease_s=10)
-            await tx.send(rx.address, "u", 0, [3, 1], b"uv" * 70000)
-            await tx.finish(rx.address, "u", 1)
+            transfer = rx.expect("u", lease_s=10, token=TOKEN)
+            await tx.send(rx.address, "u", 0, [3, 1], b"uv" * 70000, token=TOKEN)
+            await tx.finish(rx.address, "u", 1, token=TOKEN)
             await transfer.wait()
         finally:
             await rx.close()
@@ -473,14 +485,15 @@ async def test_multi_receiver_serves_every_backend_into_one_table():
         assert set(advert.endpoints) == {"shm", "tcp"} | (set() if UCX_MISSING else {"ucx"})
         here, there = near.address_for(advert), far.address_for(advert)
         assert here.startswith("shm://") and there.startswith("tcp://" if UCX_MISSING else "ucx://")
-        transfer = rx.expect("mixed", lease_s=10)  # one transfer, chunks over two backends
-        await near.send(here, "mixed", 0, [4], b"over shared memory")
+        # One transfer, chunks over two backends.
+        transfer = rx.expect("mixed", lease_s=10, token=TOKEN)
+        await near.send(here, "mixed", 0, [4], b"over shared memory", token=TOKEN)
         for _ in range(500):  # no order across backends: let the first land before the rest
             if transfer.chunks_received:
                 break
             await asyncio.sleep(0.002)
-        await far.send(there, "mixed", 1, [5], b"over the network")
-        await far.finish(there, "mixed", 2)
+        await far.send(there, "mixed", 1, [5], b"over the network", token=TOKEN)
+        await far.finish(there, "mixed", 2, token=TOKEN)
         await transfer.wait()
         assert got == [(0, b"over shared memory"), (1, b"over the network")]
     finally:

@@ -4,6 +4,7 @@ start, address, serving, tracked connections, idempotent close), the same for ea
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 import pytest
 
@@ -12,6 +13,10 @@ from common.transfer import BackendUnavailable, TransferError, TransferState
 from common.transfer.backends import backend_receiver, backend_sender
 from common.transfer.table import TableReceiver, TransferTable
 from common.transfer.ucx import load_ucxx
+
+# Every transfer is expected with a token and every message presents it; one drawn per run
+# serves these tests (tests/test_transfer_tokens.py checks that the wrong one is refused).
+TOKEN = secrets.token_bytes(16)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +61,7 @@ async def test_start_serve_close(kind):
     with pytest.raises(RuntimeError, match="no address before start"):
         _ = rx.address
     with pytest.raises(RuntimeError, match="not serving"):
-        rx.expect("early", lease_s=5)
+        rx.expect("early", lease_s=5, token=TOKEN)
     await rx.start()
     address = parse_address(rx.address, kind)
     assert address.host == "127.0.0.1" and address.port > 0
@@ -64,13 +69,13 @@ async def test_start_serve_close(kind):
         await rx.start()
 
     tx = backend_sender(kind)
-    transfer = rx.expect("r", lease_s=30)
+    transfer = rx.expect("r", lease_s=30, token=TOKEN)
     try:
-        await tx.send(rx.address, "r", 0, [0], b"kv")
-        await tx.finish(rx.address, "r", 1)
+        await tx.send(rx.address, "r", 0, [0], b"kv", token=TOKEN)
+        await tx.finish(rx.address, "r", 1, token=TOKEN)
         await transfer.wait()
         assert rx.connections == 1  # the sender's connection, tracked while it lasts
-        left = rx.expect("left", lease_s=30)
+        left = rx.expect("left", lease_s=30, token=TOKEN)
         await rx.close()
         assert left.state is TransferState.CANCELLED and left.error == "receiver closed"
         assert rx.live() == 0
@@ -78,7 +83,7 @@ async def test_start_serve_close(kind):
         with pytest.raises(RuntimeError, match="already started"):
             await rx.start()
         with pytest.raises(RuntimeError, match="not serving"):
-            rx.expect("late", lease_s=5)
+            rx.expect("late", lease_s=5, token=TOKEN)
         for _ in range(100):
             if rx.connections == 0:
                 break
@@ -88,7 +93,7 @@ async def test_start_serve_close(kind):
         await tx.close()
         await rx.close()
     with pytest.raises(TransferError):
-        await tx.send(rx.address, "r", 0, [0], b"kv")
+        await tx.send(rx.address, "r", 0, [0], b"kv", token=TOKEN)
 
 
 async def test_close_before_start(kind):

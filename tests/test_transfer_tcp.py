@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,6 +19,10 @@ import xxhash
 from common.transfer import TransferError, TransferState, make_receiver, make_sender, wire
 from common.transfer.tcp_receiver import TcpReceiver
 from common.transfer.tcp_sender import TcpSender
+
+# Every transfer is expected with a token and every message presents it; one drawn per run
+# serves these tests (tests/test_transfer_tokens.py checks that the wrong one is refused).
+TOKEN = secrets.token_bytes(16)
 
 
 class Sink:
@@ -78,8 +83,8 @@ def chunks_for(request_id: str, seed: int, sizes=(1000, 4096, 77)):
 
 async def send_all(sender, address, chunks) -> None:
     for rid, layer, blocks, data in chunks:
-        await sender.send(address, rid, layer, blocks, data)
-    await sender.finish(address, chunks[0][0], len(chunks))
+        await sender.send(address, rid, layer, blocks, data, token=TOKEN)
+    await sender.finish(address, chunks[0][0], len(chunks), token=TOKEN)
 
 
 async def raw_connection(address: str):
@@ -88,7 +93,7 @@ async def raw_connection(address: str):
 
 
 async def test_chunks_arrive_byte_exact_with_layers_and_block_ids(receiver, sender, sink):
-    transfer = receiver.expect("r1", lease_s=5)
+    transfer = receiver.expect("r1", lease_s=5, token=TOKEN)
     assert transfer.state is TransferState.PENDING and receiver.live() == 1
     chunks = chunks_for("r1", seed=1)
     await send_all(sender, receiver.address, chunks)
@@ -102,9 +107,9 @@ async def test_chunks_arrive_byte_exact_with_layers_and_block_ids(receiver, send
 
 async def test_64_mib_payload_round_trip(receiver, sender, sink):
     data = bytearray(random.Random(2).randbytes(64 << 20))
-    transfer = receiver.expect("big", lease_s=20)
-    await sender.send(receiver.address, "big", 5, [0, 1], memoryview(data))
-    await sender.finish(receiver.address, "big", 1)
+    transfer = receiver.expect("big", lease_s=20, token=TOKEN)
+    await sender.send(receiver.address, "big", 5, [0, 1], memoryview(data), token=TOKEN)
+    await sender.finish(receiver.address, "big", 1, token=TOKEN)
     await transfer.wait()
     [(_, layer, blocks, got)] = sink.chunks
     assert (layer, blocks, len(got)) == (5, [0, 1], 64 << 20)
@@ -115,7 +120,7 @@ async def test_64_mib_payload_round_trip(receiver, sender, sink):
 async def test_four_senders_into_one_receiver_at_once(receiver, sink):
     senders = [make_sender("tcp") for _ in range(4)]
     plans = [chunks_for(f"s{i}", seed=10 + i, sizes=(65536, 3, 200000)) for i in range(4)]
-    transfers = [receiver.expect(f"s{i}", lease_s=10) for i in range(4)]
+    transfers = [receiver.expect(f"s{i}", lease_s=10, token=TOKEN) for i in range(4)]
     try:
         await asyncio.gather(
             *(send_all(s, receiver.address, p) for s, p in zip(senders, plans, strict=True))
@@ -135,7 +140,7 @@ async def test_concurrent_calls_on_one_connection_never_interleave(sink):
     await rx.start()
     tx = TcpSender(write_slice_bytes=4096, socket_buffer_bytes=16384)
     plans = [chunks_for(f"c{i}", seed=20 + i, sizes=(30000, 50000, 7)) for i in range(6)]
-    transfers = [rx.expect(f"c{i}", lease_s=10) for i in range(6)]
+    transfers = [rx.expect(f"c{i}", lease_s=10, token=TOKEN) for i in range(6)]
     try:
         await asyncio.gather(*(send_all(tx, rx.address, p) for p in plans))
         await asyncio.gather(*(t.wait() for t in transfers))
@@ -154,11 +159,11 @@ async def mutate_after_send_scenario(sink) -> None:
     await rx.start()
     tx = TcpSender(socket_buffer_bytes=16384)
     try:
-        transfer = rx.expect("reuse", lease_s=5)
+        transfer = rx.expect("reuse", lease_s=5, token=TOKEN)
         buffer = bytearray(random.Random(13).randbytes(3 << 20))
         original = bytes(buffer)
-        await tx.send(rx.address, "reuse", 0, [0], buffer)
-        await tx.finish(rx.address, "reuse", 1)
+        await tx.send(rx.address, "reuse", 0, [0], buffer, token=TOKEN)
+        await tx.finish(rx.address, "reuse", 1, token=TOKEN)
         buffer[:] = bytes(len(buffer))  # the KV slot is reused at once
         buffer.extend(b"grown")  # would raise BufferError if the sender still held it
         await transfer.wait()
@@ -179,19 +184,19 @@ async def read_verdict(reader: asyncio.StreamReader) -> wire.Verdict:
 
 
 async def test_corrupted_payload_is_asked_for_again_and_then_arrives_exact(receiver, sink):
-    transfer = receiver.expect("flaky", lease_s=5)
+    transfer = receiver.expect("flaky", lease_s=5, token=TOKEN)
     data = random.Random(3).randbytes(10000)
     corrupted = bytearray(data)
     corrupted[1234] ^= 0x10  # one bit flipped in flight
     reader, writer = await raw_connection(receiver.address)
-    chunk = wire.Chunk("flaky", 0, [1], wire.checksum(data))
+    chunk = wire.Chunk("flaky", 0, [1], wire.checksum(data), token=TOKEN)
     writer.write(wire.encode(chunk, len(data)) + corrupted)
     verdict = await read_verdict(reader)
     assert verdict.status is wire.Status.RESEND
     assert verdict.reason.startswith("checksum mismatch on layer 0 blocks [1]")
     assert transfer.state is TransferState.PENDING and sink.chunks == []
     assert receiver.retried == 1
-    writer.write(wire.encode(wire.Finish("flaky", 1)))  # before the resent chunk
+    writer.write(wire.encode(wire.Finish("flaky", 1, token=TOKEN)))  # before the resent chunk
     writer.write(wire.encode(chunk._replace(attempt=1), len(data)) + data)
     await transfer.wait()  # settled once the chunk asked for again is in
     assert await read_verdict(reader) == wire.OK
@@ -200,18 +205,20 @@ async def test_corrupted_payload_is_asked_for_again_and_then_arrives_exact(recei
 
 
 async def test_corrupted_twice_fails_with_checksum_and_connection_keeps_serving(receiver, sink):
-    bad, good = receiver.expect("bad", lease_s=5), receiver.expect("good", lease_s=5)
+    bad = receiver.expect("bad", lease_s=5, token=TOKEN)
+    good = receiver.expect("good", lease_s=5, token=TOKEN)
     data = random.Random(3).randbytes(10000)
     corrupted = bytearray(data)
     corrupted[1234] ^= 0x10
     reader, writer = await raw_connection(receiver.address)
-    chunk = wire.Chunk("bad", 0, [1], wire.checksum(data))
+    chunk = wire.Chunk("bad", 0, [1], wire.checksum(data), token=TOKEN)
     writer.write(wire.encode(chunk, len(data)) + corrupted)
     # Another transfer's chunk between the two attempts, on the same connection.
-    writer.write(wire.encode(wire.Chunk("good", 0, [2], wire.checksum(data)), len(data)) + data)
+    head = wire.encode(wire.Chunk("good", 0, [2], wire.checksum(data), token=TOKEN), len(data))
+    writer.write(head + data)
     assert (await read_verdict(reader)).status is wire.Status.RESEND  # written at once
-    writer.write(wire.encode(wire.Finish("bad", 1)))  # waits for the resent chunk
-    writer.write(wire.encode(wire.Finish("good", 1)))  # flushes good's verdict
+    writer.write(wire.encode(wire.Finish("bad", 1, token=TOKEN)))  # waits for the resent chunk
+    writer.write(wire.encode(wire.Finish("good", 1, token=TOKEN)))  # flushes good's verdict
     assert await read_verdict(reader) == wire.OK
     await good.wait()
     assert bad.state is TransferState.PENDING
@@ -222,9 +229,10 @@ async def test_corrupted_twice_fails_with_checksum_and_connection_keeps_serving(
         await bad.wait()
     assert bad.state is TransferState.FAILED and bad.chunks_received == 0
     assert sink.chunks == [("good", 0, [2], data)] and receiver.retried == 1
-    after = receiver.expect("after", lease_s=5)
-    writer.write(wire.encode(wire.Chunk("after", 1, [3], wire.checksum(data)), len(data)) + data)
-    writer.write(wire.encode(wire.Finish("after", 1)))
+    after = receiver.expect("after", lease_s=5, token=TOKEN)
+    head = wire.encode(wire.Chunk("after", 1, [3], wire.checksum(data), token=TOKEN), len(data))
+    writer.write(head + data)
+    writer.write(wire.encode(wire.Finish("after", 1, token=TOKEN)))
     await after.wait()
     assert await read_verdict(reader) == wire.OK
     writer.close()
@@ -235,9 +243,9 @@ async def test_verdicts_say_dropped_and_failed(sink):
     await rx.start()
     try:
         reader, writer = await raw_connection(rx.address)
-        big = rx.expect("big", lease_s=5)
+        big = rx.expect("big", lease_s=5, token=TOKEN)
         for rid, size in (("ghost", 10), ("big", 200)):
-            writer.write(wire.encode(wire.Chunk(rid, 0, [0], 0), size) + bytes(size))
+            writer.write(wire.encode(wire.Chunk(rid, 0, [0], 0, token=TOKEN), size) + bytes(size))
         assert await read_verdict(reader) == wire.DROPPED  # held back, then flushed with:
         verdict = await read_verdict(reader)
         assert verdict == (wire.Status.FAILED, "chunk of 200 bytes exceeds the 100-byte limit")
@@ -249,10 +257,10 @@ async def test_verdicts_say_dropped_and_failed(sink):
 
 
 async def test_finish_with_wrong_count_fails(receiver, sender):
-    transfer = receiver.expect("r", lease_s=5)
-    await sender.send(receiver.address, "r", 0, [1], b"a" * 10)
-    await sender.send(receiver.address, "r", 1, [1], b"b" * 10)
-    await sender.finish(receiver.address, "r", 3)
+    transfer = receiver.expect("r", lease_s=5, token=TOKEN)
+    await sender.send(receiver.address, "r", 0, [1], b"a" * 10, token=TOKEN)
+    await sender.send(receiver.address, "r", 1, [1], b"b" * 10, token=TOKEN)
+    await sender.finish(receiver.address, "r", 3, token=TOKEN)
     with pytest.raises(TransferError) as info:
         await transfer.wait()
     assert info.value.reason == "expected 3 chunks, got 2"
@@ -260,8 +268,8 @@ async def test_finish_with_wrong_count_fails(receiver, sender):
 
 
 async def test_abort_fails_with_the_senders_reason(receiver, sender):
-    transfer = receiver.expect("r", lease_s=5)
-    await sender.abort(receiver.address, "r", "prefill worker out of memory")
+    transfer = receiver.expect("r", lease_s=5, token=TOKEN)
+    await sender.abort(receiver.address, "r", "prefill worker out of memory", token=TOKEN)
     with pytest.raises(TransferError, match="prefill worker out of memory"):
         await transfer.wait()
     assert transfer.error == "prefill worker out of memory"
@@ -269,24 +277,24 @@ async def test_abort_fails_with_the_senders_reason(receiver, sender):
 
 async def test_lease_expiry_fails_the_transfer_on_time(receiver, sender):
     start = time.monotonic()
-    transfer = receiver.expect("slow", lease_s=0.3)
+    transfer = receiver.expect("slow", lease_s=0.3, token=TOKEN)
     with pytest.raises(TransferError, match="lease expired"):
         await transfer.wait()
     assert 0.3 <= time.monotonic() - start < 0.8
     assert transfer.state is TransferState.FAILED and receiver.live() == 0
-    await sender.send(receiver.address, "slow", 0, [0], b"late")
+    await sender.send(receiver.address, "slow", 0, [0], b"late", token=TOKEN)
     await until(lambda: receiver.dropped == 1)
 
 
 async def test_cancel_drops_later_chunks(receiver, sender, sink):
-    transfer = receiver.expect("r", lease_s=5)
-    await sender.send(receiver.address, "r", 0, [1], b"first")
+    transfer = receiver.expect("r", lease_s=5, token=TOKEN)
+    await sender.send(receiver.address, "r", 0, [1], b"first", token=TOKEN)
     await until(lambda: transfer.chunks_received == 1)
     receiver.cancel("r")
     receiver.cancel("r")  # idempotent
     assert transfer.state is TransferState.CANCELLED and receiver.live() == 0
-    await sender.send(receiver.address, "r", 1, [1], b"second")
-    await sender.finish(receiver.address, "r", 2)
+    await sender.send(receiver.address, "r", 1, [1], b"second", token=TOKEN)
+    await sender.finish(receiver.address, "r", 2, token=TOKEN)
     await until(lambda: receiver.dropped == 2)
     with pytest.raises(TransferError, match="cancelled"):
         await transfer.wait()
@@ -297,10 +305,11 @@ async def test_cancel_drops_later_chunks(receiver, sender, sink):
 async def test_sender_killed_mid_payload_fails_at_once_and_receiver_keeps_serving(
     receiver, sender, sink, hang_up
 ):
-    transfer = receiver.expect("dying", lease_s=30)
+    transfer = receiver.expect("dying", lease_s=30, token=TOKEN)
     data = random.Random(4).randbytes(1 << 20)
     _, writer = await raw_connection(receiver.address)
-    writer.write(wire.encode(wire.Chunk("dying", 0, [0], wire.checksum(data)), len(data)))
+    head = wire.encode(wire.Chunk("dying", 0, [0], wire.checksum(data), token=TOKEN), len(data))
+    writer.write(head)
     writer.write(data[: len(data) // 2])
     await writer.drain()
     await asyncio.sleep(0.05)
@@ -311,7 +320,7 @@ async def test_sender_killed_mid_payload_fails_at_once_and_receiver_keeps_servin
     with pytest.raises(TransferError, match="connection lost mid-message"):
         await asyncio.wait_for(transfer.wait(), 1.0)  # the lease is 30 s
     assert receiver.live() == 0
-    good = receiver.expect("next", lease_s=5)
+    good = receiver.expect("next", lease_s=5, token=TOKEN)
     chunks = chunks_for("next", seed=5)
     await send_all(sender, receiver.address, chunks)
     await good.wait()
@@ -319,10 +328,10 @@ async def test_sender_killed_mid_payload_fails_at_once_and_receiver_keeps_servin
 
 
 async def test_chunks_for_unknown_request_are_dropped(receiver, sender, sink):
-    await sender.send(receiver.address, "ghost", 0, [1], b"x" * 100)
-    await sender.finish(receiver.address, "ghost", 1)
+    await sender.send(receiver.address, "ghost", 0, [1], b"x" * 100, token=TOKEN)
+    await sender.finish(receiver.address, "ghost", 1, token=TOKEN)
     await until(lambda: receiver.dropped == 2)
-    transfer = receiver.expect("real", lease_s=5)
+    transfer = receiver.expect("real", lease_s=5, token=TOKEN)
     chunks = chunks_for("real", seed=6)
     await send_all(sender, receiver.address, chunks)
     await transfer.wait()
@@ -335,7 +344,8 @@ async def test_sink_error_fails_only_its_transfer():
     await rx.start()
     tx = make_sender("tcp")
     try:
-        doomed, fine = rx.expect("doomed", lease_s=5), rx.expect("fine", lease_s=5)
+        doomed = rx.expect("doomed", lease_s=5, token=TOKEN)
+        fine = rx.expect("fine", lease_s=5, token=TOKEN)
         with pytest.raises(TransferError, match="sink raised RuntimeError") as info:
             await send_all(tx, rx.address, chunks_for("doomed", seed=7))  # the sender hears
         assert info.value.request_id == "doomed"
@@ -354,12 +364,13 @@ async def test_oversized_chunk_fails_its_transfer_and_is_skipped(sender):
     rx = TcpReceiver(sink=sink, max_payload_bytes=1024)
     await rx.start()
     try:
-        big, small = rx.expect("big", lease_s=5), rx.expect("small", lease_s=5)
-        await sender.send(rx.address, "big", 0, [0], bytes(4096))
-        await sender.send(rx.address, "small", 0, [0], bytes(1024))
+        big = rx.expect("big", lease_s=5, token=TOKEN)
+        small = rx.expect("small", lease_s=5, token=TOKEN)
+        await sender.send(rx.address, "big", 0, [0], bytes(4096), token=TOKEN)
+        await sender.send(rx.address, "small", 0, [0], bytes(1024), token=TOKEN)
         with pytest.raises(TransferError, match="exceeds the 1024-byte limit"):
-            await sender.finish(rx.address, "big", 1)  # the verdict said so
-        await sender.finish(rx.address, "small", 1)
+            await sender.finish(rx.address, "big", 1, token=TOKEN)  # the verdict said so
+        await sender.finish(rx.address, "small", 1, token=TOKEN)
         await small.wait()
         with pytest.raises(TransferError, match="exceeds the 1024-byte limit"):
             await big.wait()
@@ -374,7 +385,7 @@ async def test_garbage_closes_only_that_connection(receiver, sender, sink):
     with contextlib.suppress(ConnectionResetError):  # hung up with our bytes unread: RST
         assert await asyncio.wait_for(reader.read(), 1.0) == b""
     writer.close()
-    transfer = receiver.expect("after", lease_s=5)
+    transfer = receiver.expect("after", lease_s=5, token=TOKEN)
     await send_all(sender, receiver.address, chunks_for("after", seed=9))
     await transfer.wait()
 
@@ -382,19 +393,19 @@ async def test_garbage_closes_only_that_connection(receiver, sender, sink):
 async def test_receiver_close_cancels_live_transfers(sink):
     rx = make_receiver("tcp", sink=sink)
     await rx.start()
-    transfer = rx.expect("r", lease_s=5)
+    transfer = rx.expect("r", lease_s=5, token=TOKEN)
     await rx.close()
     with pytest.raises(TransferError, match="receiver closed"):
         await transfer.wait()
     assert transfer.state is TransferState.CANCELLED and rx.live() == 0
     with pytest.raises(RuntimeError):
-        rx.expect("again", lease_s=5)
+        rx.expect("again", lease_s=5, token=TOKEN)
 
 
 async def test_broken_pooled_connection_is_replaced(sender, sink):
     first = make_receiver("tcp", sink=sink)
     await first.start()
-    await sender.send(first.address, "nobody", 0, [0], b"warm up the pool")
+    await sender.send(first.address, "nobody", 0, [0], b"warm up the pool", token=TOKEN)
     assert sender.connections == 1
     port = int(first.address.rsplit(":", 1)[1])
     await first.close()
@@ -402,7 +413,7 @@ async def test_broken_pooled_connection_is_replaced(sender, sink):
     second = make_receiver("tcp", port=port, sink=sink)
     await second.start()
     try:
-        transfer = second.expect("r", lease_s=5)
+        transfer = second.expect("r", lease_s=5, token=TOKEN)
         await send_all(sender, second.address, chunks_for("r", seed=11))
         await transfer.wait()
         assert sender.connections == 1
@@ -415,25 +426,25 @@ async def test_sending_to_a_closed_port_raises_transfer_error(sender):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(TransferError, match="cannot connect"):
-        await sender.send(f"tcp://127.0.0.1:{port}", "r", 0, [0], b"x")
+        await sender.send(f"tcp://127.0.0.1:{port}", "r", 0, [0], b"x", token=TOKEN)
     assert sender.connections == 0
 
 
 async def test_bad_arguments_raise_value_error(receiver, sender):
     address = receiver.address
     with pytest.raises(ValueError, match="layer"):
-        await sender.send(address, "r", -1, [0], b"x")
+        await sender.send(address, "r", -1, [0], b"x", token=TOKEN)
     with pytest.raises(ValueError, match="block_ids"):
-        await sender.send(address, "r", 0, [0, "1"], b"x")
+        await sender.send(address, "r", 0, [0, "1"], b"x", token=TOKEN)
     with pytest.raises(ValueError, match="request_id"):
-        await sender.finish(address, "", 1)
+        await sender.finish(address, "", 1, token=TOKEN)
     with pytest.raises(ValueError, match="tcp address"):
-        await sender.send("http://127.0.0.1:80", "r", 0, [0], b"x")
+        await sender.send("http://127.0.0.1:80", "r", 0, [0], b"x", token=TOKEN)
     with pytest.raises(ValueError, match="lease_s"):
-        receiver.expect("r", lease_s=0)
-    receiver.expect("r", lease_s=5)
+        receiver.expect("r", lease_s=0, token=TOKEN)
+    receiver.expect("r", lease_s=5, token=TOKEN)
     with pytest.raises(ValueError, match="already expected"):
-        receiver.expect("r", lease_s=5)
+        receiver.expect("r", lease_s=5, token=TOKEN)
     receiver.cancel("r")
     with pytest.raises(ValueError, match="unknown transfer backend"):
         make_sender("carrier-pigeon")
@@ -489,14 +500,14 @@ def test_works_under_uvloop():
         await rx.start()
         tx = make_sender("tcp")
         try:
-            transfer = rx.expect("u", lease_s=5)
+            transfer = rx.expect("u", lease_s=5, token=TOKEN)
             chunks = chunks_for("u", seed=12, sizes=(300000, 1, 5000))
             await send_all(tx, rx.address, chunks)
             await transfer.wait()
             assert sink.chunks == chunks
-            dying = rx.expect("dying", lease_s=30)
+            dying = rx.expect("dying", lease_s=30, token=TOKEN)
             _, writer = await raw_connection(rx.address)
-            writer.write(wire.encode(wire.Chunk("dying", 0, [0], 0), 1000) + bytes(10))
+            writer.write(wire.encode(wire.Chunk("dying", 0, [0], 0, token=TOKEN), 1000) + bytes(10))
             await writer.drain()
             writer.transport.abort()
             with pytest.raises(TransferError, match="mid-message"):
@@ -520,10 +531,11 @@ def test_data_plane_imports_without_torch_or_numpy():
 
 
 async def test_sender_gone_between_messages_fails_its_transfer_at_once(receiver):
-    transfer = receiver.expect("between", lease_s=30)
+    transfer = receiver.expect("between", lease_s=30, token=TOKEN)
     reader, writer = await raw_connection(receiver.address)
     data = bytes(range(256)) * 4
-    writer.write(wire.encode(wire.Chunk("between", 0, [0], wire.checksum(data)), len(data)))
+    head = wire.encode(wire.Chunk("between", 0, [0], wire.checksum(data), token=TOKEN), len(data))
+    writer.write(head)
     writer.write(data)  # one whole chunk, then the sender vanishes before finishing
     await writer.drain()
     await until(lambda: transfer.chunks_received == 1)

@@ -72,7 +72,7 @@ async def test_forged_messages_without_the_token_change_nothing(parts):
     forged = b"\xee" * 4096
     # Right request id; a wrong token, then none: both chunks are read and dropped.
     await rogue.send(rx.address, "victim", 0, [3, 4], forged, token=secrets.token_bytes(16))
-    await rogue.send(rx.address, "victim", 1, [3, 4], forged)
+    await rogue.send(rx.address, "victim", 1, [3, 4], forged, token=b"")
     await rogue.finish(rx.address, "victim", 2, token=b"guess")  # would settle it as FAILED
     await _until(lambda: rx.refused == 3)
     await rogue.abort(rx.address, "victim", "forged", token=b"")
@@ -122,24 +122,46 @@ async def test_multi_receiver_checks_tokens_on_every_backend():
         await rx.close()
 
 
-async def test_table_refuses_in_constant_time_and_keeps_untokened_transfers_open():
+async def test_table_refuses_in_constant_time_and_every_transfer_has_a_token():
     seen = []
     table = TransferTable(lambda *a: seen.append(a[:3]))
     table.expect("t", 10, token=b"k" * 16)
-    table.expect("open", 10)  # no token: any sender (tests and benchmarks)
+    table.expect("u", 10, token=b"u" * 16)
     payload = memoryview(b"abc")
     assert table.on_chunk("t", 0, [1], payload, wire.checksum(payload)) == wire.DROPPED
     assert table.on_chunk("t", 0, [1], payload, wire.checksum(payload),
                           token=b"k" * 15 + b"j") == wire.DROPPED
-    assert table.on_chunk("open", 0, [2], payload, wire.checksum(payload)) == wire.OK
+    assert table.on_chunk("u", 0, [2], payload, wire.checksum(payload),
+                          token=b"k" * 16) == wire.DROPPED  # another transfer's token
     assert table.on_chunk("t", 0, [1], payload, wire.checksum(payload),
                           token=b"k" * 16) == wire.OK
-    assert seen == [("open", 0, [2]), ("t", 0, [1])] and table.refused == 2
-    table.fail_untokened("t", "malformed message")  # cannot speak for a tokened transfer
-    assert table.is_live("t") and table.refused == 3
-    for bad in (b"", b"x" * 65, "text"):
+    assert seen == [("t", 0, [1])] and table.refused == 3
+    table.fail_untokened("t", "malformed message")  # cannot speak for a transfer
+    assert table.is_live("t") and table.refused == 4
+    # No transfer without a token: not even one a test or benchmark opens.
+    with pytest.raises(TypeError):
+        table.expect("open", 10)
+    for bad in (None, b"", b"x" * 65, "text"):
         with pytest.raises(ValueError, match="token"):
             table.expect(f"bad-{bad!r}", 10, token=bad)
+    assert not table.is_live("open") and table.live() == 2
+
+
+@pytest.mark.parametrize("call", ["send", "finish", "abort"])
+async def test_every_sender_call_names_its_token(kind, call):
+    """A sender call without a token is a programming error, caught before any byte
+    goes out, not a message the receiver has to refuse."""
+    tx = make_sender(kind)
+    args = {"send": (0, [1], b"kv"), "finish": (1,), "abort": ("why",)}[call]
+    try:
+        with pytest.raises(TypeError, match="token"):
+            await getattr(tx, call)("tcp://127.0.0.1:1", "r", *args)
+        multi = MultiSender()
+        with pytest.raises(TypeError, match="token"):
+            await getattr(multi, call)("tcp://127.0.0.1:1", "r", *args)
+        await multi.close()
+    finally:
+        await tx.close()
 
 
 def test_wire_carries_the_token_and_checks_its_size():

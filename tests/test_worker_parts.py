@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from common.protocol import WorkerStats
 from common.sampling_params import SamplingParams
@@ -221,14 +222,27 @@ def test_remote_prefill_kv_is_taken_only_with_its_transfer_token():
                 while role.receiver.refused < 3:
                     await asyncio.sleep(0.01)
             return (reply, rec, transfer.token, transfer.chunks_received, transfer.is_live,
-                    role.report(worker.stats()))
+                    role.report(worker.stats()), generate_latest(worker.metrics.registry))
         finally:
             await rogue.close()
             await prefill.close()
             await worker.close()
             ctx.term()
-    reply, rec, token, chunks, live, stats = asyncio.run(go())
+    reply, rec, token, chunks, live, stats, metrics = asyncio.run(go())
     assert reply == Ack(detail="remote")
     assert len(rec.kv_token) == 16 and rec.kv_token == token
     assert chunks == 0 and live  # nothing written, the transfer still waits for prefill
     assert stats.kv_messages_refused == 3 and stats.kv_bytes_received == 0
+    assert b"\npdserve:kv_messages_refused_total 3.0\n" in metrics
+
+
+def test_a_prefill_worker_exports_zero_refused_kv_messages():
+    async def go():
+        settings = _sim_settings(role="prefill")
+        worker = Worker(settings, functools.partial(build_engine, settings))
+        await worker.start()
+        try:
+            return generate_latest(worker.metrics.registry)
+        finally:
+            await worker.close()
+    assert b"\npdserve:kv_messages_refused_total 0.0\n" in asyncio.run(go())

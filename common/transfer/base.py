@@ -95,7 +95,7 @@ class Transfer:
         self.bytes_received = 0
         self.chunks_received = 0
         self.error: str | None = None
-        self.token: bytes | None = None  # set by expect: what its messages must present
+        self.token = b""  # set by expect: what its messages must present
         self._on_end = on_end
         self._ended = asyncio.Event()
         self._lease = loop.call_later(lease_s, self._end, TransferState.FAILED, "lease expired")
@@ -165,15 +165,16 @@ class KVReceiver(ABC):
         sockets. Idempotent."""
 
     @abstractmethod
-    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
-        """Register a transfer; call before any of its chunks can arrive. With ``token``
-        (1 to 64 bytes, drawn with ``secrets``), only messages presenting it act on the
-        transfer; others are refused and counted (``refused``). Without, any sender may.
+    def expect(self, request_id: str, lease_s: float, token: bytes) -> Transfer:
+        """Register a transfer; call before any of its chunks can arrive. Only messages
+        presenting ``token`` (1 to 64 bytes; draw it with ``secrets.token_bytes(16)``)
+        act on the transfer; others are refused and counted (``refused``).
 
         Chunks for request ids that are not live (never expected, or already ended) are
         read, dropped and logged, never fatal. Raises ValueError if ``request_id`` is
-        already live or ``lease_s`` is not > 0, RuntimeError if the receiver is not
-        serving. An id may be expected again once its previous transfer has ended.
+        already live, ``lease_s`` is not > 0 or ``token`` is not 1 to 64 bytes,
+        RuntimeError if the receiver is not serving. An id may be expected again once its
+        previous transfer has ended.
         """
 
     @abstractmethod
@@ -230,10 +231,10 @@ class KVSender(ABC):
         block_ids: list[int],
         payload: bytes | bytearray | memoryview,
         *,
-        token: bytes = b"",
+        token: bytes,
     ) -> None:
         """Send one chunk: ``payload`` holds ``layer``'s KV for ``block_ids``; ``token`` is
-        the one the receiver expects the transfer with (empty: it expects none).
+        the one the receiver expects the transfer with.
 
         ``payload`` must be C-contiguous. It is kept, not copied, until the receiver's
         verdict, since the chunk may have to go again: leave it unchanged until
@@ -246,7 +247,7 @@ class KVSender(ABC):
 
     @abstractmethod
     async def finish(self, address: str, request_id: str, num_chunks: int, *,
-                     token: bytes = b"") -> None:
+                     token: bytes) -> None:
         """Declare the transfer complete after ``num_chunks`` chunks; return once every
         chunk sent has its final verdict. The receiver ends it DONE if it verified
         exactly that many, else FAILED ("expected N chunks, got M"). Raises
@@ -255,7 +256,7 @@ class KVSender(ABC):
 
     @abstractmethod
     async def abort(self, address: str, request_id: str, reason: str, *,
-                    token: bytes = b"") -> None:
+                    token: bytes) -> None:
         """Tell the receiver the transfer will not complete: it ends FAILED with
         ``reason``. Verdicts still to come for the request are ignored."""
 

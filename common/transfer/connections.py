@@ -144,7 +144,7 @@ class ConnectionSender(KVSender):
             return conn
 
     async def send(self, address, request_id, layer, block_ids, payload, *,
-                   token: bytes = b"") -> None:
+                   token: bytes) -> None:
         view = byte_view(payload)
         if not isinstance(block_ids, list | tuple):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
@@ -162,7 +162,7 @@ class ConnectionSender(KVSender):
             raise
 
     async def finish(self, address: str, request_id: str, num_chunks: int, *,
-                     token: bytes = b"") -> None:
+                     token: bytes) -> None:
         message = wire.Finish(request_id, num_chunks, token)
         wire.validate(message)
         request = self._requests.pop(request_id, None)
@@ -177,7 +177,7 @@ class ConnectionSender(KVSender):
                 raise TransferError(request.failed, request_id)
 
     async def abort(self, address: str, request_id: str, reason: str, *,
-                    token: bytes = b"") -> None:
+                    token: bytes) -> None:
         message = wire.Abort(request_id, reason, token)
         wire.validate(message)
         self._requests.pop(request_id, None)

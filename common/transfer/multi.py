@@ -127,7 +127,7 @@ class MultiReceiver(KVReceiver):
         for receiver in self._receivers.values():
             await receiver.close()
 
-    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
+    def expect(self, request_id: str, lease_s: float, token: bytes) -> Transfer:
         if not self._started or self._closed:
             raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
         return self._table.expect(request_id, lease_s, token)
@@ -185,17 +185,17 @@ class MultiSender(KVSender):
         return sender
 
     async def send(self, address, request_id, layer, block_ids, payload, *,
-                   token: bytes = b"") -> None:
+                   token: bytes) -> None:
         await self.sender(scheme_of(address)).send(address, request_id, layer, block_ids,
                                                    payload, token=token)
 
     async def finish(self, address: str, request_id: str, num_chunks: int, *,
-                     token: bytes = b"") -> None:
+                     token: bytes) -> None:
         await self.sender(scheme_of(address)).finish(address, request_id, num_chunks,
                                                      token=token)
 
     async def abort(self, address: str, request_id: str, reason: str, *,
-                    token: bytes = b"") -> None:
+                    token: bytes) -> None:
         await self.sender(scheme_of(address)).abort(address, request_id, reason, token=token)
 
     async def close(self) -> None:

@@ -6,8 +6,8 @@ A backend only parses its wire and calls ``on_chunk`` / ``on_finish`` / ``on_abo
 (``wire.Verdict``, which the backend sends back) happen here, so every backend ends
 transfers for the same reasons with the same error strings.
 
-A transfer expected with a ``token`` takes only messages that present it (``admits``,
-constant-time): any other is refused (``refused`` counts them) and changes nothing, not
+Every transfer is expected with a ``token`` and takes only messages that present it
+(``admits``, constant-time): any other is refused (``refused`` counts them) and changes nothing, not
 even a failure, so a peer that guesses a request id can neither write into its blocks
 nor end it. ``TableReceiver`` is the
 receiver around the table: its checks, start, serving and close, the same for every
@@ -48,21 +48,20 @@ class TransferTable:
         self.dropped = 0
         self.retried = 0
         self.refused = 0
-        self._tokens: dict[str, bytes] = {}  # of the live transfers expected with one
+        self._tokens: dict[str, bytes] = {}  # of every live transfer
         # Per live transfer: chunks asked for again and not back yet, and the chunk
         # count of a FINISH that arrived before them (it is settled once they are in).
         self._resends_due: dict[str, int] = {}
         self._finish_due: dict[str, int] = {}
 
-    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
+    def expect(self, request_id: str, lease_s: float, token: bytes) -> Transfer:
         if request_id in self._live:
             raise ValueError(f"transfer {request_id!r} is already expected")
-        if token is not None and not (isinstance(token, bytes) and 0 < len(token) <= 64):
+        if not (isinstance(token, bytes) and 0 < len(token) <= 64):
             raise ValueError("token must be 1 to 64 bytes")
         transfer = Transfer(request_id, lease_s, self._forget)
         self._live[request_id] = transfer
-        if token is not None:
-            self._tokens[request_id] = transfer.token = token
+        self._tokens[request_id] = transfer.token = token
         self._ended.pop(request_id, None)
         return transfer
 
@@ -91,12 +90,11 @@ class TransferTable:
 
     def admits(self, request_id: str, token: bytes) -> bool:
         """Whether a message for ``request_id`` presenting ``token`` may act on it: the
-        transfer is live and was expected without a token or with this one. A live
-        transfer's wrong token is counted in ``refused`` and logged."""
+        transfer is live and was expected with this token. A live transfer's wrong token
+        is counted in ``refused`` and logged."""
         if request_id not in self._live:
             return False
-        want = self._tokens.get(request_id)
-        if want is None or hmac.compare_digest(want, token):
+        if hmac.compare_digest(self._tokens[request_id], token):
             return True
         self.refused += 1
         log.warning("kv_transfer.refused_bad_token", request_id=request_id)
@@ -104,7 +102,7 @@ class TransferTable:
 
     def fail_untokened(self, request_id: str, reason: str) -> Verdict:
         """``fail`` for a message whose token could not be read (a malformed header): it
-        may end only a transfer that was expected without a token."""
+        cannot speak for a live transfer (refused and counted), only answer FAILED."""
         if request_id in self._tokens:
             self.refused += 1
             log.warning("kv_transfer.refused_malformed", request_id=request_id, reason=reason)
@@ -325,7 +323,7 @@ class TableReceiver(KVReceiver):
     def refused(self) -> int:
         return self.table.refused
 
-    def expect(self, request_id: str, lease_s: float, token: bytes | None = None) -> Transfer:
+    def expect(self, request_id: str, lease_s: float, token: bytes) -> Transfer:
         if not self._serving():
             raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
         return self.table.expect(request_id, lease_s, token)

@@ -42,7 +42,7 @@ receiver settles the transfer once the chunks it asked for again are in.
 (``KVReceiver.expect(..., token=)``) and told the sender over the authenticated control
 plane; a message whose token does not match (compared in constant time) is refused,
 counted and changes nothing: a CHUNK is answered "dropped" and its payload never read
-into the transfer. Empty for a transfer expected without one.
+into the transfer. Every transfer has one.
 
 A bad prefix means the stream cannot be trusted past this point; a bad header inside a
 good prefix spoils only that one message (its payload length is still known).

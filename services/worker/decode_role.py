@@ -109,6 +109,7 @@ class DecodeRole:
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
                                       sink=self.on_kv_chunk, host_id=s.resolved_host_id)
+        ctx.metrics.kv_refused.read = lambda: self.receiver.refused
 
     async def start(self) -> None:
         await self.receiver.start()

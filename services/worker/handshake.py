@@ -4,8 +4,9 @@ means to it.
 The conductor compares these facts with its model's other workers and refuses a worker
 whose KV cannot be exchanged with theirs (``services/conductor/compat.py``). A refusal
 is final for the process: its settings are wrong and waiting will not fix them, so
-registration raises ``WorkerRefused``, which takes the process down (exit 1) with the
-reason in its log, where a supervisor shows it, instead of retrying forever.
+registration raises ``WorkerRefused``, which takes the process down with the reason in
+its log, instead of retrying forever. It exits with ``EXIT_CONFIG`` (78), not 1, so a
+supervisor configured as deploy/ is does not restart it into the same refusal.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from typing import NamedTuple
 
 from common.block_hash import BLOCK_HASH_ALGORITHM, BLOCK_HASH_SEED
 from common.protocol import PROTOCOL_VERSION
+from common.service_main import EXIT_CONFIG, ServiceExit
 
 # Error codes answering Hello that no retry can change: "incompatible" (the KV check)
 # and "version" (the conductor speaks another control-plane protocol).
 REFUSED_CODES = frozenset({"incompatible", "version"})
 
 
-class WorkerRefused(RuntimeError):
+class WorkerRefused(ServiceExit):
     """The conductor refused this worker at handshake; the message says why."""
+
+    exit_code = EXIT_CONFIG
 
 
 class KVLayout(NamedTuple):

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+
+
+class KVRefusals:
+    """``pdserve:kv_messages_refused_total``: data-plane messages for a live transfer that
+    did not present its token (forged, or a confused peer's). The receiver counts them on
+    its event loop; a scrape reads that count (one int, read whole) instead of keeping a
+    second count in step with it."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], int] = lambda: 0  # a worker without a receiver (prefill)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "pdserve:kv_messages_refused",
+            "Data-plane messages refused for lacking their transfer's token",
+            value=self.read())
 
 
 class WorkerMetrics:
@@ -35,6 +54,8 @@ class WorkerMetrics:
                                         ["backend"], registry=r)
         self.local_fallbacks = Counter("pdserve:kv_local_fallbacks",
                                        "Remote prefills replaced by local prefill", registry=r)
+        self.kv_refused = KVRefusals()  # its ``read`` set by the role that owns a receiver
+        r.register(self.kv_refused)
         self.info = Gauge("pdserve:worker_info", "Worker identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)
 
