@@ -527,9 +527,9 @@ async def test_idle_ucx_connection_does_not_keep_a_core_busy(serve):
     rx = await serve("ucx", lambda r, layer, b, p: got.append(bytes(p)))
     tx = make_sender("ucx")
     try:
-        transfer = rx.expect("r", lease_s=30)
-        await tx.send(rx.address, "r", 0, [1], b"v" * 4096)
-        await tx.finish(rx.address, "r", 1)
+        transfer = rx.expect("r", lease_s=30, token=TOKEN)
+        await tx.send(rx.address, "r", 0, [1], b"v" * 4096, token=TOKEN)
+        await tx.finish(rx.address, "r", 1, token=TOKEN)
         await transfer.wait()
         await asyncio.sleep(0.2)
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
@@ -538,9 +538,9 @@ async def test_idle_ucx_connection_does_not_keep_a_core_busy(serve):
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         assert cpu / wall < 0.2, f"idle ucx pair used {cpu / wall:.0%} of a core"
         # Still connected and quick to answer after the pause.
-        again = rx.expect("again", lease_s=30)
-        await tx.send(rx.address, "again", 0, [2], b"w" * 4096)
-        await tx.finish(rx.address, "again", 1)
+        again = rx.expect("again", lease_s=30, token=TOKEN)
+        await tx.send(rx.address, "again", 0, [2], b"w" * 4096, token=TOKEN)
+        await tx.finish(rx.address, "again", 1, token=TOKEN)
         await again.wait()
         assert got == [b"v" * 4096, b"w" * 4096] and tx.connections == 1
     finally:

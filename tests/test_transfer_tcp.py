@@ -562,14 +562,14 @@ class CountingSocket:
 async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender, sink):
     # One warm-up transfer opens the connection, then 30 small chunks (a layer each, as
     # a few hundred tokens of KV are) sent without the loop turning in between.
-    warm = receiver.expect("warm", lease_s=5)
+    warm = receiver.expect("warm", lease_s=5, token=TOKEN)
     await send_all(sender, receiver.address, chunks_for("warm", seed=1))
     await warm.wait()
     conn = sender._conns[receiver.address]
     counting = conn.sock = CountingSocket(conn.sock)
     plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(24576))
             for layer in range(30)]
-    transfer = receiver.expect("r", lease_s=5)
+    transfer = receiver.expect("r", lease_s=5, token=TOKEN)
     await send_all(sender, receiver.address, plan)
     await transfer.wait()
     assert sink.of("r") == plan
@@ -578,10 +578,10 @@ async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender
 
 
 async def test_corked_bytes_go_out_at_the_next_turn_without_a_finish(receiver, sender, sink):
-    transfer = receiver.expect("r", lease_s=5)
-    await sender.send(receiver.address, "r", 0, [1], b"k" * 1000)
+    transfer = receiver.expect("r", lease_s=5, token=TOKEN)
+    await sender.send(receiver.address, "r", 0, [1], b"k" * 1000, token=TOKEN)
     await until(lambda: len(sink.of("r")) == 1)  # no finish: the loop's next turn sent it
-    await sender.finish(receiver.address, "r", 1)
+    await sender.finish(receiver.address, "r", 1, token=TOKEN)
     await transfer.wait()
     assert sink.of("r") == [("r", 0, [1], b"k" * 1000)]
 
@@ -592,7 +592,7 @@ async def test_small_and_large_messages_keep_their_order_on_one_connection(recei
     tx = TcpSender(write_slice_bytes=64 << 10)
     sizes = [100, 600 << 10, 200, 300, 2 << 20, 50]
     plan = [("m", i, [i], random.Random(i).randbytes(n)) for i, n in enumerate(sizes)]
-    transfer = receiver.expect("m", lease_s=10)
+    transfer = receiver.expect("m", lease_s=10, token=TOKEN)
     try:
         await send_all(tx, receiver.address, plan)
         await transfer.wait()
@@ -608,14 +608,16 @@ async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
     await rx.start()
     tx = TcpSender(socket_buffer_bytes=16384, write_slice_bytes=8 << 20)
     try:
-        big = rx.expect("big", lease_s=10)
-        stuck = asyncio.ensure_future(tx.send(rx.address, "big", 0, [0], bytes(3 << 20)))
+        big = rx.expect("big", lease_s=10, token=TOKEN)
+        stuck = asyncio.ensure_future(
+            tx.send(rx.address, "big", 0, [0], bytes(3 << 20), token=TOKEN))
         await until(lambda: rx.address in tx._conns)
-        small = asyncio.ensure_future(tx.send(rx.address, "gone", 0, [1], b"s" * 100))
+        small = asyncio.ensure_future(
+            tx.send(rx.address, "gone", 0, [1], b"s" * 100, token=TOKEN))
         await asyncio.sleep(0)
         small.cancel()
         await asyncio.gather(stuck, small, return_exceptions=True)
-        await tx.finish(rx.address, "big", 1)
+        await tx.finish(rx.address, "big", 1, token=TOKEN)
         await big.wait()
         assert [c[0] for c in sink.chunks] == ["big"] and rx.dropped == 0
     finally:
