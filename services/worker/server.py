@@ -118,6 +118,7 @@ class Worker:
         self.metrics = WorkerMetrics(self.worker_id, settings.role)
         self.metrics.registry.register(ControlMetrics(self.ctx))
         self._clients: dict[str, RpcClient] = {}
+        self._closing = False
         # Prefix-cache changes, appended on the engine thread, published in batches.
         self._kv_events: collections.deque[tuple[str, list[int]]] = collections.deque()
         self.loop = EngineLoop(self._on_outputs, name=self.worker_id)
@@ -187,6 +188,7 @@ class Worker:
         return list(self._tasks)
 
     async def close(self) -> None:
+        self._closing = True  # no new peer connections from here (see ``client``)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -203,7 +205,9 @@ class Worker:
                     await self.loop.run(lambda e: getattr(e, "close", lambda: None)())
         await self.loop.stop()
         self.tracer.close()
-        self.ctx.term()
+        # Whatever socket is still open (a task that outlived the stop) is closed now;
+        # ``term`` alone would wait for it forever.
+        self.ctx.destroy(linger=0)
 
     @property
     def control_addr(self) -> str:
@@ -213,6 +217,8 @@ class Worker:
     def client(self, addr: str, server: str = "worker") -> RpcClient:
         client = self._clients.get(addr)
         if client is None:
+            if self._closing:  # a task still running as we stop: no new socket
+                raise ConnectionError(f"{self.worker_id} is closing")
             client = self._clients[addr] = RpcClient(self.ctx, addr, name=self.worker_id,
                                                      server=server)
         return client

@@ -42,12 +42,15 @@ class TokenStreams:
         # Least recently used first.
         self._queues: collections.OrderedDict[str, asyncio.Queue] = collections.OrderedDict()
         self._tasks: dict[str, asyncio.Task] = {}
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._tasks)
 
     def send(self, addr: str, request_id: str, tokens: Tokens) -> None:
         """Queue ``tokens`` for the gateway at ``addr``; never blocks."""
+        if self._closed:  # the worker is stopping: nobody will send it
+            return
         q = self._queues.get(addr)
         if q is None:
             while len(self._queues) >= self.max_streams:
@@ -100,6 +103,7 @@ class TokenStreams:
         await asyncio.sleep(0.05)  # ZeroMQ's I/O thread puts the last frames on the wire
 
     async def close(self) -> None:
+        self._closed = True
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
