@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.machine import load_average, machine_info
+from tests.cluster import free_port  # one set of handed-out ports for clusters and runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -46,7 +46,6 @@ RESULTS = ROOT / "bench" / "results"
 BUSY_LOAD_PER_CORE = 0.5
 BUSY_OTHER_CORES = 0.25
 
-_HANDED_OUT: set[int] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,24 +80,6 @@ class RunContext:
 
     def port(self) -> int:
         return free_port()
-
-
-def free_port() -> int:
-    """A free loopback port below the usual ephemeral range, so that a socket bound to
-    port 0 meanwhile cannot take it before the run binds it; never the same one twice
-    in a process."""
-    for _ in range(500):
-        port = random.randrange(20000, 32000)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError("no free port found in 20000-32000")
 
 
 def schedule(sides: list[str], repeats: int, warmup: int) -> list[Slot]:
