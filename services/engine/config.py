@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.model_config import preset
+
 # Kept in sync with services.engine.weights.quantize.QUANTIZATIONS, which imports torch
 # kernels this module does not need.
 QUANTIZATIONS = ("none", "int8")
@@ -54,6 +56,10 @@ class EngineConfig:
     # Decode steps replayed from CUDA graphs (services/engine/cuda_graphs.py); None: on
     # for CUDA, off elsewhere.
     cuda_graphs: bool | None = None
+    # A shape preset (model_config.PRESETS) built with random weights instead of loading
+    # ``model``; ``seed`` draws them (weights/random_init.py).
+    random_weights: str | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -82,6 +88,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.cuda_graphs and self.torch_device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
+        if self.random_weights is not None:
+            preset(self.random_weights)  # ValueError naming the known presets
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")

@@ -35,8 +35,9 @@ from services.engine.tp import SINGLE, ParallelContext, check_shardable, shard_s
 from services.engine.tp_group import STEP_EXPORT, Leader
 from services.engine.tp_kv import ShardedKVStore
 from services.engine.tp_shard import shard_hf_tensors
-from services.engine.weights import LoadedWeights, load_weights, release_freed_memory
+from services.engine.weights import LoadedWeights, release_freed_memory
 from services.engine.weights.quantize import quantize_model
+from services.engine.weights.source import weights_for
 
 
 class ModelExecutor:
@@ -141,7 +142,7 @@ class LLMEngine(EngineCore):
         world = config.tensor_parallel_size
         set_threads(config)
         owned = weights is None  # then its tensors may be consumed as the model takes them
-        self.weights = weights or load_weights(config.model)
+        self.weights = weights or weights_for(config)
         self.model_config = cfg = self.weights.config
         check_shardable(cfg, world)  # before any follower starts
         self.tp_leader = None if world == 1 else Leader(

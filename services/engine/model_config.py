@@ -10,6 +10,7 @@ from typing import Any
 # Architectures the engine's one model class covers. Qwen2 is Llama plus q/k/v bias;
 # Mistral is Llama with (optionally) a sliding window we do not use at these lengths.
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
+RANDOM_PREFIX = "random-"  # of the digest and fingerprint of randomly initialised weights
 
 
 class UnsupportedModelError(ValueError):
@@ -108,9 +109,49 @@ class ModelConfig:
         return json.dumps(asdict(self), sort_keys=True)
 
     def fingerprint(self, weights_digest: str, dtype: str, block_size: int) -> str:
-        """Everything that changes KV bytes: a block is never shared across fingerprints."""
+        """Everything that changes KV bytes: a block is never shared across fingerprints.
+
+        Random weights (a digest starting ``random-``) give a fingerprint that starts
+        ``random-`` too, so logs and the conductor's refusals say what a worker holds.
+        """
         h = hashlib.sha256()
         for part in (self.to_json(), weights_digest, dtype, str(block_size)):
             h.update(part.encode())
             h.update(b"\0")
-        return h.hexdigest()[:32]
+        prefix = RANDOM_PREFIX if weights_digest.startswith(RANDOM_PREFIX) else ""
+        return prefix + h.hexdigest()[:32]
+
+
+# Llama 3.1's long-context RoPE scaling, as its public config.json states it.
+LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)
+_LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096,
+                  intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                  head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  bos_token_id=128000, eos_token_ids=(128001,))
+
+# Shapes a model can be built in with random weights (``weights/random_init.py``), for
+# benchmarks that need no download and tests that need no files.
+PRESETS: dict[str, ModelConfig] = {
+    # Meta-Llama-3-8B: 8k context, plain RoPE.
+    "llama-3-8b": ModelConfig(**_LLAMA3_8B, max_position_embeddings=8192),
+    # Llama-3.1-8B: the same weights' shape, 128k context with Llama 3 RoPE scaling.
+    "llama-3.1-8b": ModelConfig(**_LLAMA3_8B, max_position_embeddings=131072,
+                                rope_scaling=LLAMA31_SCALING),
+    # A few hundred thousand parameters in the Llama 3.1 layout (GQA 2, scaled RoPE):
+    # what the CPU tests build.
+    "tiny": ModelConfig(architecture="llama", vocab_size=512, hidden_size=64,
+                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=16, rope_theta=500000.0, max_position_embeddings=512,
+                        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
+                        bos_token_id=256, eos_token_ids=(257,)),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The shape preset ``name``; ``ValueError`` naming the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: "
+                         f"{', '.join(sorted(PRESETS))}") from None

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         join_group,
     )
     from services.engine.tp_kv import FollowerKV, unpack_ops
-    from services.engine.weights import load_weights
+    from services.engine.weights.source import weights_for
 
     config = EngineConfig(**args["config"])
     set_threads(config)
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
                           timeout=timedelta(seconds=START_TIMEOUT_S))
     store.set(f"up/{rank}", "1")
     tp, plans, kv_group = join_group(rank, world, config.rank_device(rank), store)
-    weights = load_weights(config.model)
+    weights = weights_for(config)
     runner, _ = build_runner(config, weights.config, weights.tensors, tp, consume=True)
     del weights  # the shard is in the model now
     kv = FollowerKV(runner.kv_cache, kv_group)

@@ -1,8 +1,9 @@
 """Model weights from a Hugging Face directory, a GGUF file, or a model alias.
 
 ``load_weights`` is the one entry point. Whatever the source, the result is the same:
-a ``ModelConfig`` and a flat dict of float tensors on the CPU under Hugging Face Llama
-names (GGUF files are dequantized and their Q/K rows put back in Hugging Face order)::
+a ``ModelConfig`` and a flat dict of float tensors (on the device asked for) under
+Hugging Face Llama names (GGUF files are dequantized and their Q/K rows put back in
+Hugging Face order)::
 
     model.embed_tokens.weight                          [vocab, hidden]
     model.layers.{i}.input_layernorm.weight            [hidden]
@@ -89,11 +90,14 @@ def resolve_model(name_or_path: str) -> str:
     return str(path)
 
 
-def load_weights(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LoadedWeights:
+def load_weights(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> LoadedWeights:
     """Load a Hugging Face directory, a ``.gguf`` file, or a model alias.
 
-    Tensors are returned on the CPU in ``dtype`` (a floating dtype). Raises
-    ``FileNotFoundError`` naming ``path`` when it neither exists nor is an alias.
+    Tensors are returned on ``device`` in ``dtype`` (a floating dtype). A Hugging Face
+    directory is read one tensor at a time straight into place: the host never holds
+    a second copy of the model (``weights/hf.py``). Raises ``FileNotFoundError``
+    naming ``path`` when it neither exists nor is an alias.
     """
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be a floating torch dtype, got {dtype}")
@@ -104,10 +108,13 @@ def load_weights(path: str | os.PathLike[str], dtype: torch.dtype = torch.float3
     # Imported here because both loaders import this package's shared definitions.
     if resolved.is_dir():
         from services.engine.weights.hf import load_hf_dir
-        return load_hf_dir(resolved, dtype)
+        return load_hf_dir(resolved, dtype, torch.device(device))
     if resolved.suffix.lower() == ".gguf":
         from services.engine.weights.gguf import load_gguf
-        return load_gguf(resolved, dtype)
+        loaded = load_gguf(resolved, dtype)
+        for name in list(loaded.tensors):  # one tensor at a time: one host copy at most
+            loaded.tensors[name] = loaded.tensors[name].to(device)
+        return loaded
     raise CorruptWeightsError(f"{resolved}: expected a model directory or a .gguf file")
 
 

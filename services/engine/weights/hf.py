@@ -1,7 +1,9 @@
 """Load a Hugging Face model directory: ``config.json`` plus one or more ``*.safetensors``.
 
 Sharded checkpoints need no index file: every ``*.safetensors`` in the directory is read
-and a tensor name appearing in two files is an error. Tensors keep their names; the one
+and a tensor name appearing in two files is an error. Tensors go straight to the device
+and dtype asked for, one at a time: a bfloat16 checkpoint bound for a GPU never sits on
+the host whole, nor in float32. Tensors keep their names; the one
 change is that ``lm_head.weight`` is dropped when the config ties it to the embedding.
 """
 
@@ -13,8 +15,7 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from services.engine.model_config import ModelConfig, UnsupportedModelError
 from services.engine.weights import CorruptWeightsError, LoadedWeights, check_tensors
@@ -22,10 +23,16 @@ from services.engine.weights import CorruptWeightsError, LoadedWeights, check_te
 # Bytes hashed from the start of each tensor: enough to tell two checkpoints with the
 # same layout apart, small enough that the digest costs nothing next to the load.
 _SAMPLE_BYTES = 4096
+_CPU = torch.device("cpu")
 
 
-def load_hf_dir(directory: Path, dtype: torch.dtype) -> LoadedWeights:
-    """Read ``directory`` into a ``LoadedWeights`` with tensors on the CPU in ``dtype``.
+def load_hf_dir(directory: Path, dtype: torch.dtype,
+                device: torch.device = _CPU) -> LoadedWeights:
+    """Read ``directory`` into a ``LoadedWeights`` with tensors on ``device`` in ``dtype``.
+
+    Shard by shard, tensor by tensor (``safe_open``): each tensor is read from the
+    file's mapping, moved to ``device`` and cast there, so the host holds at most one
+    tensor in flight besides what it keeps (nothing, on a GPU) and one shard's mapping.
 
     Raises ``FileNotFoundError`` without ``config.json`` or any ``*.safetensors``,
     ``UnsupportedModelError`` for an architecture the engine lacks, and
@@ -35,21 +42,22 @@ def load_hf_dir(directory: Path, dtype: torch.dtype) -> LoadedWeights:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    digest = _digest(files)  # checks every header before any tensor is read
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            part = load_file(file, device="cpu")
-        except (SafetensorError, OSError, ValueError) as exc:
+            with safe_open(file, framework="pt", device=str(device)) as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if name in tensors:
+                        raise CorruptWeightsError(
+                            f"{file}: tensor {name} also in another shard")
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue
+                    tensors[name] = shard.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as exc:
             raise CorruptWeightsError(f"{file}: not a readable safetensors file ({exc})") from exc
-        clash = tensors.keys() & part.keys()
-        if clash:
-            raise CorruptWeightsError(f"{file}: tensor {sorted(clash)[0]} also in another shard")
-        tensors.update(part)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    tensors = {name: t.to(dtype) for name, t in tensors.items()}
     check_tensors(config, tensors, directory)
-    return LoadedWeights(config=config, tensors=tensors, digest=_digest(files),
+    return LoadedWeights(config=config, tensors=tensors, digest=digest,
                          tokenizer_dir=str(directory), gguf_file=None)
 
 
