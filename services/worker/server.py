@@ -94,7 +94,8 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
         num_threads=s.num_threads or None, quantization=s.quantization,
-        tensor_parallel_size=s.tensor_parallel_size), hooks=hooks)
+        tensor_parallel_size=s.tensor_parallel_size, cuda_graphs=s.use_cuda_graphs,
+        random_weights=s.random_weights or None, seed=s.random_seed), hooks=hooks)
 
 
 def pin_cpus(spec: str) -> None:

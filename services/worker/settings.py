@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from services.engine.model_config import preset
+
 ROLES = ("prefill", "decode", "unified")
 EXECUTORS = ("model", "sim")
 
@@ -24,6 +26,11 @@ class WorkerSettings:
     max_model_len: int = 0  # 0: the model's own context length
     num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
     quantization: str = "none"  # "int8": int8 projections on the CPU (EngineConfig)
+    # A shape preset (llama-3-8b, llama-3.1-8b, tiny) with random weights drawn from
+    # random_seed instead of loading `model`, which then only names it; empty: off.
+    random_weights: str = ""
+    random_seed: int = 0
+    cuda_graphs: str = "auto"  # decode steps from CUDA graphs: auto (on with CUDA), on, off
     # Ranks the model is split over; rank 0 is this process, the rest its followers.
     tensor_parallel_size: int = 1
     control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
@@ -80,12 +87,23 @@ class WorkerSettings:
         parse_cpus(self.cpu_affinity)
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.random_weights:
+            preset(self.random_weights)  # ValueError naming the known presets
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.device == "cpu":
+            raise ValueError("cuda_graphs on needs a CUDA device")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
                 or not self.pool_bandwidth_mbs > 0 or not self.pool_timeout_s > 0:
             raise ValueError("pool_min_fetch_blocks and pool_replicas must be >= 1, "
                              "pool_bandwidth_mbs and pool_timeout_s > 0")
+
+    @property
+    def use_cuda_graphs(self) -> bool | None:
+        """``cuda_graphs`` as ``EngineConfig`` takes it: None leaves it to the device."""
+        return {"auto": None, "on": True, "off": False}[self.cuda_graphs]
 
     @property
     def resolved_host_id(self) -> str:
