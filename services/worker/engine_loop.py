@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import structlog
 
@@ -42,6 +42,26 @@ if TYPE_CHECKING:
     from services.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
+
+
+class PendingExport(Protocol):
+    """An export on its way to the host (``services.engine.host_buffers.PendingBytes``)."""
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> memoryview: ...
+
+
+class ExportedNow(NamedTuple):
+    """An export whose bytes were there at once."""
+
+    view: memoryview
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> memoryview:
+        return self.view
 
 OutputHandler = Callable[[list[RequestOutput], float], None]
 MAX_SAMPLES = 32
@@ -135,6 +155,19 @@ class EngineLoop:
         if threading.current_thread() is not self._thread:
             raise RuntimeError("export_layer runs on the engine thread only")
         return self._engine.kv_store.export_layer_bytes(layer, block_ids)
+
+    def export_layer_async(self, layer: int, block_ids: Sequence[int]) -> PendingExport:
+        """:meth:`export_layer`, started: on a GPU the copy to the host runs on a side
+        stream while the next layer computes (``KVCache.export_layer_async``); a store
+        without that (the CPU, which shares memory, or tensor parallelism) exports now.
+        Engine thread only; ``wait()`` the result anywhere."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError("export_layer_async runs on the engine thread only")
+        store = self._engine.kv_store
+        start = getattr(store, "export_layer_async", None)
+        if start is None:
+            return ExportedNow(store.export_layer_bytes(layer, block_ids))
+        return start(layer, block_ids)
 
     def import_layer(self, layer: int, block_ids: Sequence[int], payload: memoryview) -> None:
         """Write received KV into ``block_ids``, from the event loop, without waiting for

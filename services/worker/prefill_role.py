@@ -4,7 +4,9 @@ the decode worker that asked.
     decode ──Prefill(block ids)──► prefill worker
                                    │ run the prompt (chunked); in the step that completes
                                    │ it, each layer's KV is copied out as soon as that
-                                   │ layer is computed and sent while the next computes
+                                   │ layer is computed (on a GPU, on a side stream the
+                                   │ compute never waits for) and sent while the next
+                                   │ computes
                                    ├──KV, one payload per layer──► decode's data plane
                                    ├──Tokens(position 0)──► gateway
                                    └──PrefillDone(first token)──► decode (the reply)
@@ -113,8 +115,8 @@ class PrefillRole:
                              f"prompt fills {len(blocks)}")
                 self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, None))
                 continue
-            payload = loop.export_layer(layer, blocks[rec.skip_blocks:])
-            self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, payload))
+            pending = loop.export_layer_async(layer, blocks[rec.skip_blocks:])
+            self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, pending))
 
     async def drain(self, timeout_s: float) -> int:
         """A planned stop: let the prefills in flight finish (their decode workers wait
@@ -215,9 +217,10 @@ class PrefillRole:
         dest = list(job.rec.block_ids[job.rec.skip_blocks:])
         start = None
         for _ in range(num_layers):
-            layer, payload = await job.layers.get()
-            if payload is None or job.error:
+            layer, pending = await job.layers.get()
+            if pending is None or job.error:
                 raise TransferError(job.error or "KV export failed")
+            payload = await exported_bytes(pending)
             start = start or time.perf_counter()
             job.sent_from = job.sent_from or time.monotonic()
             await self.sender.send(job.addr, rid, layer, dest, payload, token=job.rec.kv_token)
@@ -237,6 +240,14 @@ class PrefillRole:
             if not job.done.done():
                 job.done.set_result(RequestOutput(rid, [], 0, finished=True,
                                                   finish_reason="abort"))
+
+
+async def exported_bytes(pending) -> memoryview:
+    """A layer's bytes once its copy off the device is done: waited for on a thread so
+    the event loop goes on meanwhile; at once when they are already there (the CPU)."""
+    if not pending.ready():
+        await asyncio.to_thread(pending.wait)
+    return pending.wait()
 
 
 def _drop(engine, rid: str) -> None:
