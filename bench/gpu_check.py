@@ -28,11 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LLAMA3_8B = dict(architecture="llama", vocab_size=128256, hidden_size=4096,
-                 intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                 head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
-
-
 def kernel_checks(dev: str, tiny: bool) -> list[tuple[str, float, bool]]:
     from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
     from kernels.kv_pack import kv_pack, kv_pack_ref
@@ -168,33 +163,33 @@ def tiny_random_model(root: Path) -> str:
     return str(root)
 
 
-def llama8b_random(ctx: int, batch: int):
-    """A random bfloat16 Llama-3-8B-shaped model, a KV cache and one batch's metadata."""
+def llama8b_random(ctx: int, batch: int, preset: str = "llama-3-8b", device: str = "cuda"):
+    """A random bfloat16 model of ``preset``'s shape (built on the device, no host copy),
+    a KV cache and one batch's metadata."""
     from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
     from services.engine.attention_backends import make_attention_backend
     from services.engine.model import LlamaModel
-    from services.engine.model_config import ModelConfig
+    from services.engine.weights.random_init import random_weights
 
-    cfg = ModelConfig(**LLAMA3_8B)
-    torch.set_default_device("cuda")
-    model = LlamaModel(cfg, make_attention_backend("triton", torch.device("cuda")))
-    torch.set_default_device("cpu")
-    model = model.to(torch.bfloat16).eval()
-    for p in model.parameters():
-        p.data.normal_(0, 0.02)
+    weights = random_weights(preset, 0, dtype=torch.bfloat16, device=device)
+    cfg = weights.config
+    model = LlamaModel.from_hf_weights(
+        cfg, make_attention_backend("triton" if device == "cuda" else "torch",
+                                    torch.device(device)),
+        weights.tensors, consume=True).eval()
     bs, per_seq = 16, -(-ctx // 16)
     shape = (cfg.num_layers, batch * per_seq, bs, cfg.num_kv_heads, cfg.head_dim)
-    kv = (torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-          torch.randn(shape, device="cuda", dtype=torch.bfloat16))
-    tables = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
+    kv = (torch.randn(shape, device=device, dtype=torch.bfloat16),
+          torch.randn(shape, device=device, dtype=torch.bfloat16))
+    tables = torch.arange(batch * per_seq, device=device).view(batch, per_seq)
 
     def decode_meta():
-        lens = torch.full((batch,), ctx, device="cuda")
+        lens = torch.full((batch,), ctx, device=device)
         slots = tables[:, -1] * bs + (ctx - 1) % bs
         return AttentionMetadata(slots, [DecodeGroup(0, batch, tables, lens, ctx)], [])
 
     def prefill_meta():
-        pos = torch.arange(ctx, device="cuda")
+        pos = torch.arange(ctx, device=device)
         return AttentionMetadata(tables[0][pos // bs] * bs + pos % bs, [],
                                  [PrefillSegment(0, ctx, ctx, tables[0])])
     return cfg, model, kv, decode_meta, prefill_meta
