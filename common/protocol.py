@@ -27,6 +27,7 @@ from common.codec import (
     records,
     registry,
 )
+from common.protocol_migrate import Migrate, MigrateDone, MigrateReady, StreamMoved
 from common.protocol_pool import (
     HeldBlocks,
     KVEvent,
@@ -74,9 +75,10 @@ __all__ = [
     "Timing", "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts",
     "WorkerRefusal", "WorkerStatus",
     # messages declared beside this module
-    "ConductorStats", "GetStats", "HeldBlocks", "KVEvent", "ListWorkers", "PoolBlocks",
+    "ConductorStats", "GetStats", "HeldBlocks", "KVEvent", "ListWorkers", "Migrate",
+    "MigrateDone", "MigrateReady", "PoolBlocks",
     "PoolCommit", "PoolExists", "PoolFound", "PoolGet", "PoolPut", "PoolReady", "PoolRemove",
-    "PoolStats", "Resync", "WorkerList", "WorkerStats",
+    "PoolStats", "Resync", "StreamMoved", "WorkerList", "WorkerStats",
 ]
 
 # --- the record catalog ------------------------------------------------------------------

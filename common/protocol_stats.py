@@ -56,6 +56,8 @@ class WorkerStats:
     pool: WorkerPoolCounts = field(default_factory=WorkerPoolCounts)
     waiting_for_kv: int = 0
     reserved_blocks: int = 0
+    kv_migrated_in: int = 0  # running requests adopted with their KV from a stopping worker
+    kv_migrated_out: int = 0  # running requests this worker moved on, with their KV
 
 
 @message("conductor_stats")

@@ -27,21 +27,24 @@ def _table(*grants: tuple[tuple[str, ...], tuple[str, ...]]) -> Policy:
 # Conductor ROUTER: workers register; gateways route and list workers.
 CONDUCTOR_CONTROL = _table(
     (WORKER_ROLES, ("hello", "leaving")),
-    (("gateway", "client"), ("list_workers",)),
+    # A stopping decode worker looks for one to move its requests to.
+    (("gateway", "client", "decode", "unified"), ("list_workers",)),
     (("gateway",), ("route",)),
 )
 
 # Conductor SUB (bound): heartbeats and prefix-cache events come from workers only.
 CONDUCTOR_EVENTS = _table((WORKER_ROLES, ("heartbeat", "kv_event")))
 
-# Gateway token PULL: token streams come from the workers that produce tokens.
-GATEWAY_STREAM = _table((WORKER_ROLES, ("tokens",)))
+# Gateway token PULL: token streams come from the workers that produce tokens; a stream
+# moves only from a decode-capable worker.
+GATEWAY_STREAM = _table((WORKER_ROLES, ("tokens",)), (("decode", "unified"), ("stream_moved",)))
 
 # Worker ROUTER: gateways start and stop requests; a decode-capable worker asks a prefill
-# worker for KV (and stops it); the conductor rebuilds its prefix index.
+# worker for KV (and stops it), or moves a running request to another decode worker;
+# the conductor rebuilds its prefix index.
 WORKER_CONTROL = _table(
     (("gateway",), ("generate", "abort")),
-    (("decode", "unified"), ("prefill", "abort")),
+    (("decode", "unified"), ("prefill", "abort", "migrate", "migrate_done")),
     (("conductor",), ("resync",)),
 )
 

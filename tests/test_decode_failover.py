@@ -404,7 +404,9 @@ def test_killed_decode_worker_streams_continue_exactly(model_dir, tmp_path, prom
 
 def test_stopped_decode_worker_hands_its_streams_on(model_dir, tmp_path, prompts,
                                                     reference):
-    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64")
+    # Without moving the KV (tests/test_kv_migration.py): handed back, recomputed.
+    cluster = Cluster(str(model_dir), tmp_path, ["unified", "unified"], dtype="float64",
+                      worker_args=["--migrate-on-stop", "false"])
     cluster.start()
     try:
         started: list[int] = []

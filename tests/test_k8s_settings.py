@@ -27,7 +27,8 @@ SETTINGS = {"conductor": ConductorSettings, "gateway": GatewaySettings,
 POD_IP = "10.1.2.3"
 # What a planned stop may take (services/worker/server.py hand_back): telling the
 # conductor (2 s), flushing the token streams (2 s); a prefill worker drains within
-# kv_lease_s. MARGIN covers closing sockets and the engine thread.
+# kv_lease_s, a decode worker moves its requests' KV within it. MARGIN covers closing
+# sockets and the engine thread.
 LEAVING_S, FLUSH_S, MARGIN_S = 2.0, 2.0, 5.0
 POOL_FLUSH_MIBS = 20.0  # slowest SSD write speed the pool's grace period allows for
 
@@ -181,7 +182,7 @@ def test_grace_periods_cover_each_process_drain(overlay, tmp_path):
         elif section == "prefill":
             need = LEAVING_S + s.kv_lease_s + MARGIN_S
         elif section == "decode":
-            need = LEAVING_S + FLUSH_S + MARGIN_S
+            need = LEAVING_S + s.kv_lease_s + FLUSH_S + MARGIN_S
         elif section == "cache_pool":
             need = (s.dram_mib / POOL_FLUSH_MIBS if s.flush_on_close else 0) + MARGIN_S
         else:

@@ -113,6 +113,15 @@ SAMPLES = {
     "pool_remove": p.PoolRemove(keys=[]),
     "kv_event": p.KVEvent(source="pool:a", kind="stored", hashes=[1, 2**64 - 1], tier="dram"),
     "resync": p.Resync(),
+    "migrate": p.Migrate(
+        prompt_token_ids=[1, 2, 3], output_token_ids=[9, 8], stream_addr="tcp://gw:7000",
+        sampling=p.SamplingParams(temperature=0.5, seed=7, max_tokens=40),
+        start_position=4, source_id="decode-0", cache_salt="t", cached_tokens=16),
+    "migrate_ready": p.MigrateReady(block_ids=[4, 5, 6], skip_blocks=1, lease_s=10.0,
+                                    kv_advert=ADVERT, kv_token=b"\x00" * 16),
+    "migrate_done": p.MigrateDone(num_chunks=30),
+    "stream_moved": p.StreamMoved(worker_id="decode-1", control_addr="tcp://d1:1",
+                                  position=6),
 }
 
 

@@ -25,6 +25,7 @@ Blocks move to and from the cache pool through ``pool_blocks``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from services.engine.block_manager import BlockManager, HashCallback
 from services.engine.executor import Executor, LayerHook, completing_prompts
 from services.engine.kv_manager import KVCacheManager
 from services.engine.kv_store import KVStore
-from services.engine.outputs import RemoteSlots, RequestOutput, StepRecord
+from services.engine.outputs import Detached, RemoteSlots, RequestOutput, StepRecord
 from services.engine.pool_blocks import PoolBlocks
 from services.engine.remote_prefill import RemotePrefills
 from services.engine.sampling_state import SamplingState, TokenLogprobs, check_stop
@@ -220,3 +221,50 @@ class EngineCore:
     def cancel_remote_prefill(self, request_id: str) -> None:
         """Give up waiting for KV and compute the prompt here instead."""
         self._remote.cancel(request_id)
+
+    # ---- a running request moved to another engine, KV and all ---------------------
+
+    def detach(self, request_id: str) -> Detached | None:
+        """Stop stepping a decoding request, keeping its blocks, so that its KV can be
+        sent elsewhere; None (nothing changed) unless it runs with a token generated
+        and every token but the last computed. ``abort`` frees it afterwards."""
+        seq = self.requests.get(request_id)
+        if (seq is None or seq.status is not SequenceStatus.RUNNING
+                or not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1):
+            return None
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.DETACHED
+        kv_blocks = self.kv_manager.blocks_for(seq.num_computed_tokens)
+        return Detached(list(seq.prompt_token_ids), list(seq.output_token_ids), seq.params,
+                        seq.cache_salt, seq.block_table[:kv_blocks], seq.num_cached_tokens)
+
+    def reserve_migrated(self, request_id: str, prompt: Seq[int], output: Seq[int],
+                         params: SamplingParams, *, cache_salt: str | None = None,
+                         cached_tokens: int = 0) -> RemoteSlots | None:
+        """Reserve blocks for the KV of a request another engine ``detach``-ed (every
+        token of ``prompt`` + ``output`` but the last); None if full now. ValueError
+        for a request that cannot go on here."""
+        seq = self._new_sequence(request_id, prompt, params, cache_salt)
+        output = list(output)
+        if not output or not all(isinstance(t, int) and 0 <= t < self.vocab_size
+                                 for t in output):
+            raise ValueError(f"output token ids must be integers in [0, {self.vocab_size})")
+        total = len(seq.prompt_token_ids) + len(output)
+        if len(output) >= seq.params.max_tokens or total >= self.max_model_len:
+            raise ValueError("the request has nothing left to generate")
+        if self.kv_manager.blocks_for(total + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"{total} tokens cannot fit in the KV cache")
+        seq.sampling.output_token_ids.extend(output)
+        seq.logprobs.extend([None] * len(output))
+        slots = self._remote.reserve(seq, total - 1)
+        if slots is not None:
+            seq.num_cached_tokens = cached_tokens
+        return slots
+
+    def complete_migrated(self, request_id: str) -> None:
+        """A migrated request's KV is in place: it decodes its next token in the next step."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is not waiting for KV")
+        self._remote.complete(request_id, kv_tokens=seq.num_tokens - 1)
+        seq.scheduled_time = time.monotonic()

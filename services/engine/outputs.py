@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from common.sampling_params import SamplingParams
 from services.engine.sampling_state import TokenLogprobs
 
 
@@ -44,6 +45,20 @@ class RemoteSlots(NamedTuple):
 
     block_ids: list[int]
     num_cached_blocks: int
+
+
+class Detached(NamedTuple):
+    """A running request taken out of an engine to continue elsewhere, KV and all.
+
+    ``block_ids`` hold the KV of every token of ``prompt_token_ids`` + ``output_token_ids``
+    but the last, which the next engine computes first."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    block_ids: list[int]
+    num_cached_tokens: int
 
 
 class StepRecord(NamedTuple):

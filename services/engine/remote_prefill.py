@@ -26,12 +26,14 @@ class RemotePrefills:
         self.scheduler = scheduler
         self.requests = requests  # the engine's registry of live requests, shared
 
-    def reserve(self, seq: Sequence) -> RemoteSlots | None:
-        """Hold blocks for the whole prompt of a new ``seq`` and register it as waiting
-        for KV; None, nothing held, if the blocks are not free now."""
-        prefix = self.kv.match_prefix(seq)
+    def reserve(self, seq: Sequence, kv_tokens: int | None = None) -> RemoteSlots | None:
+        """Hold blocks for the first ``kv_tokens`` tokens of a new ``seq`` (default:
+        the whole prompt) and register it as waiting for KV; None, nothing held, if the
+        blocks are not free now."""
+        kv_tokens = seq.num_prompt_tokens if kv_tokens is None else kv_tokens
+        prefix = self.kv.match_prefix(seq, min(kv_tokens, seq.num_tokens - 1))
         start = prefix.num_blocks * self.kv.block_size
-        if not self.kv.allocate_slots(seq, seq.num_prompt_tokens - start, prefix):
+        if not self.kv.allocate_slots(seq, kv_tokens - start, prefix):
             return None
         seq.num_cached_tokens = start
         seq.num_computed_tokens = start
@@ -45,11 +47,12 @@ class RemotePrefills:
             raise ValueError(f"request {request_id!r} is not waiting for KV")
         return seq
 
-    def complete(self, request_id: str) -> Sequence:
-        """The prompt's KV is in place: its blocks enter the prefix cache and it joins the
-        running batch. The caller appends its first token. ValueError if not waiting."""
+    def complete(self, request_id: str, kv_tokens: int | None = None) -> Sequence:
+        """The KV of its first ``kv_tokens`` tokens (default: the prompt) is in place:
+        its blocks enter the prefix cache and it joins the running batch. The caller
+        appends a first token if it has none. ValueError if not waiting."""
         seq = self._waiting(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_prompt_tokens if kv_tokens is None else kv_tokens
         self.kv.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.scheduler.running.append(seq)

@@ -14,6 +14,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to recompute
     WAITING_FOR_KV = "waiting_for_kv"  # blocks reserved, KV arriving from elsewhere
     RUNNING = "running"
+    DETACHED = "detached"  # no longer stepped, blocks held: its KV is moving elsewhere
     FINISHED = "finished"
 
 

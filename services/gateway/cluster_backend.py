@@ -10,6 +10,7 @@ request back because it is stopping (``WORKER_LEAVING``), the request is re-rout
 another decode worker with the prompt plus the tokens already streamed, and the client's
 stream continues from where it stopped (``failover.py``: how, and how long it waits for
 a live decode worker; a new request, which the conductor has none for, waits less).
+A stream moved with its KV by a stopping worker (``StreamMoved``) follows the new one.
 
 Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
 which the gateway needs the workers' KV layout (model fingerprint and block size). It
@@ -46,6 +47,7 @@ from common.protocol import (
     Route,
     RouteReply,
     SamplingParams,
+    StreamMoved,
     Tokens,
     WorkerList,
     WorkerStatus,
@@ -66,6 +68,7 @@ from services.gateway.failover import (
     NoDecodeWorker,
     attempt_id,
     listed_alive,
+    moved_route,
     resumed_sampling,
     wait_for_route,
 )
@@ -146,8 +149,10 @@ class ClusterBackend(GenerationBackend):
             msg = await self.pull.recv()
             rid = msg.envelope.request_id
             q = self.queues.get(rid) if rid else None
-            if q is not None and isinstance(msg.record, Tokens):
+            if q is not None and isinstance(msg.record, Tokens | StreamMoved):
                 q.put_nowait(msg.record)
+            elif rid and isinstance(msg.record, StreamMoved):  # moved after we let go
+                self._abort_soon(msg.record.control_addr, rid)  # (failed over meanwhile)
 
     async def _workers(self) -> list[WorkerStatus] | None:
         """The conductor's list of workers; None if it does not answer."""
@@ -315,6 +320,10 @@ class ClusterBackend(GenerationBackend):
                 lambda: self._start(request, generated, [], wire, trace), self.failover, rid)
             while True:
                 tokens = await self._next(q, route)
+                if isinstance(tokens, StreamMoved):  # with its KV: the same attempt goes on
+                    route = moved_route(route, tokens, rid)
+                    self.decoders[rid] = (route.decode_addr, wire)
+                    continue
                 # What the worker sent before it left is already queued ahead of this.
                 leaving = tokens is not None and tokens is not _STREAM_LOST \
                     and tokens.finished and tokens.error == WORKER_LEAVING

@@ -7,8 +7,9 @@ submits the request again, excluding that worker: the prompt plus the tokens alr
 streamed as the new prompt, the same sampling with ``max_tokens`` / ``min_tokens``
 reduced by what was generated, and ``start_position`` at the first token still owed
 (seeded draws are keyed by position, so a seeded stream continues exactly). The new
-worker recomputes the KV of what it is given; moving the lost worker's KV instead is
-not done (that worker is usually gone).
+worker recomputes the KV of what it is given. A worker that stops on purpose first
+tries to move each request with its KV to another decode worker itself; when it does,
+it says so on the stream (``StreamMoved``) and nothing is re-routed (``moved_route``).
 
 Each attempt runs under a request id of its own (``attempt_id``): whatever a lost
 worker still delivers (tokens in flight, a frozen process that resumes) finds no queue
@@ -27,6 +28,7 @@ before the workers have said Hello again), the gateway asks again every
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from common.protocol import WorkerStatus
+from common.protocol import RouteReply, StreamMoved, WorkerStatus
 from services.gateway.backend import BackendUnavailable
 
 T = TypeVar("T")
@@ -104,6 +106,16 @@ def resumed_sampling(sampling: dict[str, Any], generated: int) -> dict[str, Any]
         return dict(sampling)
     return {**sampling, "max_tokens": sampling.get("max_tokens", 16) - generated,
             "min_tokens": max(0, sampling.get("min_tokens", 0) - generated)}
+
+
+def moved_route(route: RouteReply, moved: StreamMoved, request_id: str) -> RouteReply:
+    """``route`` once its decode worker moved the request, KV and all, to another
+    (a planned stop): liveness checks and aborts go there from now on. Not a failover:
+    the attempt, its request id and its tokens carry on."""
+    log.info("stream moved with its KV", request_id=request_id, worker_id=route.decode_id,
+             to=moved.worker_id, position=moved.position)
+    return dataclasses.replace(route, decode_id=moved.worker_id,
+                               decode_addr=moved.control_addr)
 
 
 def listed_alive(workers: list[WorkerStatus], worker_id: str, addr: str) -> bool:

@@ -32,7 +32,7 @@ class RoleContext:
     streams: TokenStreams  # tokens out to the gateways
     metrics: WorkerMetrics
     zmq: zmq.asyncio.Context  # for the sockets a part opens itself (cache pool)
-    peer: Callable[[str], RpcClient]  # the worker's one client per control address
+    peer: Callable[..., RpcClient]  # (addr, server="worker"): one client per address
     tracer: Tracer = NO_TRACER  # the worker's spans
 
     def advertised(self, addr: str) -> str:

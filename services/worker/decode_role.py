@@ -21,8 +21,10 @@ as of its last snapshot, plus Generates being admitted), a Generate is answered 
 with ``Error("overloaded", retry_after_s)``, before it touches the engine: the queue
 stays bounded, and the gateway answers 429 rather than a timeout after a long wait.
 
-A planned stop (``hand_back``) refuses new requests and ends every running stream with
-``WORKER_LEAVING``: its gateway continues it on another worker, which recomputes the KV.
+A planned stop (``hand_back``) refuses new requests and moves each decoding request,
+KV and all, to another decode worker (``migrate_out.py``; the receiving side is
+``migrate_in.py``); a stream that cannot move ends with ``WORKER_LEAVING``: its gateway
+continues it on another worker, which recomputes the KV.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from dataclasses import dataclass
 
 import structlog
 
@@ -48,48 +49,19 @@ from common.protocol import (
     Tokens,
     WorkerStats,
 )
-from common.tracing import Span
-from common.transfer import MultiReceiver, Transfer, TransferError
+from common.transfer import MultiReceiver, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
-from services.engine.outputs import RemoteSlots
 from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
+from services.worker.decode_state import Remote, Stream
+from services.worker.migrate_in import Arrivals
+from services.worker.migrate_out import Departures
 from services.worker.pool_link import PoolLink
 from services.worker.stage_timing import stage_timing
 from services.worker.token_streams import logprob_records
 from services.worker.tombstones import Tombstones
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class Stream:
-    request_id: str
-    addr: str
-    start_position: int
-    prompt_token_ids: list[int]
-    cache_salt: str | None
-    next_position: int = 0  # of the next token this worker sends (set once it sends)
-    span: Span | None = None  # decode.request: the parent of this worker's spans
-    # Stage clocks (time.monotonic()): see stage_timing.
-    arrived: float = 0.0
-    asked: float | None = None  # Prefill sent
-    kv_done: float | None = None  # all KV here and PrefillDone in
-    first: float | None = None  # a prompt prefilled here: its first token
-    queued: float = 0.0  # a prompt prefilled here: its wait in the engine's queue
-    measured: Timing | None = None  # the prefill worker's own stages
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-@dataclass(slots=True)
-class Remote:
-    slots: RemoteSlots
-    transfer: Transfer
-    prefill_addr: str
-    started: float
 
 
 class DecodeRole:
@@ -110,11 +82,15 @@ class DecodeRole:
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
                                       sink=self.on_kv_chunk, host_id=s.resolved_host_id)
         ctx.metrics.kv_refused.read = lambda: self.receiver.refused
+        self.arrivals = Arrivals(self)  # requests moved here by stopping workers
+        self.departures = Departures(ctx, self.streams, self.remote)  # and from here
 
     async def start(self) -> None:
         await self.receiver.start()
 
     async def close(self) -> None:
+        await self.arrivals.close()
+        await self.departures.close()
         await self.receiver.close()
 
     @property
@@ -133,8 +109,8 @@ class DecodeRole:
         return dataclasses.replace(
             stats, live_transfers=self.receiver.live(), local_fallbacks=self.local_fallbacks,
             kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
-            kv_messages_refused=self.receiver.refused,
-            kv_advert=self.kv_advert())
+            kv_messages_refused=self.receiver.refused, kv_advert=self.kv_advert(),
+            kv_migrated_in=self.arrivals.adopted, kv_migrated_out=self.departures.moved)
 
     def overloaded(self) -> Error | None:
         """The refusal for one more request when the queue is full, else None."""
@@ -316,11 +292,13 @@ class DecodeRole:
         stream.span.end()
         return timing
 
-    async def hand_back(self) -> int:
-        """A planned stop: refuse new requests, end every running stream with
-        ``WORKER_LEAVING`` (its gateway continues it elsewhere) and free what it held.
-        Returns how many streams were handed back."""
+    async def hand_back(self, migrate: bool = True) -> tuple[int, int]:
+        """A planned stop: refuse new requests; move what runs to other decode workers
+        with its KV (``migrate``, see ``migrate_out.py``); end every other stream with
+        ``WORKER_LEAVING`` (its gateway continues it elsewhere, recomputing) and free
+        what it held. Returns (requests moved, requests handed back)."""
         self.leaving = True
+        moved = await self.departures.move_all() if migrate else 0
         handed = list(self.streams.items())
         self.streams.clear()  # what the engine still produces for them is not sent
         for rid, stream in handed:
@@ -331,7 +309,7 @@ class DecodeRole:
                 source="decode", error=WORKER_LEAVING))
         for rid, _ in handed:
             await self.abort(rid)
-        return len(handed)
+        return moved, len(handed)
 
     async def abort(self, rid: str) -> None:
         stream = self.streams.pop(rid, None)
@@ -343,7 +321,8 @@ class DecodeRole:
         remote = self.remote.pop(rid, None)
         if remote is not None:
             self.receiver.cancel(rid)
-            asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
+            if remote.prefill_addr:  # none for KV a stopping decode worker moves here
+                asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
         await self.ctx.loop.run(lambda e: e.abort(rid))
 
 

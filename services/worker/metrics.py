@@ -54,6 +54,12 @@ class WorkerMetrics:
                                         ["backend"], registry=r)
         self.local_fallbacks = Counter("pdserve:kv_local_fallbacks",
                                        "Remote prefills replaced by local prefill", registry=r)
+        self.kv_migrated_in = Counter(
+            "pdserve:kv_migrated_requests", "Running requests adopted with their KV from a "
+            "stopping decode worker (nothing recomputed)", registry=r)
+        self.kv_migrated_out = Counter(
+            "pdserve:kv_migrations_sent", "Running requests moved with their KV to another "
+            "decode worker on a planned stop", registry=r)
         self.kv_refused = KVRefusals()  # its ``read`` set by the role that owns a receiver
         r.register(self.kv_refused)
         self.info = Gauge("pdserve:worker_info", "Worker identity", list(labels), registry=r)

@@ -36,6 +36,8 @@ from common.protocol import (
     Hello,
     KVEvent,
     Leaving,
+    Migrate,
+    MigrateDone,
     Prefill,
     Resync,
     WorkerInfo,
@@ -166,9 +168,10 @@ class Worker:
 
     async def hand_back(self) -> None:
         """A planned stop. The conductor is told first, so that it routes nothing more
-        here. A decode worker hands its running requests back to their gateways, which
-        continue them on other workers (the KV is recomputed there, not moved); a prefill
-        worker finishes the prefills in flight, within their KV lease."""
+        here. A decode worker moves its running requests with their KV to other decode
+        workers (``migrate_on_stop``), and hands the rest back to their gateways, which
+        continue them elsewhere (recomputing the KV); a prefill worker finishes the
+        prefills in flight, within their KV lease."""
         try:
             await self.client(self.settings.conductor_addr, "conductor").call(
                 Leaving(worker_id=self.worker_id), timeout=2.0)
@@ -176,9 +179,12 @@ class Worker:
             log.warning("conductor not told of the stop", worker_id=self.worker_id,
                         error=str(exc))
         if isinstance(self.role, DecodeRole):
-            handed = await self.role.hand_back()
+            moved, handed = await self.role.hand_back(self.settings.migrate_on_stop)
             await self.streams.flush(timeout_s=2.0)
-            log.info("requests handed back", worker_id=self.worker_id, requests=handed)
+            load = await self.loop.run(lambda e: (e.block_manager.num_free_blocks,
+                                                  len(e.requests)))
+            log.info("requests handed back", worker_id=self.worker_id, requests=handed,
+                     moved_with_kv=moved, free_blocks=load[0], left_in_engine=load[1])
         else:
             left = await self.role.drain(self.settings.kv_lease_s)
             log.info("prefills drained", worker_id=self.worker_id, unfinished=left)
@@ -241,12 +247,18 @@ class Worker:
             hashes = list(await self.loop.run(lambda e: e.block_manager.cached_hashes()))
             return HeldBlocks(source=self.worker_id, hashes=hashes,
                               tiers=["local"] * len(hashes))
-        if not rid and isinstance(rec, Generate | Prefill | Abort):
+        if not rid and isinstance(rec, Generate | Prefill | Abort | Migrate | MigrateDone):
             return Error("bad_request", "request id missing from the envelope")
         if isinstance(rec, Generate):
             if not isinstance(self.role, DecodeRole):
                 return Error("wrong_role", f"{self.worker_id} is a prefill worker")
             return await self.role.handle(rid, rec, msg.envelope.trace)
+        if isinstance(rec, Migrate | MigrateDone):
+            if not isinstance(self.role, DecodeRole):
+                return Error("wrong_role", f"{self.worker_id} is a prefill worker")
+            if isinstance(rec, Migrate):
+                return await self.role.arrivals.offer(rid, rec, msg.envelope.trace)
+            return await self.role.arrivals.done(rid, rec)
         if isinstance(rec, Prefill):
             if not isinstance(self.role, PrefillRole):
                 return Error("wrong_role", f"{self.worker_id} does not run remote prefills")

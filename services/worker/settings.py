@@ -44,6 +44,9 @@ class WorkerSettings:
     heartbeat_addr: str = "tcp://127.0.0.1:5552"
     heartbeat_interval_s: float = 1.0
     kv_lease_s: float = 10.0  # how long decode waits for remote KV before prefilling itself
+    # On SIGTERM, move running requests with their KV to other decode workers; false (or
+    # when that fails): hand them back to their gateways, which recompute them elsewhere.
+    migrate_on_stop: bool = True
     # Requests that may wait here for their first step; more are refused at once with
     # Error("overloaded", retry_after_s): a bounded queue, and a refusal before any wait.
     max_waiting: int = 256

@@ -19,7 +19,7 @@ import collections
 import structlog
 import zmq.asyncio
 
-from common.protocol import TokenLogprob, Tokens, TopLogprob
+from common.protocol import StreamMoved, TokenLogprob, Tokens, TopLogprob
 from common.zmq_io import PushSocket
 
 log = structlog.get_logger(__name__)
@@ -47,7 +47,7 @@ class TokenStreams:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def send(self, addr: str, request_id: str, tokens: Tokens) -> None:
+    def send(self, addr: str, request_id: str, tokens: Tokens | StreamMoved) -> None:
         """Queue ``tokens`` for the gateway at ``addr``; never blocks."""
         if self._closed:  # the worker is stopping: nobody will send it
             return
