@@ -559,7 +559,9 @@ class CountingSocket:
         return self.sock.sendmsg(buffers)
 
 
-async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender, sink):
+@pytest.mark.parametrize("chunk_bytes", [24576, 49152])  # 0.7 MiB and 1.4 MiB a request
+async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender, sink,
+                                                                chunk_bytes):
     # One warm-up transfer opens the connection, then 30 small chunks (a layer each, as
     # a few hundred tokens of KV are) sent without the loop turning in between.
     warm = receiver.expect("warm", lease_s=5, token=TOKEN)
@@ -567,7 +569,7 @@ async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender
     await warm.wait()
     conn = sender._conns[receiver.address]
     counting = conn.sock = CountingSocket(conn.sock)
-    plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(24576))
+    plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(chunk_bytes))
             for layer in range(30)]
     transfer = receiver.expect("r", lease_s=5, token=TOKEN)
     await send_all(sender, receiver.address, plan)

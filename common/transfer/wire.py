@@ -187,7 +187,7 @@ def encode(message: Message, payload_len: int = 0, *, checked: bool = False) -> 
         validate(message)
     kind = _KIND_OF[type(message)]
     if kind is Kind.CHUNK:
-        header = _encode_chunk(message)
+        header = encode_chunk(message)
     elif payload_len:
         raise WireError(f"{kind.name} carries no payload", message.request_id)
     else:
@@ -215,7 +215,8 @@ def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
     return kind, header_len, payload_len
 
 
-def _encode_chunk(chunk: Chunk) -> bytes:
+def encode_chunk(chunk: Chunk) -> bytes:
+    """A CHUNK's binary header alone (the shm backend's chunk frames carry it too)."""
     rid, blocks = chunk.request_id.encode(), chunk.block_ids
     if len(rid) > 0xFFFF:
         raise WireError(f"request_id of {len(rid)} bytes exceeds 65535", chunk.request_id)
@@ -228,7 +229,8 @@ def _encode_chunk(chunk: Chunk) -> bytes:
         raise WireError(f"CHUNK field out of range: {exc}", chunk.request_id) from None
 
 
-def _decode_chunk(raw: bytes | bytearray | memoryview) -> Chunk:
+def decode_chunk(raw: bytes | bytearray | memoryview) -> Chunk:
+    """The Chunk a binary header holds, every field in range; WireError if it is not one."""
     if len(raw) < CHUNK_HEAD.size:
         raise WireError(f"CHUNK header of {len(raw)} bytes, shorter than its fixed "
                         f"{CHUNK_HEAD.size}")
@@ -256,7 +258,7 @@ def _decode_chunk(raw: bytes | bytearray | memoryview) -> Chunk:
 def decode_header(kind: Kind, raw: bytes | bytearray | memoryview) -> Message:
     """The message a header of ``kind`` holds; WireError if it is malformed."""
     if kind is Kind.CHUNK:
-        return _decode_chunk(raw)
+        return decode_chunk(raw)
     if kind is Kind.VERDICT:
         common = _VERDICT_OF.get(bytes(raw))  # almost every verdict: no msgpack
         if common is not None:
