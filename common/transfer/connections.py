@@ -252,9 +252,8 @@ class StreamSender(ConnectionSender):
         view = attempt.view
         if attempt.claimed is None:
             attempt.claimed = wire.checksum(view)
-        chunk = attempt.chunk._replace(checksum=attempt.claimed)
-        head = wire.encode(chunk, view.nbytes, checked=True)
-        await self._write(attempt.address, chunk.request_id, head, view, attempt)
+        head = wire.encode_chunk_message(attempt.chunk, attempt.claimed, view.nbytes)
+        await self._write(attempt.address, attempt.chunk.request_id, head, view, attempt)
 
     async def _write_end(self, address: str, message: wire.Finish | wire.Abort) -> None:
         await self._write(address, message.request_id, wire.encode(message), None)

@@ -78,11 +78,11 @@ class Placed(NamedTuple):
 
 
 def chunk_frame(chunk: wire.Chunk, slot: int, generation: int, offset: int,
-                length: int) -> bytes:
+                length: int, checksum: int | None = None) -> bytes:
     """The whole frame of a chunk placed at ``offset`` of segment ``slot``/``generation``
-    (``chunk`` validated by the caller)."""
+    (``chunk`` validated by the caller; ``checksum`` in place of its own when given)."""
     body = (CHUNK_PLACE.pack(control.BINARY, slot, 0, generation, offset, length)
-            + wire.encode_chunk(chunk))
+            + wire.encode_chunk(chunk, checksum))
     if len(body) > control.MAX_FRAME_BYTES:
         raise control.ControlError(f"chunk frame of {len(body)} bytes exceeds "
                                    f"{control.MAX_FRAME_BYTES}", chunk.request_id)
@@ -97,7 +97,7 @@ def read_chunk(body: bytes) -> Placed:
                                    f"fixed {CHUNK_PLACE.size}")
     _, slot, reserved, generation, offset, length = CHUNK_PLACE.unpack_from(body)
     try:
-        chunk = wire.decode_chunk(memoryview(body)[CHUNK_PLACE.size :])
+        chunk = wire.decode_chunk(body, CHUNK_PLACE.size)
     except wire.WireError as exc:
         raise control.ControlError(f"chunk frame: {exc}", exc.request_id) from None
     if slot >= MAX_SLOTS or reserved:

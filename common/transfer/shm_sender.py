@@ -324,8 +324,8 @@ class ShmSender(ConnectionSender):
         staged = stage(segment.view[offset:], view)
         if attempt.claimed is None:
             attempt.claimed = staged
-        frame = chunk_frame(chunk._replace(checksum=attempt.claimed), slot,
-                            conn.ring.generations[slot], offset, view.nbytes)
+        frame = chunk_frame(chunk, slot, conn.ring.generations[slot], offset, view.nbytes,
+                            attempt.claimed)
         await self._write(address, conn, request_id, frame, view.nbytes)
         if view.nbytes >= _WARM_BYTES:
             # The verdicts that came are read on the loop's next turn, after this task

@@ -215,33 +215,54 @@ def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
     return kind, header_len, payload_len
 
 
-def encode_chunk(chunk: Chunk) -> bytes:
-    """A CHUNK's binary header alone (the shm backend's chunk frames carry it too)."""
-    rid, blocks = chunk.request_id.encode(), chunk.block_ids
+def _blocks_struct(count: int) -> struct.Struct:
+    packer = _BLOCKS.get(count)
+    if packer is None:
+        packer = struct.Struct(f"<{count}Q")
+        if len(_BLOCKS) < 1024:  # the counts a deployment uses are few
+            _BLOCKS[count] = packer
+    return packer
+
+
+_BLOCKS: dict[int, struct.Struct] = {}
+
+
+def encode_chunk(chunk: Chunk, checksum: int | None = None) -> bytes:
+    """A CHUNK's binary header alone (the shm backend's chunk frames carry it too), with
+    ``checksum`` in place of ``chunk.checksum`` when given (no record rebuilt per chunk)."""
+    rid, blocks, token = chunk.request_id.encode(), chunk.block_ids, chunk.token
     if len(rid) > 0xFFFF:
         raise WireError(f"request_id of {len(rid)} bytes exceeds 65535", chunk.request_id)
     try:
-        return b"".join((
-            CHUNK_HEAD.pack(chunk.checksum, chunk.layer, chunk.attempt, len(chunk.token),
-                            len(rid), len(blocks)),
-            rid, chunk.token, struct.pack(f"<{len(blocks)}Q", *blocks)))
+        return (CHUNK_HEAD.pack(chunk.checksum if checksum is None else checksum, chunk.layer,
+                                chunk.attempt, len(token), len(rid), len(blocks))
+                + rid + token + _blocks_struct(len(blocks)).pack(*blocks))
     except struct.error as exc:  # an unvalidated field out of range
         raise WireError(f"CHUNK field out of range: {exc}", chunk.request_id) from None
 
 
-def decode_chunk(raw: bytes | bytearray | memoryview) -> Chunk:
-    """The Chunk a binary header holds, every field in range; WireError if it is not one."""
-    if len(raw) < CHUNK_HEAD.size:
-        raise WireError(f"CHUNK header of {len(raw)} bytes, shorter than its fixed "
+def encode_chunk_message(chunk: Chunk, checksum: int, payload_len: int) -> bytes:
+    """``encode(chunk with checksum, payload_len, checked=True)``, for the one message
+    sent per chunk."""
+    header = encode_chunk(chunk, checksum)
+    return PREFIX.pack(MAGIC, VERSION, Kind.CHUNK, 0, len(header), payload_len) + header
+
+
+def decode_chunk(raw: bytes | bytearray | memoryview, start: int = 0) -> Chunk:
+    """The Chunk the binary header ``raw[start:]`` holds, every field in range; WireError
+    if it is not one."""
+    size = len(raw) - start
+    if size < CHUNK_HEAD.size:
+        raise WireError(f"CHUNK header of {size} bytes, shorter than its fixed "
                         f"{CHUNK_HEAD.size}")
-    checksum, layer, attempt, token_len, rid_len, count = CHUNK_HEAD.unpack_from(raw)
-    start = CHUNK_HEAD.size
-    blocks_at = start + rid_len + token_len
+    checksum, layer, attempt, token_len, rid_len, count = CHUNK_HEAD.unpack_from(raw, start)
+    at = start + CHUNK_HEAD.size
+    blocks_at = at + rid_len + token_len
     if blocks_at + 8 * count != len(raw):
-        raise WireError(f"CHUNK header of {len(raw)} bytes, its lengths say "
-                        f"{blocks_at + 8 * count}")
+        raise WireError(f"CHUNK header of {size} bytes, its lengths say "
+                        f"{blocks_at + 8 * count - start}")
     try:
-        rid = str(raw[start : start + rid_len], "utf-8")
+        rid = str(raw[at : at + rid_len], "utf-8")
     except UnicodeDecodeError:
         raise WireError("CHUNK request_id is not UTF-8") from None
     if not rid:
@@ -250,8 +271,8 @@ def decode_chunk(raw: bytes | bytearray | memoryview) -> Chunk:
         raise WireError(f"token must be at most {MAX_TOKEN_BYTES} bytes", rid)
     if attempt >= MAX_ATTEMPTS:
         raise WireError(f"attempt must be in [0, {MAX_ATTEMPTS - 1}], got {attempt}", rid)
-    token = bytes(raw[start + rid_len : blocks_at])
-    return Chunk(rid, layer, list(struct.unpack_from(f"<{count}Q", raw, blocks_at)),
+    token = bytes(raw[at + rid_len : blocks_at])
+    return Chunk(rid, layer, list(_blocks_struct(count).unpack_from(raw, blocks_at)),
                  checksum, attempt, token)
 
 
