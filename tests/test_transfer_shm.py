@@ -129,3 +129,20 @@ async def test_a_chunk_frame_before_hello_is_refused(receiver):
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
     await until(lambda: receiver.connections == 0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("layer", True, "layer must be"), ("layer", -1, "layer must be"),
+     ("layer", 1 << 64, "layer must be"), ("block_ids", [1, -2], "block_ids must be"),
+     ("block_ids", (1, 2), "block_ids must be"), ("block_ids", [1.0], "block_ids must be"),
+     ("token", "x", "token must be"), ("token", b"t" * 65, "token must be"),
+     ("request_id", "", "request_id must be"), ("attempt", 2, "attempt must be"),
+     ("checksum", 1 << 64, "checksum must be")],
+)
+def test_chunk_validation_refuses_each_bad_field(field, value, match):
+    good = wire.Chunk("r", 3, [1, 4], 0, 0, TOKEN)
+    wire.validate(good)
+    wire.validate(good._replace(block_ids=[], layer=(1 << 64) - 1))
+    with pytest.raises(wire.WireError, match=match):
+        wire.validate(good._replace(**{field: value}))

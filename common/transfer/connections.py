@@ -148,7 +148,7 @@ class ConnectionSender(KVSender):
         view = byte_view(payload)
         if not isinstance(block_ids, list | tuple):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, token=token)
+        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token)
         wire.validate(chunk)
         request = self._request(request_id)
         if request.failed is not None:
