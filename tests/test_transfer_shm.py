@@ -12,7 +12,7 @@ import time
 import pytest
 
 from common.address import dial_target
-from common.transfer import TransferState, control, make_receiver, wire
+from common.transfer import TransferError, TransferState, control, make_receiver, wire
 from common.transfer.shm import CHUNK_PLACE, VERSION, chunk_frame, read_chunk
 from common.transfer.shm_segment import new_prefix
 from common.transfer.shm_sender import ShmSender
@@ -146,3 +146,27 @@ def test_chunk_validation_refuses_each_bad_field(field, value, match):
     wire.validate(good._replace(block_ids=[], layer=(1 << 64) - 1))
     with pytest.raises(wire.WireError, match=match):
         wire.validate(good._replace(**{field: value}))
+
+
+async def test_a_binary_record_from_the_receiver_side_fails_the_sender_cleanly():
+    # A "receiver" that answers with a binary record instead of verdicts: the sender's
+    # send or finish raises TransferError naming the protocol error; nothing leaks.
+    async def rogue(reader, writer):
+        await reader.read(1 << 16)
+        body = bytes([control.BINARY]) + bytes(30)
+        writer.write(control.LENGTH.pack(len(body)) + body)
+        await writer.drain()
+        await reader.read()  # until the sender drops the connection
+        writer.close()
+
+    server = await asyncio.start_server(rogue, "127.0.0.1", 0)
+    address = f"shm://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    tx = ShmSender()
+    try:
+        with pytest.raises(TransferError, match="protocol error: unexpected binary record"):
+            await tx.send(address, "r", 0, [1], b"x" * 100, token=TOKEN)
+            await tx.finish(address, "r", 1, token=TOKEN)
+    finally:
+        await tx.close()
+        server.close()
+    assert tx.connections == 0

@@ -110,8 +110,10 @@ def verdict_frame(slot: int, verdict: wire.Verdict) -> bytes:
     return control.pack("verdict", slot=slot, status=verdict.status.value, reason=verdict.reason)
 
 
-def read_verdict(fields: dict) -> tuple[int, wire.Verdict]:
+def read_verdict(fields: dict | bytes) -> tuple[int, wire.Verdict]:
     """``(slot, verdict)`` of a verdict frame; ControlError if it is not one."""
+    if isinstance(fields, bytes):
+        raise control.ControlError("unexpected binary record: a receiver sends verdicts")
     if fields.get("t") != "verdict" or set(fields) != {"t", "slot", "status", "reason"}:
         raise control.ControlError(f"unexpected frame {fields.get('t')!r}")
     slot = control.uint(fields, "slot", MAX_SLOTS - 1)
