@@ -559,7 +559,9 @@ class CountingSocket:
         return self.sock.sendmsg(buffers)
 
 
-async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender, sink):
+@pytest.mark.parametrize("chunk_bytes", [24576, 49152])  # 0.7 MiB and 1.4 MiB a request
+async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender, sink,
+                                                                chunk_bytes):
     # One warm-up transfer opens the connection, then 30 small chunks (a layer each, as
     # a few hundred tokens of KV are) sent without the loop turning in between.
     warm = receiver.expect("warm", lease_s=5, token=TOKEN)
@@ -567,7 +569,7 @@ async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender
     await warm.wait()
     conn = sender._conns[receiver.address]
     counting = conn.sock = CountingSocket(conn.sock)
-    plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(24576))
+    plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(chunk_bytes))
             for layer in range(30)]
     transfer = receiver.expect("r", lease_s=5, token=TOKEN)
     await send_all(sender, receiver.address, plan)
@@ -623,3 +625,42 @@ async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
     finally:
         await tx.close()
         await rx.close()
+
+
+async def test_large_payloads_wake_the_receiver_once_a_mib(receiver, sink, monkeypatch):
+    # SO_RCVLOWAT follows what is left of a large payload: each read brings at least
+    # 1 MiB (or the rest) even from a sender that trickles it in 64 KiB pieces; and a
+    # large chunk's prefix and header come in one read, not two.
+    from common.transfer import frame_reader
+
+    reads: list[tuple[str, int, int]] = []  # stage, bytes read, payload bytes left before
+    counted = frame_reader.FrameReader.buffer_updated
+
+    def counting(self, nbytes):
+        paying = self._stage.name == "PAYLOAD"
+        reads.append((self._stage.name, nbytes, len(self._view) - self._filled if paying else 0))
+        counted(self, nbytes)
+
+    monkeypatch.setattr(frame_reader.FrameReader, "buffer_updated", counting)
+    plan = [("big", i, [i], random.Random(i).randbytes(2 << 20)) for i in range(2)]
+    stream = b"".join(
+        wire.encode_chunk_message(wire.Chunk(rid, layer, blocks, 0, token=TOKEN),
+                                  wire.checksum(payload), len(payload)) + payload
+        for rid, layer, blocks, payload in plan)
+    stream += wire.encode(wire.Finish("big", len(plan), TOKEN))
+    transfer = receiver.expect("big", lease_s=30, token=TOKEN)
+    host, port = receiver.address.removeprefix("tcp://").rsplit(":", 1)
+
+    def trickle() -> None:
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            for start in range(0, len(stream), 64 << 10):
+                sock.sendall(stream[start : start + (64 << 10)])
+                time.sleep(0.001)
+            sock.recv(1)  # the verdicts: the receiver has it all
+
+    await asyncio.to_thread(trickle)
+    await transfer.wait()
+    assert sink.of("big") == plan
+    payload_reads = [(n, left) for stage, n, left in reads if stage == "PAYLOAD"]
+    assert all(n >= min(left, 1 << 20) for n, left in payload_reads), payload_reads
+    assert len(reads) <= 2 * 4, reads  # per chunk: its head, then two 1-MiB reads

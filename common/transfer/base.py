@@ -60,6 +60,9 @@ class TransferState(enum.Enum):
         return self in (TransferState.PENDING, TransferState.TRANSFERRING)
 
 
+_LIVE = frozenset((TransferState.PENDING, TransferState.TRANSFERRING))
+
+
 class TransferError(RuntimeError):
     """A transfer failed or was cancelled, or a peer could not be reached.
 
@@ -115,7 +118,7 @@ class Transfer:
             raise TransferError(self.error or self.state.value, self.request_id)
 
     def _accept_chunk(self, nbytes: int) -> None:
-        if self.is_live:
+        if self.state in _LIVE:  # once a chunk: not through two properties
             self.state = TransferState.TRANSFERRING
             self.bytes_received += nbytes
             self.chunks_received += 1

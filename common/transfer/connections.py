@@ -148,7 +148,7 @@ class ConnectionSender(KVSender):
         view = byte_view(payload)
         if not isinstance(block_ids, list | tuple):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, token=token)
+        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token)
         wire.validate(chunk)
         request = self._request(request_id)
         if request.failed is not None:
@@ -252,9 +252,8 @@ class StreamSender(ConnectionSender):
         view = attempt.view
         if attempt.claimed is None:
             attempt.claimed = wire.checksum(view)
-        chunk = attempt.chunk._replace(checksum=attempt.claimed)
-        head = wire.encode(chunk, view.nbytes, checked=True)
-        await self._write(attempt.address, chunk.request_id, head, view, attempt)
+        head = wire.encode_chunk_message(attempt.chunk, attempt.claimed, view.nbytes)
+        await self._write(attempt.address, attempt.chunk.request_id, head, view, attempt)
 
     async def _write_end(self, address: str, message: wire.Finish | wire.Abort) -> None:
         await self._write(address, message.request_id, wire.encode(message), None)

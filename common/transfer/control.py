@@ -3,7 +3,10 @@
 Every frame is::
 
     length   4 bytes, little-endian u32, 1 .. MAX_FRAME_BYTES
-    body     msgpack map with string keys; key "t" names the message type
+    body     msgpack map with string keys; key "t" names the message type, or
+             a binary record: first byte BINARY (0xc1, which msgpack never uses), then
+             a layout its backend defines (shm's chunk frame: the one sent per chunk,
+             where building and reading a msgpack map cost several µs)
 
 The payload-carrying messages reuse ``wire.py``'s records for their fields
 (``message`` below builds and validates them), so every backend accepts and rejects the
@@ -20,6 +23,7 @@ import msgpack
 from common.transfer import wire
 
 LENGTH = struct.Struct("<I")
+BINARY = 0xC1
 MAX_FRAME_BYTES = 1 << 20
 
 
@@ -45,7 +49,8 @@ class FrameParser:
     ``feed`` returns the maps of the frames completed so far; ``pending`` is True while
     part of a frame is buffered. ControlError for a bad frame: the stream is then unusable.
     A frame that is a key of ``known`` (whole, length included) comes out as its value,
-    unparsed: a protocol's most common frames then cost no msgpack.
+    unparsed: a protocol's most common frames then cost no msgpack. A binary record
+    comes out as its body (``bytes``, BINARY first) for the protocol to read.
     """
 
     def __init__(self, known: dict[bytes, object] | None = None) -> None:
@@ -67,7 +72,10 @@ class FrameParser:
             if end > len(buffer):
                 break
             value = known.get(bytes(buffer[offset:end])) if known else None
-            frames.append(unpack(buffer[offset + LENGTH.size : end]) if value is None else value)
+            if value is None:
+                body = buffer[offset + LENGTH.size : end]
+                value = bytes(body) if body[0] == BINARY else unpack(body)
+            frames.append(value)
             offset = end
         del buffer[:offset]
         return frames
@@ -82,6 +90,13 @@ def unpack(body: bytes | bytearray) -> dict:
     if not isinstance(fields, dict) or not isinstance(fields.get("t"), str):
         raise ControlError("frame must be a map with a string 't'")
     return fields
+
+
+def pack_binary(body: bytes) -> bytes:
+    """One frame of a binary record ``body`` (BINARY first)."""
+    if not body or body[0] != BINARY or len(body) > MAX_FRAME_BYTES:
+        raise ControlError(f"not a binary record of at most {MAX_FRAME_BYTES} bytes")
+    return LENGTH.pack(len(body)) + body
 
 
 def _check_length(length: int) -> None:

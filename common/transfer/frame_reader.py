@@ -14,9 +14,17 @@ through an intermediate stream buffer or a ``bytes`` copy. Per connection it hol
 Reading ahead matters for small chunks: one ``recv`` then brings in the whole message,
 or several, where reading each prefix, header and payload into its own buffer took
 three trips through the event loop per message. Large chunks are better off without it:
-after a payload of more than ``_EXACT_BYTES`` (256 KiB), the reader asks for exactly the
-next prefix and header, so that the next payload lands straight in its place, not partly
-in ``ahead`` to be copied; a smaller payload turns reading ahead back on.
+after a payload of more than ``_EXACT_BYTES`` (256 KiB), the reader asks for the next
+prefix and header and at most ``_SLACK_BYTES`` (4 KiB) after them, so that the next
+payload lands straight in its place but for its first few KiB, copied; a smaller payload
+turns reading ahead back on. (Asking for the prefix alone, then the header, cost two
+extra trips through the event loop per large chunk.)
+
+While a large payload comes in, the socket's ``SO_RCVLOWAT`` is raised to what is left of
+it, up to ``_WAKE_BYTES`` (1 MiB): the event loop then wakes once a MiB instead of once
+every 100-200 KiB the kernel happens to hold (89 turns for a 16 MiB request of 30 chunks
+before, each 10-20 µs of Python on top of the copy). It goes back to 1 byte between
+messages. Linux wakes a reader at end of stream whatever the mark.
 
 Every CHUNK is answered with one VERDICT (``wire.py``) on this connection, in the order
 the chunks arrived. Urgent ones (``wire.is_urgent``) are written at once; the others
@@ -52,6 +60,8 @@ log = structlog.get_logger("pdserve.transfer")
 
 _AHEAD_BYTES = 1 << 20
 _EXACT_BYTES = 256 << 10  # a payload larger than this is read straight into place
+_SLACK_BYTES = 4096
+_WAKE_BYTES = 1 << 20  # at most a quarter of the receive buffer tcp.py asks for
 _SCRATCH_BYTES = 1 << 20
 VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
 VERDICT_BATCH_BYTES = 16 << 20  # what the sender keeps until they come
@@ -88,6 +98,8 @@ class FrameReader(asyncio.BufferedProtocol):
         self._verdicts: list[bytes] = []  # encoded, not written yet
         self._verdict_bytes = 0  # payload bytes they answer for
         self._stage = _Stage.AHEAD
+        self._sock: socket.socket | None = None  # a TCP socket, whose wake mark we move
+        self._wake = 1  # its SO_RCVLOWAT
         self._begin_message()
 
     # -- asyncio.BufferedProtocol ------------------------------------------------------
@@ -98,11 +110,14 @@ class FrameReader(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
 
     def get_buffer(self, sizehint: int) -> memoryview:
         stage = self._stage
         if stage is _Stage.AHEAD:
-            return self._ahead[self._end : self._start + self._head if self._exact else None]
+            if self._exact:
+                return self._ahead[self._end : self._start + self._head + _SLACK_BYTES]
+            return self._ahead[self._end :]
         if stage is _Stage.PAYLOAD:
             return self._view[self._filled :]
         if stage is _Stage.DISCARD:
@@ -116,7 +131,10 @@ class FrameReader(asyncio.BufferedProtocol):
             self._parse()
         elif stage is _Stage.PAYLOAD:
             self._filled += nbytes
-            if self._filled == len(self._view):
+            left = len(self._view) - self._filled
+            if left < self._wake:  # never wait for more than will come
+                self._wake_at(left or 1)
+            if not left:
                 self._stage = _Stage.AHEAD
                 self._complete(self._view)
         elif stage is _Stage.DISCARD:
@@ -236,9 +254,20 @@ class FrameReader(asyncio.BufferedProtocol):
             self._view[:have] = self._ahead[start : start + have]
             self._filled = have
             self._stage = _Stage.PAYLOAD
+            if size > _EXACT_BYTES:
+                self._wake_at(min(size - have, _WAKE_BYTES))
         else:
             self._discard_left = size - have
             self._stage = _Stage.DISCARD
+
+    def _wake_at(self, nbytes: int) -> None:
+        """Have the event loop wake this reader once ``nbytes`` can be read."""
+        if self._sock is not None and nbytes != self._wake:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+                self._wake = nbytes
+            except OSError:  # not on this socket: wake at every byte, as before
+                self._sock = None
 
     def _complete(self, payload: memoryview | None) -> None:
         message, verdict = self._message, self._verdict

@@ -5,20 +5,27 @@ frames cross a socket. The sender is in ``shm_sender.py``, the receiver in
 Address: ``shm://host:port``, the TCP control channel the receiver listens on (loopback
 by default; IPv6 hosts in brackets). Payload bytes never cross it.
 
-Control frames (``control.py``: u32 length | msgpack map with type ``t``)::
+Control frames (``control.py``: u32 length | body)::
 
     sender -> receiver
-      hello    {v: 2, prefix}          first frame; this connection's segments are
+      hello    msgpack {t: "hello", v: 3, prefix}
+                                       first frame; this connection's segments are
                                        <prefix>-<slot>-<generation> in the shm directory
-      chunk    {request_id, layer, block_ids, checksum,     fields of wire.Chunk
-                attempt, slot, segment, offset, length}     where the payload lies
-      finish   {request_id, num_chunks}
-      abort    {request_id, reason}
+      chunk    binary: "<BBHIQQ"  0xc1 | slot u8 | reserved u16 (0) | generation u32 |
+                                  offset u64 | length u64
+               then wire.py's CHUNK header (checksum, layer, attempt, request_id, token,
+               block_ids): where the payload lies, in segment <prefix>-<slot>-<generation>
+      finish   msgpack {t: "finish", request_id, num_chunks, token}
+      abort    msgpack {t: "abort", request_id, reason, token}
     receiver -> sender
-      verdict  {slot, status, reason}  the receiver is done with the bytes of the
+      verdict  msgpack {t: "verdict", slot, status, reason}
+                                       the receiver is done with the bytes of the
                                        oldest chunk in that slot it had not answered;
                                        what became of that chunk (wire.Verdict: ok,
                                        dropped, resend, failed)
+
+Version 3 made the chunk frame binary (version 2 sent it as a msgpack map with the
+segment's name): it is the one frame sent per chunk.
 
 The receiver answers chunks in the order they came, in one write for all the frames
 that one read brought.
@@ -49,20 +56,64 @@ TransferError when the receiver's connection ends.
 
 from __future__ import annotations
 
+import struct
+from typing import NamedTuple
+
 from common.transfer import control, wire
 
 SCHEME = "shm"
-VERSION = 2
+VERSION = 3  # 3: the chunk frame is binary
 MAX_SLOTS = 64
-CHUNK_EXTRA = ("slot", "segment", "offset", "length")  # a chunk frame's fields beyond wire.Chunk's
+CHUNK_PLACE = struct.Struct("<BBHIQQ")  # BINARY, slot, 0, generation, offset, length
+
+
+class Placed(NamedTuple):
+    """A chunk frame: the chunk, and where in the sender's segments its payload lies."""
+
+    chunk: wire.Chunk
+    slot: int
+    generation: int
+    offset: int
+    length: int
+
+
+def chunk_frame(chunk: wire.Chunk, slot: int, generation: int, offset: int,
+                length: int, checksum: int | None = None) -> bytes:
+    """The whole frame of a chunk placed at ``offset`` of segment ``slot``/``generation``
+    (``chunk`` validated by the caller; ``checksum`` in place of its own when given)."""
+    body = (CHUNK_PLACE.pack(control.BINARY, slot, 0, generation, offset, length)
+            + wire.encode_chunk(chunk, checksum))
+    if len(body) > control.MAX_FRAME_BYTES:
+        raise control.ControlError(f"chunk frame of {len(body)} bytes exceeds "
+                                   f"{control.MAX_FRAME_BYTES}", chunk.request_id)
+    return control.LENGTH.pack(len(body)) + body
+
+
+def read_chunk(body: bytes) -> Placed:
+    """The chunk frame ``body`` holds (control.BINARY first); ControlError, with the
+    request id when it could be read, if it is malformed."""
+    if len(body) < CHUNK_PLACE.size:
+        raise control.ControlError(f"chunk frame of {len(body)} bytes, shorter than its "
+                                   f"fixed {CHUNK_PLACE.size}")
+    _, slot, reserved, generation, offset, length = CHUNK_PLACE.unpack_from(body)
+    try:
+        chunk = wire.decode_chunk(body, CHUNK_PLACE.size)
+    except wire.WireError as exc:
+        raise control.ControlError(f"chunk frame: {exc}", exc.request_id) from None
+    if slot >= MAX_SLOTS or reserved:
+        raise control.ControlError(f"chunk frame: slot {slot} not under {MAX_SLOTS}, or "
+                                   f"reserved {reserved} not 0", chunk.request_id)
+    return Placed(chunk, slot, generation, offset, length)
 
 
 def verdict_frame(slot: int, verdict: wire.Verdict) -> bytes:
     return control.pack("verdict", slot=slot, status=verdict.status.value, reason=verdict.reason)
 
 
-def read_verdict(fields: dict) -> tuple[int, wire.Verdict]:
+def read_verdict(fields: dict | bytes) -> tuple[int, wire.Verdict]:
     """``(slot, verdict)`` of a verdict frame; ControlError if it is not one."""
+    if isinstance(fields, bytes):
+        raise control.ControlError("unexpected binary record: a receiver sends verdicts")
     if fields.get("t") != "verdict" or set(fields) != {"t", "slot", "status", "reason"}:
         raise control.ControlError(f"unexpected frame {fields.get('t')!r}")
     slot = control.uint(fields, "slot", MAX_SLOTS - 1)

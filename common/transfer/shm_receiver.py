@@ -8,8 +8,14 @@ import socket
 import structlog
 
 from common.transfer import control, wire
-from common.transfer.shm import CHUNK_EXTRA, MAX_SLOTS, OK_FRAMES, SCHEME, VERSION, verdict_frame
-from common.transfer.shm_segment import SHM_DIR, Segment, is_valid_name, unlink_prefix
+from common.transfer.shm import OK_FRAMES, SCHEME, VERSION, read_chunk, verdict_frame
+from common.transfer.shm_segment import (
+    SHM_DIR,
+    Segment,
+    is_valid_name,
+    segment_name,
+    unlink_prefix,
+)
 from common.transfer.table import TableReceiver
 
 log = structlog.get_logger("pdserve.transfer")
@@ -25,7 +31,7 @@ class _Peer(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = control.FrameParser()
         self.prefix: str | None = None
-        self.maps: dict[int, Segment] = {}
+        self.maps: dict[int, tuple[int, Segment]] = {}  # slot -> (generation, segment)
         self.carried: set[str] = set()
         self.verdicts: list[bytes] = []
         self.reason = "sender connection lost"
@@ -43,6 +49,8 @@ class _Peer(asyncio.Protocol):
             for fields in self.parser.feed(data):
                 if self.prefix is None:
                     self.hello(fields)
+                elif isinstance(fields, bytes):  # a binary record: only chunks are
+                    self.chunk(fields)
                 else:
                     self.handle(fields)
         except control.ControlError as exc:
@@ -68,7 +76,9 @@ class _Peer(asyncio.Protocol):
         self.rx._untrack(self)
         self.closed.set_result(None)
 
-    def hello(self, fields: dict) -> None:
+    def hello(self, fields: dict | bytes) -> None:
+        if isinstance(fields, bytes):
+            raise control.ControlError("first frame must be hello, got a binary record")
         if fields.get("t") != "hello" or set(fields) != {"t", "v", "prefix"}:
             raise control.ControlError(f"first frame must be hello, got {fields.get('t')!r}")
         if fields["v"] != VERSION:
@@ -79,9 +89,6 @@ class _Peer(asyncio.Protocol):
 
     def handle(self, fields: dict) -> None:
         table, kind = self.rx.table, fields["t"]
-        if kind == "chunk":
-            self.chunk(fields)
-            return
         self.answer()  # the sender's finish waits for them; ending the transfer takes longer
         if kind == "finish":
             msg = control.message(fields, wire.Finish)
@@ -93,11 +100,9 @@ class _Peer(asyncio.Protocol):
             raise control.ControlError(f"unknown frame type {kind!r}")
         self.carried.discard(msg.request_id)
 
-    def chunk(self, fields: dict) -> None:
-        msg = control.message(fields, wire.Chunk, CHUNK_EXTRA)
-        slot = control.uint(fields, "slot", MAX_SLOTS - 1)
-        offset, length = control.uint(fields, "offset"), control.uint(fields, "length")
-        segment, rid, table = fields["segment"], msg.request_id, self.rx.table
+    def chunk(self, body: bytes) -> None:
+        msg, slot, generation, offset, length = read_chunk(body)
+        rid, table = msg.request_id, self.rx.table
         if len(self.carried) > 4096:
             self.carried = {r for r in self.carried if table.is_live(r)}
         verdict = wire.DROPPED
@@ -111,26 +116,27 @@ class _Peer(asyncio.Protocol):
                 limit = self.rx.max_payload
                 verdict = table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
             else:
-                view = self._view(slot, segment, offset, length)
+                view = self._view(slot, generation, offset, length)
                 verdict = table.on_chunk(rid, msg.layer, msg.block_ids, view,
                                          msg.checksum, msg.attempt, msg.token)
         except (OSError, ValueError) as exc:
-            verdict = table.fail(rid, f"shared-memory segment {segment!r} unusable: {exc}")
+            name = segment_name(self.prefix, slot, generation)
+            verdict = table.fail(rid, f"shared-memory segment {name!r} unusable: {exc}")
         finally:
             ok = verdict is wire.OK
             self.verdicts.append(OK_FRAMES[slot] if ok else verdict_frame(slot, verdict))
 
-    def _view(self, slot: int, name: object, offset: int, length: int) -> memoryview:
-        segment = self.maps.get(slot)
-        if segment is None or segment.name != name:
-            if not (is_valid_name(name) and name.startswith(f"{self.prefix}-{slot}-")):
-                raise ValueError(f"segment name not of this connection's slot {slot}")
-            if segment is not None:
-                segment.close()
+    def _view(self, slot: int, generation: int, offset: int, length: int) -> memoryview:
+        mapped = self.maps.get(slot)
+        if mapped is None or mapped[0] != generation:
+            if mapped is not None:
+                mapped[1].close()
                 del self.maps[slot]
-            segment = Segment.attach(self.rx.directory, name)
+            segment = Segment.attach(self.rx.directory,
+                                     segment_name(self.prefix, slot, generation))
             segment.unlink()  # mapped on both sides now: the name has served its purpose
-            self.maps[slot] = segment
+            mapped = self.maps[slot] = (generation, segment)
+        segment = mapped[1]
         if offset + length > segment.size:
             raise ValueError(f"bytes [{offset}, {offset + length}) beyond its {segment.size}")
         return segment.view[offset : offset + length]
@@ -139,7 +145,7 @@ class _Peer(asyncio.Protocol):
         for rid in self.carried:
             self.rx.table.fail(rid, reason)
         self.carried.clear()
-        for segment in self.maps.values():
+        for _, segment in self.maps.values():
             segment.close()
         self.maps.clear()
         if self.prefix is not None:
