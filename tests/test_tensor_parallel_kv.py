@@ -118,6 +118,30 @@ def test_tp2_exports_the_tp1_layout(tiny_dirs, engines):
     two.release(r2)
 
 
+def test_layers_streamed_from_tp2_arrive_in_order_for_any_blocks(tiny_dirs, engines):
+    # Each layer's slices are gathered while the next computes, the last after the
+    # forward: the hook still sees every layer, in order, with the bytes of whatever
+    # blocks it asks for (the whole run, a tail of it, a pick out of order).
+    two = hooked(engines, tiny_dirs["llama"], 2)
+    seen = []
+
+    def on_layer(layer, seqs):
+        (seq,) = seqs
+        t = seq.block_table
+        seen.append((layer, [bytes(two.kv_store.export_layer_bytes(layer, ids))
+                             for ids in (t[:3], t[1:3], [t[2], t[0]])]))
+    stream.hook = on_layer
+    rid, table, _ = prefill(two, random_prompts([45], seed=8)[0])  # three blocks
+    assert [layer for layer, _ in seen] == [0, 1]
+    for layer, got in seen:  # against gathers between steps, of the same cache
+        assert got == [bytes(two.kv_store.export_layer_bytes(layer, ids))
+                       for ids in (table[:3], table[1:3], [table[2], table[0]])]
+        assert [len(g) for g in got] == [kv_bytes(48) // 2, kv_bytes(32) // 2,
+                                         kv_bytes(32) // 2]
+    assert two.kv_store.handoff_seconds > 0
+    two.release(rid)
+
+
 def test_kv_streamed_tp1_to_tp2_and_back_continues_exactly(tiny_dirs, engines):
     model = tiny_dirs["qwen2"]
     prompts = random_prompts([37, 16, 5], seed=8)

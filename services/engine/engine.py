@@ -83,7 +83,9 @@ class ModelExecutor:
             self.leader.send_step(inputs.to_msgpack())
             self.kv.begin_step([])
         try:
-            return self.runner.forward(inputs, layer_hook)
+            logits = self.runner.forward(inputs, layer_hook)
+            self.kv.end_step(deliver=True)  # the last layer's gather ends after the forward
+            return logits
         except RuntimeError as exc:  # a collective that lost a rank
             raise self.leader.broken("a tensor-parallel collective", exc) from exc
         finally:

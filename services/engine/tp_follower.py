@@ -67,6 +67,7 @@ def main(argv: list[str]) -> int:
             elif kind == STEP_EXPORT:
                 block_ids, inputs = msgpack.unpackb(payload)
                 runner.forward(StepInputs.from_msgpack(inputs), kv.step_hook(block_ids))
+                kv.end_step()
                 steps += 1
             elif kind == KV_IN:
                 kv.import_(unpack_ops(payload))

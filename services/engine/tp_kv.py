@@ -30,7 +30,9 @@ those blocks: they are reserved for a request waiting for its KV, or being adopt
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -39,6 +41,16 @@ import torch.distributed as dist
 from services.engine.kv_cache import KVCache
 from services.engine.kv_store import Buffer
 from services.engine.tp import ShardShape
+
+
+class _Posted(NamedTuple):
+    """A gather in flight: the buffers live until it completes."""
+
+    layer: int
+    work: Any  # torch.distributed's Work
+    mine: torch.Tensor
+    parts: list[torch.Tensor]
+
 
 BLOCKS = -1  # an op's layer for whole blocks (every layer), the pool's unit
 Op = tuple[int, list[int]]  # (layer or BLOCKS, block ids)
@@ -60,6 +72,11 @@ def local_slice(cache: KVCache, op: Op) -> torch.Tensor:
     if layer == BLOCKS:
         cache.check_ids(ids)
         t = torch.stack([torch.stack([cache.k[:, i], cache.v[:, i]], dim=1) for i in ids])
+    elif cache.k.device.type == "cpu":  # one copy, where export_layer stacks two
+        idx = torch.tensor(cache.check_ids(ids), dtype=torch.long)
+        t = cache.k.new_empty((2, len(ids), *cache.k.shape[2:]))
+        torch.index_select(cache.k[layer], 0, idx, out=t[0])
+        torch.index_select(cache.v[layer], 0, idx, out=t[1])
     else:
         t = cache.export_layer(layer, ids)
     return t.contiguous().cpu().view(torch.uint8)
@@ -91,12 +108,25 @@ class FollowerKV:
     def __init__(self, cache: KVCache, group) -> None:
         self.cache = cache
         self.group = group
+        self._posted: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
 
     def gather(self, op: Op) -> None:
         dist.gather(local_slice(self.cache, op), None, dst=0, group=self.group)
 
     def step_hook(self, block_ids: list[int]) -> Callable[[int], None]:
-        return lambda layer: self.gather((layer, block_ids))
+        """Post this rank's slice of each layer as it is computed (rank 0 collects it a
+        layer later); at most two in flight. ``end_step`` waits for the rest."""
+        def hook(layer: int) -> None:
+            mine = local_slice(self.cache, (layer, block_ids))
+            self._posted.append((dist.gather(mine, None, dst=0, group=self.group,
+                                             async_op=True), mine))
+            while len(self._posted) > 2:
+                self._posted.popleft()[0].wait()
+        return hook
+
+    def end_step(self) -> None:
+        while self._posted:
+            self._posted.popleft()[0].wait()
 
     def export(self, ops: list[Op]) -> None:
         for op in ops:
@@ -133,6 +163,11 @@ class ShardedKVStore:
         self._staged: tuple[int, dict[int, int], torch.Tensor] | None = None
         self._in_step = False
         self._export_ids: list[int] = []
+        self._index: dict[int, int] = {}
+        self._posted: _Posted | None = None
+        self._deliver_to: Callable[[int], None] | None = None
+        # Rank 0's engine thread in gathers for a step's stream (slices, waits, layout).
+        self.handoff_seconds = 0.0
         local_heads = local.k.shape[3]
         self._layer_block_nbytes = local.block_nbytes // local.num_layers // local_heads \
             * num_kv_heads
@@ -147,14 +182,27 @@ class ShardedKVStore:
 
     # ---- collectives (engine thread) --------------------------------------------------
 
-    def _gather(self, op: Op) -> torch.Tensor:
+    def _post_gather(self, op: Op) -> _Posted:
+        """Start gathering ``op``'s slices from every rank (the followers post theirs at
+        the same point of their plan)."""
         mine = local_slice(self.local, op)
         parts = [torch.empty_like(mine) for _ in self._shapes]
         try:
-            dist.gather(mine, parts, dst=0, group=self._group)
+            work = dist.gather(mine, parts, dst=0, group=self._group, async_op=True)
         except RuntimeError as exc:
             raise self._broken("gathering KV from the followers", exc) from exc
-        return torch.cat([parts[r] for r in self._owners], dim=-2)
+        return _Posted(op[0], work, mine, parts)
+
+    def _finish_gather(self, posted: _Posted) -> torch.Tensor:
+        """Wait for a posted gather; its slices in the all-heads layout."""
+        try:
+            posted.work.wait()
+        except RuntimeError as exc:
+            raise self._broken("gathering KV from the followers", exc) from exc
+        return torch.cat([posted.parts[r] for r in self._owners], dim=-2)
+
+    def _gather(self, op: Op) -> torch.Tensor:
+        return self._finish_gather(self._post_gather(op))
 
     def _scatter(self, op: Op, full: torch.Tensor) -> None:
         parts = [full[..., s.kv_head_start:s.kv_head_start + s.num_kv_heads, :].contiguous()
@@ -194,22 +242,44 @@ class ShardedKVStore:
     def begin_step(self, export_ids: list[int]) -> None:
         self._in_step = True
         self._staged = None
+        self._posted = None
         self._export_ids = export_ids
 
-    def end_step(self) -> None:
-        self._in_step = False
-        self._staged = None
+    def end_step(self, deliver: bool = False) -> None:
+        """End a step. ``deliver`` (the forward succeeded): first hand out the last
+        layer, whose gather is still in flight."""
+        posted, self._posted = self._posted, None
+        try:
+            if deliver and posted is not None and self._deliver_to is not None:
+                self._deliver(posted, self._deliver_to)
+        finally:
+            self._in_step = False
+            self._staged = None
+            self._deliver_to = None
 
     def staging_hook(self, layer_hook: Callable[[int], None]) -> Callable[[int], None]:
-        """``layer_hook`` preceded by the gather of that layer of the step's export blocks
-        (every rank gathers at the same point of its forward)."""
+        """``layer_hook`` fed from gathers of the step's export blocks, one layer behind:
+        after layer L every rank posts its slice of L (``async_op``, so no rank waits
+        for the others there), and rank 0 hands out layer L-1, whose slices came in
+        while L computed. ``end_step(deliver=True)`` hands out the last layer."""
         ids = self._export_ids
+        self._index = {b: i for i, b in enumerate(ids)}
+        self._deliver_to = layer_hook
 
         def hook(layer: int) -> None:
-            full = self._gather((layer, ids))
-            self._staged = (layer, {b: i for i, b in enumerate(ids)}, full)
-            layer_hook(layer)
+            start = time.perf_counter()
+            previous, self._posted = self._posted, self._post_gather((layer, ids))
+            self.handoff_seconds += time.perf_counter() - start
+            if previous is not None:
+                self._deliver(previous, layer_hook)
         return hook
+
+    def _deliver(self, posted: _Posted, layer_hook: Callable[[int], None]) -> None:
+        start = time.perf_counter()
+        full = self._finish_gather(posted)
+        self._staged = (posted.layer, self._index, full)
+        self.handoff_seconds += time.perf_counter() - start
+        layer_hook(posted.layer)
 
     # ---- the KVStore contract -----------------------------------------------------------
 
@@ -217,8 +287,13 @@ class ShardedKVStore:
         ids = [int(i) for i in block_ids]
         staged = self._staged
         if staged is not None and staged[0] == layer and all(i in staged[1] for i in ids):
-            rows = torch.tensor([staged[1][i] for i in ids], dtype=torch.long)
-            return _bytes(staged[2].index_select(1, rows))
+            rows = [staged[1][i] for i in ids]
+            first = rows[0] if rows else 0
+            if rows == list(range(first, first + len(rows))):  # a run: no gather by index
+                full = staged[2]
+                return _bytes(full if len(rows) == full.shape[1]
+                              else full.narrow(1, first, len(rows)))
+            return _bytes(staged[2].index_select(1, torch.tensor(rows, dtype=torch.long)))
         self.local.check_ids(ids)
         if not ids:
             return memoryview(bytearray())

@@ -37,6 +37,7 @@ import structlog
 from common.protocol import StepSample
 from services.engine.outputs import RequestOutput
 from services.engine.sequence import SequenceStatus
+from services.engine.tp import EngineDeadError
 
 if TYPE_CHECKING:
     from services.engine.core import EngineCore
@@ -100,6 +101,7 @@ class EngineLoop:
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._dead = False  # a tensor-parallel rank died: no step can run again
         self._loop: asyncio.AbstractEventLoop | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         self._prefill_samples: collections.deque[StepSample] = collections.deque(
@@ -267,7 +269,7 @@ class EngineLoop:
     def _serve(self) -> None:
         while not self._stopping:
             self.load = self._snapshot()
-            busy = self._engine.has_unfinished_requests()
+            busy = self._engine.has_unfinished_requests() and not self._dead
             try:
                 item = self._commands.get(block=not busy, timeout=None if not busy else 0)
             except queue.Empty:
@@ -284,13 +286,20 @@ class EngineLoop:
                     if item is None:
                         return
                     self._run_command(item)
-            if not self._engine.has_unfinished_requests():
+            if not self._engine.has_unfinished_requests() or self._dead:
                 continue
             if item:  # what was just added is part of the load while this step runs
                 self.load = self._snapshot()
             start = time.perf_counter()
             try:
                 outputs = self._engine.step()
+            except EngineDeadError:
+                # Not the requests' fault: left unfinished, they are re-routed by their
+                # gateways once this worker is gone (it exits, its heartbeats stop),
+                # rather than ended with an error the client would see.
+                log.exception("engine is dead; its requests are left to fail over")
+                self._dead = True
+                continue
             except Exception as exc:  # a broken step must not take the process down
                 log.exception("engine step failed")
                 outputs = self._fail_all(str(exc))
