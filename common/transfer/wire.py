@@ -58,7 +58,7 @@ import msgpack
 import xxhash
 
 MAGIC = b"PDKV"
-VERSION = 4  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary
+VERSION = 5  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary; 5: BATCH
 PREFIX = struct.Struct("<4sBBHIQ")
 CHUNK_HEAD = struct.Struct("<QQBBHI")
 MAX_HEADER_BYTES = 1 << 20
@@ -74,6 +74,7 @@ class Kind(enum.IntEnum):
     FINISH = 2
     ABORT = 3
     VERDICT = 4
+    BATCH = 5  # several chunks of one request in one message: batch.py
 
 
 class WireError(ValueError):
@@ -224,7 +225,7 @@ def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
     kind = kind_
     if not 0 < header_len <= MAX_HEADER_BYTES:
         raise WireError(f"header length {header_len} outside (0, {MAX_HEADER_BYTES}]")
-    if kind != Kind.CHUNK and payload_len:
+    if payload_len and kind != Kind.CHUNK and kind != Kind.BATCH:
         raise WireError(f"{kind.name} with a {payload_len}-byte payload")
     return kind, header_len, payload_len
 
@@ -294,6 +295,8 @@ def decode_header(kind: Kind, raw: bytes | bytearray | memoryview) -> Message:
     """The message a header of ``kind`` holds; WireError if it is malformed."""
     if kind is Kind.CHUNK:
         return decode_chunk(raw)
+    if kind is Kind.BATCH:  # needs its payload length: batch.decode
+        raise WireError("a BATCH header is read by batch.decode")
     if kind is Kind.VERDICT:
         common = _VERDICT_OF.get(bytes(raw))  # almost every verdict: no msgpack
         if common is not None:
