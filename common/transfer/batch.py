@@ -30,9 +30,7 @@ from common.transfer.wire import (
     MAX_ATTEMPTS,
     MAX_TOKEN_BYTES,
     WireError,
-    _are_uints,
     _blocks_struct,
-    _is_uint,
 )
 
 HEAD = struct.Struct("<BBHI")
@@ -49,26 +47,6 @@ class Batch(NamedTuple):
     sizes: list[int]
     attempt: int = 0
     token: bytes = b""
-
-
-def validate_items(items: list) -> list[tuple[int, list[int], memoryview]]:
-    """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
-    TypeError for anything a single ``send`` would refuse."""
-    from common.transfer.connections import byte_view  # the sender's own check
-
-    if not isinstance(items, list | tuple) or not items:
-        raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
-    checked = []
-    for item in items:
-        if not isinstance(item, tuple | list) or len(item) != 3:
-            raise ValueError(f"each chunk must be (layer, block_ids, payload), got {item!r:.80}")
-        layer, blocks, payload = item
-        if not _is_uint(layer):
-            raise WireError(f"layer must be an integer >= 0, got {layer!r}")
-        if not isinstance(blocks, list | tuple) or not _are_uints(list(blocks)):
-            raise WireError(f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
-        checked.append((layer, list(blocks), byte_view(payload)))
-    return checked
 
 
 def encode(batch: Batch, checksums, payload_len: int) -> bytes:

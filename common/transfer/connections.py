@@ -166,7 +166,7 @@ class ConnectionSender(KVSender):
     BATCHES = False  # whether _post takes a Batch (its view: a list of payloads)
 
     async def send_many(self, address, request_id, chunks, *, token: bytes) -> None:
-        items = batch.validate_items(chunks)
+        items = _items(chunks)
         probe = wire.Chunk(request_id, 0, [], 0, 0, token)
         wire.validate(probe)  # the request id and token, once
         if not self.BATCHES:
@@ -298,3 +298,21 @@ class StreamSender(ConnectionSender):
 
     async def _write_end(self, address: str, message: wire.Finish | wire.Abort) -> None:
         await self._write(address, message.request_id, wire.encode(message), None)
+
+
+def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
+    """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
+    TypeError for anything a single ``send`` would refuse."""
+    if not isinstance(items, list | tuple) or not items:
+        raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
+    checked = []
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 3:
+            raise ValueError(f"each chunk must be (layer, block_ids, payload), got {item!r:.80}")
+        layer, blocks, payload = item
+        if not wire._is_uint(layer):
+            raise wire.WireError(f"layer must be an integer >= 0, got {layer!r}")
+        if not isinstance(blocks, list | tuple) or not wire._are_uints(list(blocks)):
+            raise wire.WireError(f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
+        checked.append((layer, list(blocks), byte_view(payload)))
+    return checked
