@@ -15,14 +15,16 @@ Every message is::
                                     block count u32
                          request_id (UTF-8) | token | block_ids (u64 each)
                        and nothing after them
+              BATCH    several chunks of one request, one verdict (``batch.py``);
+                       its payload is their bytes back to back
               the others: a msgpack map
               FINISH   {request_id: str, num_chunks: int, token: bin}
               ABORT    {request_id: str, reason: str, token: bin}
               receiver -> sender
               VERDICT  {status: str, reason: str}
-    payload   CHUNK only: the raw KV bytes; ``checksum`` is their xxh3_64 (seed 0)
+    payload   CHUNK and BATCH only: the raw KV bytes; ``checksum`` is their xxh3_64 (seed 0)
 
-Verdicts: the receiver answers every CHUNK, in the order the chunks arrived on the
+Verdicts: the receiver answers every CHUNK (and BATCH), in the order the chunks arrived on the
 connection, with one VERDICT (FINISH and ABORT get none). It may hold "ok" and
 "dropped" back to write several at once, but no later than when it processes a FINISH
 or ABORT; "resend", "failed" and the verdict on a resent chunk go at once::
