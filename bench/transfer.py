@@ -4,7 +4,8 @@ limit it is held to, measured in the same run:  python bench/transfer.py [--size
 
 Payloads: a request's whole KV in the default model's layout (30 layers, 16-token blocks,
 3 KV heads x 64 dims, fp32: 46,080 bytes a token), rounded up to whole blocks, sent as one
-chunk per layer for non-contiguous block ids, then ``finish``, as the prefill worker does.
+chunk per layer for non-contiguous block ids, all handed to one ``send_many`` (tcp and shm
+send them as batches of up to 4 MiB: ``common/transfer/batch.py``), then ``finish``.
 The receiving sink does nothing (the worker's copy into its KV blocks is the same whatever
 the backend). Figures are medians over repetitions after a warm-up, backend and limit
 alternating; a repetition ends when the receiving process says (a stdout line) it has all.
@@ -161,9 +162,11 @@ async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[
     sender, address = make_sender(kind), await peer.start("backend", kind, str(reps))
     tokens = [bytes.fromhex(t) for t in (await peer.line()).removeprefix("tokens ").split(",")]
 
+    layers = [(layer, blocks, chunk) for layer, chunk in enumerate(chunks)]
+
     async def one(rep: int) -> None:
-        for layer, chunk in enumerate(chunks):
-            await sender.send(address, f"r{rep}", layer, blocks, chunk, token=tokens[rep])
+        # The request's layers at hand: one call, sent in batches where the backend can.
+        await sender.send_many(address, f"r{rep}", layers, token=tokens[rep])
         await sender.finish(address, f"r{rep}", len(chunks), token=tokens[rep])
         if await peer.done() != f"done r{rep}":
             raise RuntimeError(f"{kind} transfer r{rep} did not complete")

@@ -248,6 +248,22 @@ class KVSender(ABC):
         connection was lost.
         """
 
+    async def send_many(
+        self,
+        address: str,
+        request_id: str,
+        chunks: list[tuple[int, list[int], bytes | bytearray | memoryview]],
+        *,
+        token: bytes,
+    ) -> None:
+        """Send several chunks of one request, ``(layer, block_ids, payload)`` each, as
+        ``send`` would one by one (each counts as one chunk towards ``finish``; the same
+        rules for payloads, resends and errors). Backends that can group them into
+        batches (``batch.py``: one message, one verdict each) do; this default sends
+        them one by one."""
+        for layer, block_ids, payload in chunks:
+            await self.send(address, request_id, layer, block_ids, payload, token=token)
+
     @abstractmethod
     async def finish(self, address: str, request_id: str, num_chunks: int, *,
                      token: bytes) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from common.transfer import wire
+from common.transfer import batch, wire
 from common.transfer.base import KVSender, TransferError
 
 log = structlog.get_logger("pdserve.transfer")
@@ -63,13 +63,15 @@ class InFlight:
     the bytes.
     """
 
-    __slots__ = ("sender", "address", "request", "chunk", "view", "claimed", "over")
+    __slots__ = ("sender", "address", "request", "chunk", "view", "nbytes", "claimed", "over")
 
     def __init__(self, sender, address, request, chunk, view, claimed=None) -> None:
         self.sender, self.address, self.request = sender, address, request
-        self.chunk: wire.Chunk = chunk
-        self.view: memoryview = view
-        self.claimed: int | None = claimed
+        self.chunk: wire.Chunk | batch.Batch = chunk
+        # A batch's payloads are a list of views, its claimed checksums a tuple.
+        self.view: memoryview | list[memoryview] = view
+        self.nbytes = view.nbytes if type(view) is memoryview else sum(v.nbytes for v in view)
+        self.claimed = claimed
         self.over = False
 
     def answered(self, verdict: wire.Verdict) -> None:
@@ -150,11 +152,42 @@ class ConnectionSender(KVSender):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
         chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token)
         wire.validate(chunk)
-        request = self._request(request_id)
+        request = self._request(request_id)  # as _start, without its await: once a chunk
         if request.failed is not None:
             raise TransferError(request.failed, request_id)
         request.pending += 1
         attempt = InFlight(self, address, request, chunk, view)
+        try:
+            await self._post(attempt)
+        except BaseException as exc:
+            attempt.lost(getattr(exc, "reason", None) or repr(exc))
+            raise
+
+    BATCHES = False  # whether _post takes a Batch (its view: a list of payloads)
+
+    async def send_many(self, address, request_id, chunks, *, token: bytes) -> None:
+        items = _items(chunks)
+        probe = wire.Chunk(request_id, 0, [], 0, 0, token)
+        wire.validate(probe)  # the request id and token, once
+        if not self.BATCHES:
+            for layer, blocks, view in items:
+                await self.send(address, request_id, layer, blocks, view, token=token)
+            return
+        for run in batch.groups(items):
+            if len(run) == 1:
+                layer, blocks, view = run[0]
+                await self.send(address, request_id, layer, blocks, view, token=token)
+                continue
+            message = batch.Batch(request_id, [i[0] for i in run], [i[1] for i in run], (),
+                                  [i[2].nbytes for i in run], 0, token)
+            await self._start(address, request_id, message, [i[2] for i in run])
+
+    async def _start(self, address, request_id, message, view) -> None:
+        request = self._request(request_id)
+        if request.failed is not None:
+            raise TransferError(request.failed, request_id)
+        request.pending += 1
+        attempt = InFlight(self, address, request, message, view)
         try:
             await self._post(attempt)
         except BaseException as exc:
@@ -250,6 +283,14 @@ class StreamSender(ConnectionSender):
 
     async def _post(self, attempt: InFlight) -> None:
         view = attempt.view
+        if type(view) is list:  # a Batch
+            if attempt.claimed is None:
+                attempt.claimed = tuple(map(wire.checksum, view))
+            head = batch.encode(attempt.chunk, attempt.claimed, attempt.nbytes)
+            head = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.BATCH, 0, len(head),
+                                    attempt.nbytes) + head
+            await self._write(attempt.address, attempt.chunk.request_id, head, view, attempt)
+            return
         if attempt.claimed is None:
             attempt.claimed = wire.checksum(view)
         head = wire.encode_chunk_message(attempt.chunk, attempt.claimed, view.nbytes)
@@ -257,3 +298,21 @@ class StreamSender(ConnectionSender):
 
     async def _write_end(self, address: str, message: wire.Finish | wire.Abort) -> None:
         await self._write(address, message.request_id, wire.encode(message), None)
+
+
+def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
+    """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
+    TypeError for anything a single ``send`` would refuse."""
+    if not isinstance(items, list | tuple) or not items:
+        raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
+    checked = []
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 3:
+            raise ValueError(f"each chunk must be (layer, block_ids, payload), got {item!r:.80}")
+        layer, blocks, payload = item
+        if not wire._is_uint(layer):
+            raise wire.WireError(f"layer must be an integer >= 0, got {layer!r}")
+        if not isinstance(blocks, list | tuple) or not wire._are_uints(list(blocks)):
+            raise wire.WireError(f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
+        checked.append((layer, list(blocks), byte_view(payload)))
+    return checked

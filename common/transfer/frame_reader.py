@@ -26,7 +26,7 @@ every 100-200 KiB the kernel happens to hold (89 turns for a 16 MiB request of 3
 before, each 10-20 µs of Python on top of the copy). It goes back to 1 byte between
 messages. Linux wakes a reader at end of stream whatever the mark.
 
-Every CHUNK is answered with one VERDICT (``wire.py``) on this connection, in the order
+Every CHUNK and BATCH is answered with one VERDICT (``wire.py``) on this connection, in the order
 the chunks arrived. Urgent ones (``wire.is_urgent``) are written at once; the others
 wait for the next FINISH or ABORT, or until ``VERDICT_BATCH`` of them, or chunks of
 ``VERDICT_BATCH_BYTES``, are waiting: each small write on a socket costs about as much
@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import structlog
 
-from common.transfer import wire
+from common.transfer import batch, wire
 from common.transfer.table import TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
@@ -65,6 +65,7 @@ _WAKE_BYTES = 1 << 20  # at most a quarter of the receive buffer tcp.py asks for
 _SCRATCH_BYTES = 1 << 20
 VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
 VERDICT_BATCH_BYTES = 16 << 20  # what the sender keeps until they come
+_CARRIERS = (wire.Chunk, batch.Batch)  # the messages with a payload and a verdict
 
 
 class _Stage(enum.Enum):
@@ -218,7 +219,10 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def _read_header(self, raw: memoryview) -> None:
         try:
-            self._message = wire.decode_header(self._kind, raw)
+            if self._kind is wire.Kind.BATCH:
+                self._message = batch.decode(raw, self._payload_len)
+            else:
+                self._message = wire.decode_header(self._kind, raw)
         except wire.WireError as exc:
             log.warning("kv_transfer.malformed_message", peer=self._peer, error=str(exc))
             reason = f"malformed message: {exc}"
@@ -230,7 +234,7 @@ class FrameReader(asyncio.BufferedProtocol):
         """The payload follows ``ahead[start]``: apply the message if all of it is there,
         else move what is there to its place and read the rest straight after it."""
         size, message = self._payload_len, self._message
-        wanted = isinstance(message, wire.Chunk) and self._table.admits(
+        wanted = type(message) in _CARRIERS and self._table.admits(
             message.request_id, message.token)
         if wanted and size > self._max_payload:
             self._verdict = self._table.fail(
@@ -271,11 +275,14 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def _complete(self, payload: memoryview | None) -> None:
         message, verdict = self._message, self._verdict
-        if isinstance(message, wire.Chunk) and verdict is None:
+        if type(message) in _CARRIERS and verdict is None:
             if payload is None:  # not live (dropped here) or refused (by admits)
                 if not self._table.is_live(message.request_id):
                     self._table.drop(message.request_id, "chunk")
                 verdict = wire.DROPPED
+            elif type(message) is batch.Batch:
+                self._carried.add(message.request_id)
+                verdict = self._table.on_batch(message, payload)
             else:
                 self._carried.add(message.request_id)
                 verdict = self._table.on_chunk(
@@ -295,7 +302,7 @@ class FrameReader(asyncio.BufferedProtocol):
                 self._table.on_finish(message.request_id, message.num_chunks, message.token)
             else:
                 self._table.on_abort(message.request_id, message.reason, message.token)
-        if self._kind is wire.Kind.CHUNK:
+        if self._kind is wire.Kind.CHUNK or self._kind is wire.Kind.BATCH:
             self._verdicts.append(wire.encode_verdict(verdict))
             self._verdict_bytes += self._payload_len
             if (

@@ -11,10 +11,12 @@ Control frames (``control.py``: u32 length | body)::
       hello    msgpack {t: "hello", v: 3, prefix}
                                        first frame; this connection's segments are
                                        <prefix>-<slot>-<generation> in the shm directory
-      chunk    binary: "<BBHIQQ"  0xc1 | slot u8 | reserved u16 (0) | generation u32 |
+      chunk    binary: "<BBHIQQ"  0xc1 | slot u8 | what u16 | generation u32 |
                                   offset u64 | length u64
-               then wire.py's CHUNK header (checksum, layer, attempt, request_id, token,
-               block_ids): where the payload lies, in segment <prefix>-<slot>-<generation>
+               then, for what = 0, wire.py's CHUNK header (checksum, layer, attempt,
+               request_id, token, block_ids); for what = 1, batch.py's BATCH header
+               (several chunks of one request, their bytes back to back, one verdict):
+               where the payload lies, in segment <prefix>-<slot>-<generation>
       finish   msgpack {t: "finish", request_id, num_chunks, token}
       abort    msgpack {t: "abort", request_id, reason, token}
     receiver -> sender
@@ -25,7 +27,8 @@ Control frames (``control.py``: u32 length | body)::
                                        dropped, resend, failed)
 
 Version 3 made the chunk frame binary (version 2 sent it as a msgpack map with the
-segment's name): it is the one frame sent per chunk.
+segment's name): it is the one frame sent per chunk. Version 4 adds the batch (what = 1),
+which ``send_many`` sends: one frame, one wake-up and one verdict for a request's layers.
 
 The receiver answers chunks in the order they came, in one write for all the frames
 that one read brought.
@@ -59,18 +62,19 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from common.transfer import control, wire
+from common.transfer import batch, control, wire
 
 SCHEME = "shm"
-VERSION = 3  # 3: the chunk frame is binary
+VERSION = 4  # 3: the chunk frame is binary; 4: batches
 MAX_SLOTS = 64
-CHUNK_PLACE = struct.Struct("<BBHIQQ")  # BINARY, slot, 0, generation, offset, length
+CHUNK_PLACE = struct.Struct("<BBHIQQ")  # BINARY, slot, what, generation, offset, length
+BATCHED = 1  # "what" of a batch frame
 
 
 class Placed(NamedTuple):
     """A chunk frame: the chunk, and where in the sender's segments its payload lies."""
 
-    chunk: wire.Chunk
+    chunk: wire.Chunk | batch.Batch
     slot: int
     generation: int
     offset: int
@@ -81,8 +85,12 @@ def chunk_frame(chunk: wire.Chunk, slot: int, generation: int, offset: int,
                 length: int, checksum: int | None = None) -> bytes:
     """The whole frame of a chunk placed at ``offset`` of segment ``slot``/``generation``
     (``chunk`` validated by the caller; ``checksum`` in place of its own when given)."""
-    body = (CHUNK_PLACE.pack(control.BINARY, slot, 0, generation, offset, length)
-            + wire.encode_chunk(chunk, checksum))
+    if type(chunk) is batch.Batch:
+        body = (CHUNK_PLACE.pack(control.BINARY, slot, BATCHED, generation, offset, length)
+                + batch.encode(chunk, checksum, length))
+    else:
+        body = (CHUNK_PLACE.pack(control.BINARY, slot, 0, generation, offset, length)
+                + wire.encode_chunk(chunk, checksum))
     if len(body) > control.MAX_FRAME_BYTES:
         raise control.ControlError(f"chunk frame of {len(body)} bytes exceeds "
                                    f"{control.MAX_FRAME_BYTES}", chunk.request_id)
@@ -95,14 +103,17 @@ def read_chunk(body: bytes) -> Placed:
     if len(body) < CHUNK_PLACE.size:
         raise control.ControlError(f"chunk frame of {len(body)} bytes, shorter than its "
                                    f"fixed {CHUNK_PLACE.size}")
-    _, slot, reserved, generation, offset, length = CHUNK_PLACE.unpack_from(body)
+    _, slot, what, generation, offset, length = CHUNK_PLACE.unpack_from(body)
     try:
-        chunk = wire.decode_chunk(body, CHUNK_PLACE.size)
+        if what == BATCHED:
+            chunk = batch.decode(body, length, CHUNK_PLACE.size)
+        else:
+            chunk = wire.decode_chunk(body, CHUNK_PLACE.size)
     except wire.WireError as exc:
         raise control.ControlError(f"chunk frame: {exc}", exc.request_id) from None
-    if slot >= MAX_SLOTS or reserved:
+    if slot >= MAX_SLOTS or what > BATCHED:
         raise control.ControlError(f"chunk frame: slot {slot} not under {MAX_SLOTS}, or "
-                                   f"reserved {reserved} not 0", chunk.request_id)
+                                   f"what {what} not 0 or 1", chunk.request_id)
     return Placed(chunk, slot, generation, offset, length)
 
 

@@ -8,6 +8,7 @@ import socket
 import structlog
 
 from common.transfer import control, wire
+from common.transfer.batch import Batch
 from common.transfer.shm import OK_FRAMES, SCHEME, VERSION, read_chunk, verdict_frame
 from common.transfer.shm_segment import (
     SHM_DIR,
@@ -117,8 +118,11 @@ class _Peer(asyncio.Protocol):
                 verdict = table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
             else:
                 view = self._view(slot, generation, offset, length)
-                verdict = table.on_chunk(rid, msg.layer, msg.block_ids, view,
-                                         msg.checksum, msg.attempt, msg.token)
+                if type(msg) is Batch:
+                    verdict = table.on_batch(msg, view)
+                else:
+                    verdict = table.on_chunk(rid, msg.layer, msg.block_ids, view,
+                                             msg.checksum, msg.attempt, msg.token)
         except (OSError, ValueError) as exc:
             name = segment_name(self.prefix, slot, generation)
             verdict = table.fail(rid, f"shared-memory segment {name!r} unusable: {exc}")

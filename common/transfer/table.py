@@ -23,6 +23,7 @@ import structlog
 
 from common.address import format_address
 from common.transfer.base import ChunkSink, KVReceiver, Transfer, TransferState
+from common.transfer.batch import Batch
 from common.transfer.wire import DROPPED, MAX_ATTEMPTS, OK, Status, Verdict, checksum
 
 log = structlog.get_logger("pdserve.transfer")
@@ -133,6 +134,49 @@ class TransferTable:
         if attempt == 0:
             return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0)
         verdict = self._verify(transfer, layer, block_ids, payload, expected_checksum, attempt)
+        self._resent_in(transfer)
+        return verdict
+
+    def on_batch(self, batch: Batch, payload: memoryview) -> Verdict:
+        """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
+        ``payload`` (their bytes back to back) is borrowed for the call. Every checksum
+        is checked before the first sink call: a mismatch asks for the whole batch again
+        (or fails the transfer on the last attempt) having changed nothing."""
+        request_id = batch.request_id
+        transfer = self._live.get(request_id)
+        if transfer is None or not self.admits(request_id, batch.token):
+            if transfer is None:
+                self.drop(request_id, "batch")
+            return DROPPED
+        views, start = [], 0
+        for size, expected in zip(batch.sizes, batch.checksums, strict=True):
+            view = payload[start : start + size]
+            start += size
+            if checksum(view) != expected:
+                i = len(views)
+                verdict = self._mismatch(transfer, batch.layers[i], batch.block_ids[i],
+                                         expected, checksum(view), batch.attempt)
+                break
+            views.append(view)
+        else:
+            verdict = OK
+            sink, i = self._sink, 0
+            try:
+                for i, view in enumerate(views):
+                    sink(request_id, batch.layers[i], batch.block_ids[i], view)
+                    transfer._accept_chunk(view.nbytes)
+            except Exception as exc:
+                log.exception("kv_transfer.sink_raised", request_id=request_id,
+                              layer=batch.layers[i])
+                verdict = self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
+        if batch.attempt:
+            self._resent_in(transfer)
+        return verdict
+
+    def _resent_in(self, transfer: Transfer) -> None:
+        """A chunk or batch that was asked for again is in: settle a FINISH that waits
+        for the last of them."""
+        request_id = transfer.request_id
         due = self._resends_due.get(request_id, 0) - 1
         if due > 0:
             self._resends_due[request_id] = due
@@ -140,7 +184,6 @@ class TransferTable:
             self._resends_due.pop(request_id, None)
             if request_id in self._finish_due and transfer.is_live:
                 self._settle(transfer, self._finish_due.pop(request_id))
-        return verdict
 
     def _verify(
         self,
@@ -154,18 +197,7 @@ class TransferTable:
         request_id = transfer.request_id
         actual = checksum(payload)
         if actual != expected_checksum:
-            reason = (
-                f"checksum mismatch on layer {layer} blocks {block_ids}: "
-                f"expected {expected_checksum:#018x}, got {actual:#018x}"
-            )
-            if attempt + 1 < MAX_ATTEMPTS:
-                self.retried += 1
-                self._resends_due[request_id] = self._resends_due.get(request_id, 0) + 1
-                log.warning(
-                    "kv_transfer.chunk_resend", request_id=request_id, layer=layer, reason=reason
-                )
-                return Verdict(Status.RESEND, reason)
-            return self.fail(request_id, f"{reason} (attempt {attempt + 1} of {MAX_ATTEMPTS})")
+            return self._mismatch(transfer, layer, block_ids, expected_checksum, actual, attempt)
         try:
             self._sink(request_id, layer, block_ids, payload)
         except Exception as exc:
@@ -173,6 +205,19 @@ class TransferTable:
             return self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
         transfer._accept_chunk(payload.nbytes)
         return OK
+
+    def _mismatch(self, transfer: Transfer, layer: int, block_ids: list[int], expected: int,
+                  actual: int, attempt: int) -> Verdict:
+        request_id = transfer.request_id
+        reason = (f"checksum mismatch on layer {layer} blocks {block_ids}: "
+                  f"expected {expected:#018x}, got {actual:#018x}")
+        if attempt + 1 < MAX_ATTEMPTS:
+            self.retried += 1
+            self._resends_due[request_id] = self._resends_due.get(request_id, 0) + 1
+            log.warning("kv_transfer.chunk_resend", request_id=request_id, layer=layer,
+                        reason=reason)
+            return Verdict(Status.RESEND, reason)
+        return self.fail(request_id, f"{reason} (attempt {attempt + 1} of {MAX_ATTEMPTS})")
 
     def on_finish(self, request_id: str, num_chunks: int, token: bytes = b"") -> None:
         """Settle the transfer, or, while chunks it was asked to resend are due (they come

@@ -53,10 +53,13 @@ class _Connection:
         self.flushing: asyncio.Handle | None = None
         self.error: OSError | None = None  # a flush that failed: the connection is gone
 
-    def cork(self, head: bytes, payload: memoryview | None) -> None:
+    def cork(self, head: bytes, payload: memoryview | list[memoryview] | None) -> None:
         self.corked.append(head)
         self.corked_bytes += len(head)
-        if payload is not None and payload.nbytes:
+        if type(payload) is list:  # a batch's payloads, back to back
+            self.corked += payload
+            self.corked_bytes += sum(view.nbytes for view in payload)
+        elif payload is not None and payload.nbytes:
             self.corked.append(payload)
             self.corked_bytes += payload.nbytes
         if self.corked_bytes >= CORK_BYTES or len(self.corked) >= _MAX_CORKED:
@@ -100,13 +103,15 @@ class _Connection:
 
 
 class TcpSender(StreamSender):
-    """KVSender over TCP.
+    """KVSender over TCP; ``send_many`` sends batches (``batch.py``).
 
     Payloads are written in ``write_slice_bytes`` slices, each drained into the kernel
     before the next, so a large chunk is never copied whole into the transport's buffer.
     The connection's lock is held only while a message is written; a task per
     connection reads the verdicts, which come back in the order the chunks went out.
     """
+
+    BATCHES = True
 
     def __init__(
         self,
@@ -144,10 +149,13 @@ class TcpSender(StreamSender):
         address: str,
         request_id: str,
         head: bytes,
-        payload: memoryview | None,
+        payload: memoryview | list[memoryview] | None,
         attempt: InFlight | None = None,
     ) -> None:
-        """Write one message; a chunk's ``attempt`` then waits for its verdict."""
+        """Write one message; a chunk's ``attempt`` then waits for its verdict. A
+        batch's ``payload`` is its chunks' views, written back to back."""
+        views = payload if type(payload) is list else None
+        size = 0 if payload is None else attempt.nbytes if views is not None else payload.nbytes
         for _ in range(3):  # another call may break the connection while we queue for it
             conn = await self._connection(address)
             async with conn.lock:
@@ -161,7 +169,7 @@ class TcpSender(StreamSender):
                         continue
                 if attempt is not None:
                     conn.verdicts.append(attempt)
-                if payload is None or payload.nbytes <= JOIN_BYTES:
+                if size <= (CORK_BYTES if views is not None else JOIN_BYTES):
                     # Whole or not at all: a cancel after this leaves the stream framed.
                     conn.cork(head, payload)
                     if payload is None:
@@ -170,9 +178,10 @@ class TcpSender(StreamSender):
                 conn.flush()
                 try:
                     conn.writer.write(head)
-                    for start in range(0, payload.nbytes, self._slice):
-                        conn.writer.write(payload[start : start + self._slice])
-                        await conn.writer.drain()
+                    for view in views or (payload,):
+                        for start in range(0, view.nbytes, self._slice):
+                            conn.writer.write(view[start : start + self._slice])
+                            await conn.writer.drain()
                 except BaseException as exc:
                     # Part of a message may be out: the stream is no longer framed.
                     self._drop(address, conn, f"connection to {address} broke: {exc!r}")

@@ -100,6 +100,8 @@ def split_run(buffer: bytearray) -> list[tuple[wire.Kind, memoryview, int, memor
         kind, header_len, size = wire.decode_prefix(view[offset : offset + wire.PREFIX.size])
         if kind is wire.Kind.VERDICT:
             raise wire.WireError("VERDICT goes from receiver to sender, not back")
+        if kind is wire.Kind.BATCH:  # ucx senders send chunks one by one
+            raise wire.WireError("the ucx backend takes no BATCH")
         start = offset + wire.PREFIX.size
         offset = start + header_len
         payload = None

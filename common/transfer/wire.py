@@ -15,14 +15,16 @@ Every message is::
                                     block count u32
                          request_id (UTF-8) | token | block_ids (u64 each)
                        and nothing after them
+              BATCH    several chunks of one request, one verdict (``batch.py``);
+                       its payload is their bytes back to back
               the others: a msgpack map
               FINISH   {request_id: str, num_chunks: int, token: bin}
               ABORT    {request_id: str, reason: str, token: bin}
               receiver -> sender
               VERDICT  {status: str, reason: str}
-    payload   CHUNK only: the raw KV bytes; ``checksum`` is their xxh3_64 (seed 0)
+    payload   CHUNK and BATCH only: the raw KV bytes; ``checksum`` is their xxh3_64 (seed 0)
 
-Verdicts: the receiver answers every CHUNK, in the order the chunks arrived on the
+Verdicts: the receiver answers every CHUNK (and BATCH), in the order the chunks arrived on the
 connection, with one VERDICT (FINISH and ABORT get none). It may hold "ok" and
 "dropped" back to write several at once, but no later than when it processes a FINISH
 or ABORT; "resend", "failed" and the verdict on a resent chunk go at once::
@@ -58,7 +60,7 @@ import msgpack
 import xxhash
 
 MAGIC = b"PDKV"
-VERSION = 4  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary
+VERSION = 5  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary; 5: BATCH
 PREFIX = struct.Struct("<4sBBHIQ")
 CHUNK_HEAD = struct.Struct("<QQBBHI")
 MAX_HEADER_BYTES = 1 << 20
@@ -74,6 +76,7 @@ class Kind(enum.IntEnum):
     FINISH = 2
     ABORT = 3
     VERDICT = 4
+    BATCH = 5  # several chunks of one request in one message: batch.py
 
 
 class WireError(ValueError):
@@ -224,7 +227,7 @@ def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
     kind = kind_
     if not 0 < header_len <= MAX_HEADER_BYTES:
         raise WireError(f"header length {header_len} outside (0, {MAX_HEADER_BYTES}]")
-    if kind != Kind.CHUNK and payload_len:
+    if payload_len and kind != Kind.CHUNK and kind != Kind.BATCH:
         raise WireError(f"{kind.name} with a {payload_len}-byte payload")
     return kind, header_len, payload_len
 
@@ -294,6 +297,8 @@ def decode_header(kind: Kind, raw: bytes | bytearray | memoryview) -> Message:
     """The message a header of ``kind`` holds; WireError if it is malformed."""
     if kind is Kind.CHUNK:
         return decode_chunk(raw)
+    if kind is Kind.BATCH:  # needs its payload length: batch.decode
+        raise WireError("a BATCH header is read by batch.decode")
     if kind is Kind.VERDICT:
         common = _VERDICT_OF.get(bytes(raw))  # almost every verdict: no msgpack
         if common is not None:

@@ -1,0 +1,129 @@
+"""A BATCH: several chunks of one request as one message (wire version 5; ``wire.py``
+has the prefix and the other kinds, ``shm.py`` the shm frame that carries it).
+
+Per-message costs (a header built and read, a token compared, a verdict written and
+read, a wake-up) bound small payloads, so a sender that has several chunks of a request
+at hand (``KVSender.send_many``) sends them as one message: one header, one token check,
+one verdict, one receiver wake-up; each chunk keeps its own checksum, its own sink call
+and counts as one chunk towards FINISH. Header, little-endian::
+
+    "<BBHI"   attempt u8 | token length u8 | request_id length u16 | chunk count u32
+    request_id (UTF-8) | token
+    per chunk "<QQQQ"  layer | checksum (xxh3_64 of its bytes) | byte length | block count
+    block_ids          u64 each, every chunk's in turn
+    and nothing after them
+
+The payload is the chunks' bytes back to back, in that order; its length (the prefix's
+payload length, or the shm frame's) must be the sum of the byte lengths. The verdict
+covers the whole batch: "ok" once every chunk is verified and handed to the sink (all
+checksums are checked before the first sink call, so a "resend" has changed nothing);
+"resend" asks for the whole batch again (attempt 1, same checksums); "failed" as for a
+chunk. A batch holds 1 to ``MAX_CHUNKS`` chunks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from common.transfer.wire import (
+    MAX_ATTEMPTS,
+    MAX_TOKEN_BYTES,
+    WireError,
+    _blocks_struct,
+)
+
+HEAD = struct.Struct("<BBHI")
+MAX_CHUNKS = 128  # a request's layers and more, well under a sendmsg's IOV_MAX
+MAX_BYTES = 4 << 20  # send_many groups chunks up to this; a larger chunk goes alone
+_ENTRY = 4  # u64 fields per chunk
+
+
+class Batch(NamedTuple):
+    request_id: str
+    layers: list[int]
+    block_ids: list[list[int]]
+    checksums: tuple[int, ...] | list[int]
+    sizes: list[int]
+    attempt: int = 0
+    token: bytes = b""
+
+
+def encode(batch: Batch, checksums, payload_len: int) -> bytes:
+    """The BATCH header alone, with ``checksums`` (one per chunk) in place of its own."""
+    rid, token, count = batch.request_id.encode(), batch.token, len(batch.layers)
+    if not (rid and len(rid) <= 0xFFFF and len(token) <= MAX_TOKEN_BYTES
+            and 0 < count <= MAX_CHUNKS and sum(batch.sizes) == payload_len):
+        raise WireError("BATCH request_id, token, chunk count or sizes out of range",
+                        batch.request_id)
+    entries = []
+    for layer, blocks, check, size in zip(batch.layers, batch.block_ids, checksums,
+                                          batch.sizes, strict=True):
+        entries += (layer, check, size, len(blocks))
+    blocks = [b for run in batch.block_ids for b in run]
+    try:
+        return (HEAD.pack(batch.attempt, len(token), len(rid), count) + rid + token
+                + _blocks_struct(len(entries)).pack(*entries)
+                + _blocks_struct(len(blocks)).pack(*blocks))
+    except struct.error as exc:
+        raise WireError(f"BATCH field out of range: {exc}", batch.request_id) from None
+
+
+def decode(raw: bytes | bytearray | memoryview, payload_len: int, start: int = 0) -> Batch:
+    """The Batch the header ``raw[start:]`` holds, for a payload of ``payload_len`` bytes,
+    every field in range; WireError (with the request id once read) if it is not one."""
+    size = len(raw) - start
+    if size < HEAD.size:
+        raise WireError(f"BATCH header of {size} bytes, shorter than its fixed {HEAD.size}")
+    attempt, token_len, rid_len, count = HEAD.unpack_from(raw, start)
+    at = start + HEAD.size
+    entries_at = at + rid_len + token_len
+    try:
+        rid = str(raw[at : at + rid_len], "utf-8")
+    except UnicodeDecodeError:
+        raise WireError("BATCH request_id is not UTF-8") from None
+    if not rid:
+        raise WireError("request_id must be a non-empty string, got ''")
+    if not 0 < count <= MAX_CHUNKS:
+        raise WireError(f"BATCH of {count} chunks, not 1 to {MAX_CHUNKS}", rid)
+    if token_len > MAX_TOKEN_BYTES:
+        raise WireError(f"token must be at most {MAX_TOKEN_BYTES} bytes", rid)
+    if attempt >= MAX_ATTEMPTS:
+        raise WireError(f"attempt must be in [0, {MAX_ATTEMPTS - 1}], got {attempt}", rid)
+    blocks_at = entries_at + 8 * _ENTRY * count
+    if blocks_at > len(raw):
+        raise WireError(f"BATCH header of {size} bytes, too short for {count} chunks", rid)
+    entries = _blocks_struct(_ENTRY * count).unpack_from(raw, entries_at)
+    counts = entries[3::_ENTRY]
+    total_blocks = sum(counts)
+    if blocks_at + 8 * total_blocks != len(raw):
+        raise WireError(f"BATCH header of {size} bytes, its lengths say "
+                        f"{blocks_at + 8 * total_blocks - start}", rid)
+    sizes = list(entries[2::_ENTRY])
+    if sum(sizes) != payload_len:
+        raise WireError(f"BATCH chunks of {sum(sizes)} bytes in a {payload_len}-byte payload",
+                        rid)
+    flat = _blocks_struct(total_blocks).unpack_from(raw, blocks_at)
+    runs, begin = [], 0
+    for n in counts:
+        runs.append(list(flat[begin : begin + n]))
+        begin += n
+    return Batch(rid, list(entries[0::_ENTRY]), runs, entries[1::_ENTRY], sizes, attempt,
+                 bytes(raw[at + rid_len : entries_at]))
+
+
+def groups(items: list, max_bytes: int = MAX_BYTES) -> list[list]:
+    """``items`` (``(layer, blocks, view)``) in runs of at most ``MAX_CHUNKS`` chunks and
+    ``max_bytes`` bytes; a chunk larger than that is a run of its own."""
+    runs, run, held = [], [], 0
+    for item in items:
+        nbytes = item[2].nbytes
+        if run and (held + nbytes > max_bytes or len(run) >= MAX_CHUNKS):
+            runs.append(run)
+            run, held = [], 0
+        run.append(item)
+        held += nbytes
+    if run:
+        runs.append(run)
+    return runs
+

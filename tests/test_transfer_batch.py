@@ -1,0 +1,283 @@
+"""Batches (wire version 5, shm version 4): several chunks of one request in one message,
+with the same guarantees as chunks one by one: token checked, every checksum verified, a
+bad batch sent once more and then a clean failure, malformed or forged batches refused
+without touching a live transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+
+import pytest
+
+from common.transfer import (
+    TransferError,
+    TransferState,
+    batch,
+    make_receiver,
+    make_sender,
+    shm_sender,
+    wire,
+)
+from common.transfer import shm as shm_wire
+from common.transfer.base import KVSender
+
+TOKEN = secrets.token_bytes(16)
+
+
+def layers_for(count: int, size: int, seed: int = 1):
+    rng = random.Random(seed)
+    return [(layer, [layer + 7, 3 * layer + 1], rng.randbytes(size + layer)) for layer in
+            range(count)]
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+async def pair(kind):
+    got: list = []
+    rx = make_receiver(kind, sink=lambda r, layer, b, p: got.append((r, layer, b, bytes(p))))
+    await rx.start()
+    tx = make_sender(kind)
+    batches: list[int] = []
+    real = rx.table.on_batch
+
+    def counting(message, payload):
+        batches.append(len(message.layers))
+        return real(message, payload)
+
+    rx.table.on_batch = counting
+    yield rx, tx, got, batches
+    await tx.close()
+    assert rx.live() == 0, "a test left a transfer live"
+    await rx.close()
+
+
+async def test_a_requests_layers_go_as_one_batch_and_arrive_in_order(pair):
+    rx, tx, got, batches = pair
+    transfer = rx.expect("r", lease_s=10, token=TOKEN)
+    chunks = layers_for(30, 1000)
+    await tx.send_many(rx.address, "r", chunks, token=TOKEN)
+    await tx.finish(rx.address, "r", 30, token=TOKEN)
+    await transfer.wait()
+    assert got == [("r", layer, blocks, data) for layer, blocks, data in chunks]
+    assert batches == [30]  # one message, one verdict
+    assert transfer.chunks_received == 30
+    assert transfer.bytes_received == sum(len(c[2]) for c in chunks)
+
+
+async def test_batches_hold_at_most_max_bytes_and_a_large_chunk_goes_alone(pair):
+    rx, tx, got, batches = pair
+    transfer = rx.expect("big", lease_s=20, token=TOKEN)
+    mib = 1 << 20
+    sizes = [mib] * 9 + [5 * mib, 1000]
+    chunks = [(i, [i], random.Random(i).randbytes(n)) for i, n in enumerate(sizes)]
+    await tx.send_many(rx.address, "big", chunks, token=TOKEN)
+    await tx.finish(rx.address, "big", len(chunks), token=TOKEN)
+    await transfer.wait()
+    assert batches == [4, 4]  # 4 + 4 MiB; then 1 MiB alone, 5 MiB alone, 1000 B alone
+    assert [c[3] for c in got] == [c[2] for c in chunks]
+    assert transfer.chunks_received == 11
+
+
+async def test_shm_batch_staged_wrong_once_is_resent_and_then_exact(monkeypatch):
+    got = []
+    rx = make_receiver("shm", sink=lambda r, layer, b, p: got.append((layer, bytes(p))))
+    await rx.start()
+    tx = make_sender("shm")
+    chunks = layers_for(5, 3000, seed=2)
+    real_stage, flipped = shm_sender.stage, []
+
+    def stage(destination, source) -> int:  # one bit flipped in the segment, once
+        value = real_stage(destination, source)
+        if bytes(source) == chunks[2][2] and not flipped:
+            flipped.append(True)
+            destination[17] ^= 0x08
+        return value
+
+    monkeypatch.setattr(shm_sender, "stage", stage)
+    try:
+        transfer = rx.expect("flaky", lease_s=10, token=TOKEN)
+        await tx.send_many(rx.address, "flaky", chunks, token=TOKEN)
+        await tx.finish(rx.address, "flaky", 5, token=TOKEN)
+        await transfer.wait()
+        assert flipped == [True] and (tx.resent, rx.retried) == (1, 1)
+        assert got == [(c[0], c[2]) for c in chunks]  # each chunk once, byte-exact
+        assert transfer.chunks_received == 5
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def test_tcp_batch_corrupted_in_flight_is_asked_for_again_then_exact():
+    got = []
+    rx = make_receiver("tcp", sink=lambda r, layer, b, p: got.append((layer, bytes(p))))
+    await rx.start()
+    try:
+        transfer = rx.expect("flaky", lease_s=10, token=TOKEN)
+        chunks = layers_for(3, 1000, seed=5)
+        good = batch_message("flaky", chunks)
+        bad = bytearray(good)
+        bad[-500] ^= 0x10  # in the last chunk's bytes
+        reader, writer = await raw_tcp(rx.address)
+        writer.write(bytes(bad))
+        verdict = await read_verdict(reader)
+        assert verdict.status is wire.Status.RESEND
+        assert verdict.reason.startswith("checksum mismatch on layer 2 blocks [9, 7]")
+        assert got == [] and rx.retried == 1 and transfer.state is TransferState.PENDING
+        writer.write(wire.encode(wire.Finish("flaky", 3, token=TOKEN)))  # before the resend
+        writer.write(batch_message("flaky", chunks, attempt=1))
+        await transfer.wait()
+        assert await read_verdict(reader) == wire.OK
+        assert got == [(c[0], c[2]) for c in chunks] and transfer.chunks_received == 3
+        writer.close()
+    finally:
+        await rx.close()
+
+
+async def test_a_batch_corrupted_twice_fails_cleanly_and_nothing_reached_the_sink(
+    pair, monkeypatch
+):
+    rx, tx, got, batches = pair
+    bad = rx.expect("bad", lease_s=10, token=TOKEN)
+    chunks = layers_for(4, 2000, seed=3)
+    real_checksum, real_stage = wire.checksum, shm_sender.stage
+    claim = {bytes(c[2]): real_checksum(c[2]) ^ (i == 1) for i, c in enumerate(chunks)}
+
+    def claimed(payload) -> int:
+        return claim.get(bytes(payload), real_checksum(payload))
+
+    monkeypatch.setattr(wire, "checksum", claimed)
+    monkeypatch.setattr(shm_sender, "stage", lambda d, s: (real_stage(d, s), claimed(s))[1])
+    monkeypatch.setattr("common.transfer.table.checksum", real_checksum)
+    await tx.send_many(rx.address, "bad", chunks, token=TOKEN)
+    with pytest.raises(TransferError, match=r"checksum mismatch on layer 1 blocks \[8, 4\]") as e:
+        await tx.finish(rx.address, "bad", 4, token=TOKEN)
+    assert e.value.reason.endswith("(attempt 2 of 2)")
+    with pytest.raises(TransferError, match="checksum mismatch"):
+        await bad.wait()
+    assert got == [] and bad.chunks_received == 0 and batches == [4, 4]
+    assert (tx.resent, rx.retried) == (1, 1)
+    monkeypatch.undo()
+    good = rx.expect("good", lease_s=10, token=TOKEN)  # the connection keeps serving
+    await tx.send_many(rx.address, "good", chunks, token=TOKEN)
+    await tx.finish(rx.address, "good", 4, token=TOKEN)
+    await good.wait()
+    assert [c[3] for c in got] == [c[2] for c in chunks]
+
+
+async def test_a_sink_that_raises_mid_batch_fails_the_transfer_with_its_reason(kind):
+    seen = []
+
+    def sink(rid, layer, blocks, payload):
+        if layer == 2:
+            raise RuntimeError("destination blocks were freed")
+        seen.append(layer)
+
+    rx = make_receiver(kind, sink=sink)
+    await rx.start()
+    tx = make_sender(kind)
+    try:
+        transfer = rx.expect("r", lease_s=10, token=TOKEN)
+        await tx.send_many(rx.address, "r", layers_for(4, 500), token=TOKEN)
+        with pytest.raises(TransferError, match="sink raised RuntimeError: destination"):
+            await tx.finish(rx.address, "r", 4, token=TOKEN)
+        assert transfer.state is TransferState.FAILED and seen == [0, 1]
+        assert transfer.chunks_received == 2
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def raw_tcp(address: str):
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def read_verdict(reader) -> wire.Verdict:
+    kind, header_len, _ = wire.decode_prefix(await reader.readexactly(wire.PREFIX.size))
+    return wire.decode_header(kind, await reader.readexactly(header_len))
+
+
+def batch_message(rid, chunks, token=TOKEN, attempt=0, payload_len=None, checksums=None):
+    message = batch.Batch(rid, [c[0] for c in chunks], [c[1] for c in chunks], (),
+                          [len(c[2]) for c in chunks], attempt, token)
+    payload = b"".join(c[2] for c in chunks)
+    sums = checksums or [wire.checksum(c[2]) for c in chunks]
+    head = batch.encode(message, sums, len(payload))
+    size = len(payload) if payload_len is None else payload_len
+    return (wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.BATCH, 0, len(head), size)
+            + head + payload + bytes(max(0, size - len(payload))))
+
+
+async def test_forged_and_malformed_batches_are_refused_and_leave_the_transfer_alone():
+    got = []
+    rx = make_receiver("tcp", sink=lambda r, layer, b, p: got.append((layer, bytes(p))))
+    await rx.start()
+    try:
+        transfer = rx.expect("victim", lease_s=10, token=TOKEN)
+        chunks = layers_for(3, 100)
+        reader, writer = await raw_tcp(rx.address)
+        # The wrong token: dropped, counted, nothing written.
+        writer.write(batch_message("victim", chunks, token=b"guess"))
+        writer.write(wire.encode(wire.Finish("ghost", 0, token=TOKEN)))  # flushes verdicts
+        assert await read_verdict(reader) == wire.DROPPED
+        # The right token, but sizes that do not add up to the payload: refused too.
+        writer.write(batch_message("victim", chunks, payload_len=400))
+        verdict = await read_verdict(reader)
+        assert verdict.status is wire.Status.FAILED
+        assert "BATCH chunks of 303 bytes in a 400-byte payload" in verdict.reason
+        assert rx.refused == 2 and got == []
+        assert transfer.state is TransferState.PENDING and transfer.chunks_received == 0
+        # The real one still goes through, on the same connection.
+        writer.write(batch_message("victim", chunks))
+        writer.write(wire.encode(wire.Finish("victim", 3, token=TOKEN)))
+        await transfer.wait()
+        assert await read_verdict(reader) == wire.OK
+        assert got == [(c[0], c[2]) for c in chunks]
+        writer.close()
+    finally:
+        await rx.close()
+
+
+def test_batch_header_round_trips_and_rejects_what_breaks_the_spec():
+    chunks = layers_for(3, 10)
+    message = batch.Batch("r", [0, 1, 2], [c[1] for c in chunks], (), [10, 11, 12], 1, TOKEN)
+    head = batch.encode(message, [5, 6, 7], 33)
+    assert batch.decode(head, 33) == message._replace(checksums=(5, 6, 7))
+    for raw, size, error in (
+        (head[:-1], 33, "its lengths say"),
+        (head, 34, "BATCH chunks of 33 bytes in a 34-byte payload"),
+        (head[:3], 33, "shorter than its fixed"),
+        (bytes([2]) + head[1:], 33, "attempt must be in"),
+        (head[:4] + bytes(4) + head[8:], 33, "BATCH of 0 chunks"),
+    ):
+        with pytest.raises(wire.WireError, match=error):
+            batch.decode(raw, size)
+    frame = shm_wire.chunk_frame(message._replace(attempt=0), 3, 1, 8192, 33, [5, 6, 7])
+    placed = shm_wire.read_chunk(frame[4:])
+    assert (placed.slot, placed.offset, placed.length, placed.chunk.layers) == (3, 8192, 33,
+                                                                                [0, 1, 2])
+    with pytest.raises(shm_wire.control.ControlError, match="payload") as info:
+        shm_wire.read_chunk(frame[4:20] + (34).to_bytes(8, "little") + frame[28:])
+    assert info.value.request_id == "r"
+
+
+async def test_backends_without_batches_send_one_by_one():
+    calls = []
+
+    class OneByOne(KVSender):
+        async def send(self, address, request_id, layer, block_ids, payload, *, token):
+            calls.append((request_id, layer, block_ids, bytes(payload)))
+
+        async def finish(self, *a, **k): ...
+        async def abort(self, *a, **k): ...
+        async def close(self): ...
+
+    chunks = layers_for(3, 5)
+    await OneByOne().send_many("x://h:1", "r", chunks, token=TOKEN)
+    assert calls == [("r", c[0], c[1], c[2]) for c in chunks]
