@@ -10,15 +10,12 @@ request back because it is stopping (``WORKER_LEAVING``), the request is re-rout
 another decode worker with the prompt plus the tokens already streamed, and the client's
 stream continues from where it stopped (``failover.py``: how, and how long it waits for
 a live decode worker; a new request, which the conductor has none for, waits less).
+A new request whose first ``Generate`` fails is re-routed the same way.
 A stream moved with its KV by a stopping worker (``StreamMoved``) follows the new one.
 
-Routing: each Route carries the prompt's block hashes (``common/block_hash.py``), for
-which the gateway needs the workers' KV layout (model fingerprint and block size). It
-reads it from the conductor's worker list (ListWorkers) and keeps it ``layout_ttl_s``
-seconds; with no live worker of the model known yet, a Route goes without hashes.
-The request's SLOs and ``max_tokens`` go along. An ``overloaded`` error, the conductor's
-or a decode worker's (its queue is full), becomes ``BackendOverloaded`` (HTTP 429,
-Retry-After from its ``retry_after_s``).
+Routing and the worker list: ``conductor_link.py``. An ``overloaded`` error, the
+conductor's or a decode worker's (its queue is full), becomes ``BackendOverloaded``
+(HTTP 429, Retry-After from its ``retry_after_s``).
 
 A request that ends without its final event (the consumer cancelled or closed the
 stream, a timeout, a ``Generate`` that timed out after the worker may have admitted it)
@@ -31,26 +28,20 @@ and ``ready`` is False: the process is about to go down.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator
 
 import structlog
 import zmq.asyncio
 
-from common.block_hash import hash_blocks
 from common.protocol import (
     WORKER_LEAVING,
     Abort,
     Generate,
-    ListWorkers,
-    Route,
     RouteReply,
     SamplingParams,
     StreamMoved,
     Tokens,
-    WorkerList,
-    WorkerStatus,
 )
 from common.tracing import NO_TRACER, Tracer
 from common.zmq_io import PullSocket
@@ -62,12 +53,12 @@ from services.gateway.backend import (
     GenerationBackend,
     GenerationRequest,
 )
+from services.gateway.conductor_link import ConductorLink
 from services.gateway.failover import (
     FailoverSettings,
     LostWorkers,
-    NoDecodeWorker,
+    SubmitFailed,
     attempt_id,
-    listed_alive,
     moved_route,
     resumed_sampling,
     wait_for_route,
@@ -86,22 +77,20 @@ class ClusterBackend(GenerationBackend):
         self.ctx = ctx
         self.tracer = tracer
         self.model = model
-        self.conductor = RpcClient(ctx, conductor_addr, name="gateway", server="conductor")
+        self.conductor = ConductorLink(ctx, conductor_addr, model, rpc_timeout_s=rpc_timeout_s,
+                                       layout_ttl_s=layout_ttl_s)
         self.pull = PullSocket(ctx, stream_bind, bind=True, allowed=GATEWAY_STREAM)
         self._advertise = stream_advertise
         self.rpc_timeout_s = rpc_timeout_s
         self.stall_check_s = stall_check_s
         self.failover = failover or FailoverSettings()
         self.queues: dict[str, asyncio.Queue] = {}  # by the id the worker sees
+        self._running: set[str] = set()  # request ids, from arrival to the end
         # request id → (decode worker control address, the id it knows the request by)
         self.decoders: dict[str, tuple[str, str]] = {}
         self._clients: dict[str, RpcClient] = {}
         self._task: asyncio.Task | None = None
-        self.layout_ttl_s = layout_ttl_s
-        self._layout: tuple[str, int] | None = None  # (fingerprint, block size)
-        self._layout_at = -float("inf")
         self._aborts: set[asyncio.Task] = set()  # aborts in flight, kept from the GC
-        self._refused: list[dict[str, str]] = []  # as the conductor last listed them
 
     @property
     def stream_addr(self) -> str:
@@ -154,85 +143,20 @@ class ClusterBackend(GenerationBackend):
             elif rid and isinstance(msg.record, StreamMoved):  # moved after we let go
                 self._abort_soon(msg.record.control_addr, rid)  # (failed over meanwhile)
 
-    async def _workers(self) -> list[WorkerStatus] | None:
-        """The conductor's list of workers; None if it does not answer."""
-        try:
-            reply = await self.conductor.call(ListWorkers(), timeout=2.0)
-        except (RpcTimeout, RemoteError):
-            return None
-        if not isinstance(reply.record, WorkerList):
-            return None
-        self._refused = [{"worker_id": r.worker_id, "reason": r.reason}
-                         for r in reply.record.refused if r.model == self.model]
-        return reply.record.workers
-
     def refused(self) -> list[dict[str, str]]:
-        return self._refused
+        return self.conductor.refused()
 
     async def ready(self) -> bool:
-        if not self.dispatching:
-            return False
-        workers = await self._workers() or []
-        return any(w.alive and w.info.role in ("decode", "unified") for w in workers)
-
-    async def _kv_layout(self) -> tuple[str, int] | None:
-        """(fingerprint, block size) of this model's workers, as the conductor lists them."""
-        now = time.monotonic()
-        if now - self._layout_at < self.layout_ttl_s:
-            return self._layout
-        workers = await self._workers()
-        if workers is None:
-            return self._layout
-        layout = next(((w.info.fingerprint, w.info.block_size) for w in workers
-                       if w.alive and w.info.model == self.model
-                       and w.info.role in ("decode", "unified")), None)
-        if layout is not None:  # none yet: ask again next time
-            self._layout, self._layout_at = layout, now
-        return self._layout
-
-    async def _block_hashes(self, prompt: list[int], salt: str | None) -> list[int]:
-        layout = await self._kv_layout()
-        return [] if layout is None else hash_blocks(prompt, layout[1], layout[0], salt)
-
-    async def _decode_alive(self, worker_id: str, addr: str) -> bool:
-        workers = await self._workers()
-        if workers is None:
-            return True  # cannot tell: keep waiting rather than duplicate work
-        return listed_alive(workers, worker_id, addr)
-
-    async def _route(self, req: GenerationRequest, prompt: list[int], resumed: bool,
-                     max_tokens: int, exclude: list[str], trace: RequestTrace) -> RouteReply:
-        # A resumed stream was admitted once already: no SLO may turn it away now.
-        slo_ttft, slo_tbt = (math.inf, math.inf) if resumed else (req.slo_ttft_ms, req.slo_tbt_ms)
-        started, route = trace.route_started(), None
-        try:
-            route = (await self.conductor.call(
-                Route(model=self.model, prompt_len=len(prompt), exclude=exclude,
-                      block_hashes=await self._block_hashes(prompt, req.cache_salt),
-                      slo_ttft_ms=slo_ttft, slo_tbt_ms=slo_tbt, max_tokens=max_tokens),
-                request_id=req.request_id, timeout=self.rpc_timeout_s,
-                trace=trace.traceparent)).record
-            return route
-        except RemoteError as exc:
-            if exc.code == "overloaded":
-                raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
-            if exc.code == "invalid":
-                raise ValueError(exc.message) from exc
-            raise (NoDecodeWorker if exc.code == "unavailable"
-                   else BackendUnavailable)(exc.message) from exc
-        except RpcTimeout as exc:
-            raise BackendUnavailable("the conductor did not answer") from exc
-        finally:
-            trace.routed(started, route)
+        return self.dispatching and await self.conductor.any_decode_alive()
 
     async def _start(self, req: GenerationRequest, generated: list[int],
                      exclude: list[str], wire_id: str, trace: RequestTrace) -> RouteReply:
         """Route and submit under ``wire_id``; returns the route taken. A failed
-        ``Generate`` raises ``_SubmitFailed`` (a BackendUnavailable) naming the worker."""
+        ``Generate`` raises ``SubmitFailed`` (a BackendUnavailable) naming the worker."""
         prompt = req.prompt_token_ids + generated
         sampling = resumed_sampling(req.sampling, len(generated))
-        route = await self._route(req, prompt, bool(generated),
-                                  int(sampling.get("max_tokens", 0)), exclude, trace)
+        route = await self.conductor.route(req, prompt, bool(generated),
+                                           int(sampling.get("max_tokens", 0)), exclude, trace)
         self.decoders[req.request_id] = (route.decode_addr, wire_id)
         try:
             await self._client(route.decode_addr).call(Generate(
@@ -247,10 +171,38 @@ class ClusterBackend(GenerationBackend):
             if exc.code == "overloaded":  # its queue is full: admitted nothing
                 self.decoders.pop(req.request_id, None)
                 raise BackendOverloaded(exc.message, exc.retry_after_s or 1.0) from exc
-            raise _SubmitFailed(exc.message, route) from exc
+            raise SubmitFailed(exc.message, route) from exc
         except (RpcTimeout, ConnectionError) as exc:
-            raise _SubmitFailed(f"decode worker {route.decode_id} did not answer", route) from exc
+            raise SubmitFailed(f"decode worker {route.decode_id} did not answer", route) from exc
         return route
+
+    def _pass_over(self, exc: SubmitFailed, lost: LostWorkers, rid: str, wire: str) -> None:
+        """After a failed ``Generate``: the worker is lost to this request (Route will
+        exclude it), and aborted, in case it admitted the request after all."""
+        lost.attempts += 1  # so ``wire`` is not used again
+        self.queues.pop(wire, None)
+        self.decoders.pop(rid, None)
+        self._abort_soon(exc.route.decode_addr, wire)
+        lost.add(exc.route.decode_id, exc.route.decode_addr)
+
+    async def _first_start(self, req: GenerationRequest, lost: LostWorkers,
+                           trace: RequestTrace) -> tuple[RouteReply, str, asyncio.Queue]:
+        """One try to submit a new request (``wait_for_route`` repeats it): returns the
+        route, the attempt's request id and its queue."""
+        rid = req.request_id
+        if not self.dispatching:  # no tokens could reach this attempt
+            raise BackendUnavailable("the gateway's token stream has failed")
+        wire = attempt_id(rid, lost.attempts)
+        q = self.queues[wire] = asyncio.Queue()  # tokens may come before the Ack
+        try:
+            exclude = lost.exclude(await self.conductor.workers()) if lost.attempts else []
+            return await self._start(req, [], exclude, wire, trace), wire, q
+        except SubmitFailed as exc:
+            self._pass_over(exc, lost, rid, wire)
+            raise
+        except BaseException:
+            self.queues.pop(wire, None)
+            raise
 
     async def _fail_over(self, req: GenerationRequest, generated: list[int], lost: LostWorkers,
                          trace: RequestTrace) -> tuple[RouteReply, str, asyncio.Queue]:
@@ -265,16 +217,12 @@ class ClusterBackend(GenerationBackend):
             wire = attempt_id(rid, lost.attempts + 1)
             q = self.queues[wire] = asyncio.Queue()  # tokens may come before the Ack
             try:
-                exclude = lost.exclude(await self._workers())
+                exclude = lost.exclude(await self.conductor.workers())
                 route = await self._start(req, generated, exclude, wire, trace)
                 lost.attempts += 1
                 return route, wire, q
-            except _SubmitFailed as exc:  # it may have admitted it after all
-                lost.attempts += 1  # so its id is not used again
-                self.queues.pop(wire, None)
-                self.decoders.pop(rid, None)
-                self._abort_soon(exc.route.decode_addr, wire)
-                lost.add(exc.route.decode_id, exc.route.decode_addr)
+            except SubmitFailed as exc:  # it may have admitted it after all
+                self._pass_over(exc, lost, rid, wire)
                 why = str(exc)
             except (BackendUnavailable, BackendOverloaded) as exc:
                 self.queues.pop(wire, None)
@@ -297,27 +245,26 @@ class ClusterBackend(GenerationBackend):
                 async with asyncio.timeout(self.stall_check_s):
                     return await q.get()
             except TimeoutError:
-                if not await self._decode_alive(route.decode_id, route.decode_addr):
+                if not await self.conductor.decode_alive(route.decode_id, route.decode_addr):
                     return None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Tokens]:
         rid = request.request_id
         # Front-ends make ids unique; a clash must not hijack one.
-        if rid in self.queues or rid in self.decoders:
+        if rid in self._running or rid in self.queues or rid in self.decoders:
             raise ValueError(f"request id {rid} is already running")
         if not self.dispatching:
             raise BackendUnavailable("the gateway's token stream has failed")
-        q: asyncio.Queue = asyncio.Queue()
+        self._running.add(rid)
         wire = rid  # the id the worker sees; a new one per failover attempt
-        self.queues[wire] = q
         generated: list[int] = []
         pending: dict[int, Tokens] = {}
         lost = LostWorkers()
         failovers, finished = 0, False
         trace = RequestTrace(self.tracer, rid, request.trace, request.timing)
         try:
-            route = await wait_for_route(
-                lambda: self._start(request, generated, [], wire, trace), self.failover, rid)
+            route, wire, q = await wait_for_route(
+                lambda: self._first_start(request, lost, trace), self.failover, rid)
             while True:
                 tokens = await self._next(q, route)
                 if isinstance(tokens, StreamMoved):  # with its KV: the same attempt goes on
@@ -363,6 +310,7 @@ class ClusterBackend(GenerationBackend):
                     if event.finished:
                         return
         finally:
+            self._running.discard(rid)
             trace.end("abort")  # a no-op once the last event ended it
             self.queues.pop(wire, None)
             held = self.decoders.pop(rid, None)
@@ -386,14 +334,6 @@ class ClusterBackend(GenerationBackend):
         held = self.decoders.pop(request_id, None)
         if held is not None:
             await self._send_abort(*held)
-
-
-class _SubmitFailed(BackendUnavailable):
-    """A ``Generate`` that failed on the worker ``route`` chose (it may be gone)."""
-
-    def __init__(self, message: str, route: RouteReply) -> None:
-        super().__init__(message)
-        self.route = route
 
 
 _STREAM_LOST = object()  # queued to every request when the token dispatcher has died

@@ -22,7 +22,12 @@ then fails the request with an error event.
 A new request waits too, but less: when the conductor answers its first Route with
 ``unavailable`` (no live decode worker, as in the second after a conductor restart,
 before the workers have said Hello again), the gateway asks again every
-``route_poll_s`` for up to ``route_wait_s`` (``wait_for_route``), then answers 503.
+``route_poll_s`` for up to ``route_wait_s`` from its arrival (``wait_for_route``),
+then answers 503. A new request whose first ``Generate`` fails (the worker is stopping
+and answers ``unavailable``, or it does not answer: frozen, or killed just as it was
+chosen) is handled as a lost worker: the worker is avoided, aborted, and the request
+routed again at once, since another live worker may take it even when the wait is
+over; at most ``max_failovers`` workers are passed over so.
 """
 
 from __future__ import annotations
@@ -75,15 +80,34 @@ class NoDecodeWorker(BackendUnavailable):
     """The conductor's ``unavailable``: no live decode worker serves the model now."""
 
 
+class SubmitFailed(BackendUnavailable):
+    """A ``Generate`` that failed on the worker ``route`` chose (it may be gone, frozen
+    or stopping; it may also have admitted the request after all)."""
+
+    def __init__(self, message: str, route: RouteReply) -> None:
+        super().__init__(message)
+        self.route = route
+
+
 async def wait_for_route(start: Callable[[], Awaitable[T]], settings: FailoverSettings,
                          request_id: str = "") -> T:
     """``start()`` (a first Route and Generate), asked again while it raises
-    ``NoDecodeWorker``, for up to ``settings.route_wait_s``; then BackendUnavailable."""
+    ``NoDecodeWorker``, for up to ``settings.route_wait_s``, and at once after it
+    raises ``SubmitFailed`` (``start`` avoids that worker from then on), for up to
+    ``settings.max_failovers`` workers; then BackendUnavailable."""
     deadline = time.monotonic() + settings.route_wait_s
-    waited = False
+    waited, passed_over = False, 0
     while True:
         try:
             return await start()
+        except SubmitFailed as exc:
+            passed_over += 1
+            log.warning("decode worker did not take a new request, re-routing",
+                        request_id=request_id, worker_id=exc.route.decode_id, error=str(exc))
+            if passed_over > settings.max_failovers:
+                raise BackendUnavailable(
+                    f"{passed_over} decode workers did not take the request: {exc}") from exc
+            continue
         except NoDecodeWorker as exc:
             if not waited and settings.route_wait_s > 0:
                 waited = True
