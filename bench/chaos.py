@@ -3,10 +3,14 @@
     python bench/chaos.py [--duration 90] [--rate 3] [--seed 0] [--faults a,b,c]
                           [--short] [--out chaos.json] [--model DIR] [--workdir DIR]
 
-Real processes on loopback (``tests.cluster``): gateway, conductor, one prefill worker,
-two decode workers and a cache pool, serving a tiny random model with the default
-tokenizer (or ``--model``). A steady Poisson load of greedy and seeded requests of varied
-prompt lengths (those of ``disagg_threshold`` tokens or more cross to the prefill
+Real processes (``tests.cluster``): gateway, conductor, one prefill worker, two decode
+workers and a cache pool, serving a tiny random model with the default tokenizer (or
+``--model``). Where network namespaces can be made, the prefill worker runs on a "host"
+of its own joined to the rest by a veth pair (``bench/chaos_netns``), so its link can be
+cut; elsewhere all run on loopback and the link cut is skipped. The prefill worker's KV
+senders spoil chunks while the corrupt_kv fault asks them to (PDSERVE_TEST_CORRUPT_KV,
+``common/transfer/fault_hook.py``). A steady Poisson load of greedy and seeded requests
+of varied prompt lengths (those of ``disagg_threshold`` tokens or more cross to the prefill
 worker), three in four over the ZeroMQ client port (token ids and stream positions), one
 in four over HTTP SSE (text), runs twice: once undisturbed (the reference), then on a
 fresh cluster of the same shape while the fault schedule strikes (``bench/chaos_faults``:
@@ -39,14 +43,17 @@ if __package__ in (None, ""):  # run as a script: make `bench.` and `tests.` imp
 
 from bench.chaos_faults import FAULTS, Strike, Target, strike  # noqa: E402
 from bench.chaos_load import Outcome, Req, run_load  # noqa: E402
+from bench.chaos_netns import HostedPoolProc, Placement, corrupt_env, place  # noqa: E402
 from tests.cluster import Cluster, make_served_tiny_model  # noqa: E402
-from tests.pool_procs import PoolProc  # noqa: E402
 
 ROLES = ["prefill", "decode", "decode"]
-SCHEDULE = [("prefill_sigkill", 0.10), ("junk", 0.18), ("decode_sigkill", 0.26),
-            ("conductor_sigterm", 0.36), ("overload", 0.46), ("pool_restart", 0.56),
-            ("prefill_sigterm", 0.66)]  # at_s as a fraction of the duration
-SHORT = ["prefill_sigkill", "junk", "decode_sigkill", "conductor_sigterm", "overload"]
+# at_s as a fraction of the duration. The wire and KV faults come early: the kills take
+# long on a loaded machine, and a fault striking after the load has ended finds nothing.
+SCHEDULE = [("prefill_sigkill", 0.08), ("corrupt_kv", 0.14), ("junk", 0.24),
+            ("link_cut", 0.31), ("decode_sigkill", 0.38), ("conductor_sigterm", 0.46),
+            ("overload", 0.54), ("pool_restart", 0.62), ("prefill_sigterm", 0.70)]
+SHORT = ["prefill_sigkill", "corrupt_kv", "junk", "link_cut", "decode_sigkill",
+         "conductor_sigterm", "overload"]
 SETTLE_S = 5.0  # a fault's window runs this long past its end
 
 
@@ -66,12 +73,17 @@ def build_requests(duration: float, rate: float, seed: int) -> list[Req]:
                         http=rng.random() < 0.25))
 
 
-def start_cluster(model: str, workdir: Path) -> tuple[Cluster, PoolProc]:
+def start_cluster(model: str, workdir: Path,
+                  placement: Placement) -> tuple[Cluster, HostedPoolProc]:
+    """The cluster and its pool on ``placement``; the prefill worker's KV senders spoil
+    chunks while ``workdir/corrupt-kv`` asks them to (the corrupt_kv fault)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    pool = PoolProc("pool-0", workdir, dram_blocks=4096).start(learn_block_bytes=True,
-                                                                 timeout_s=60)
+    pool = HostedPoolProc("pool-0", workdir, dram_blocks=4096, host=placement.host).start(
+        learn_block_bytes=True, timeout_s=60)
     pools = ["--cache-pools", pool.control]
-    cluster = Cluster(model, workdir, ROLES, conductor_args=pools, worker_args=pools)
+    cluster = Cluster(model, workdir, ROLES, conductor_args=pools, worker_args=pools,
+                      host=placement.host, worker_hosts={"prefill-0": placement.prefill_host(
+                          corrupt_env(workdir / "corrupt-kv"))})
     try:
         cluster.start(timeout_s=180)
     except BaseException:
@@ -96,11 +108,15 @@ def blocks_leaked(cluster: Cluster, timeout_s: float = 30.0) -> dict[str, int]:
 
 
 def one_run(model: str, workdir: Path, reqs: list[Req], schedule: list[tuple[str, float]],
-            rate: float) -> tuple[list[Outcome], list[Strike], dict[str, int], list[str]]:
-    cluster, pool = start_cluster(model, workdir)
+            rate: float, placement: Placement
+            ) -> tuple[list[Outcome], list[Strike], dict[str, int], list[str]]:
+    """The load on a fresh cluster while ``schedule`` strikes; run inside the cluster's
+    namespace when there is one (``Placement.run``)."""
+    cluster, pool = start_cluster(model, workdir, placement)
     try:
         strikes: list[Strike] = []
-        target = Target(cluster, pool, overload=lambda n, s: None, rate=rate)
+        target = Target(cluster, pool, overload=lambda n, s: None, rate=rate,
+                        placement=placement, corrupt_file=workdir / "corrupt-kv")
 
         async def faults(t0: float, extra) -> None:
             target.overload = extra
@@ -178,8 +194,9 @@ def format_table(res: dict) -> str:
             f"{'p99 added ms':>12}"]
     for name, f in res["faults"].items():
         p = "-" if f["p99_added_ms"] is None else f["p99_added_ms"]
+        struck = "yes" if f["struck"] else "skip" if f["skipped"] else "NO"
         out.append(f"{name:<18} {f['start_s']:>6.1f} {f['end_s'] - f['start_s']:>7.1f} "
-                   f"{'yes' if f['struck'] else 'NO':>6} {f['in_flight']:>9} {p:>12}")
+                   f"{struck:>6} {f['in_flight']:>9} {p:>12}")
     return "\n".join(out)
 
 
@@ -205,7 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown faults {unknown}; known: {list(FAULTS)}")
     args.schedule = [(n, round(f * args.duration, 1)) for n, f in SCHEDULE if n in names]
     if args.short and not args.faults:  # the short schedule packs its faults closer
-        args.schedule = [(n, round(args.duration * (0.1 + 0.15 * i), 1))
+        step = 0.7 / max(1, len(args.schedule) - 1)
+        args.schedule = [(n, round(args.duration * (0.1 + step * i), 1))
                          for i, (n, _) in enumerate(args.schedule)]
     return args
 
@@ -217,13 +235,22 @@ def main(argv: list[str] | None = None) -> dict:
     reqs = build_requests(args.duration, args.rate, args.seed)
     print(f"{len(reqs)} requests over {args.duration:.0f} s; faults {args.schedule}; "
           f"logs in {work}", flush=True)
-    ref, _, ref_leaked, _ = one_run(model, work / "reference", reqs, [], args.rate)
-    got, strikes, leaked, restarts = one_run(model, work / "chaos", reqs, args.schedule,
-                                             args.rate)
+    placement = place()
+    if placement.wire is None:
+        print(f"all processes on loopback, link_cut skipped: {placement.why_not}", flush=True)
+    try:
+        ref, _, ref_leaked, _ = placement.run(one_run, model, work / "reference", reqs, [],
+                                              args.rate, placement)
+        got, strikes, leaked, restarts = placement.run(
+            one_run, model, work / "chaos", reqs, args.schedule, args.rate, placement)
+    finally:
+        placement.delete()
     res = compare(ref, got, strikes, leaked, restarts)
     res["reference_blocks_leaked"] = sum(ref_leaked.values())
     res["config"] = {"duration_s": args.duration, "rate": args.rate, "seed": args.seed,
-                     "schedule": args.schedule, "roles": ROLES, "workdir": str(work)}
+                     "schedule": args.schedule, "roles": ROLES, "workdir": str(work),
+                     "prefill_on_own_netns": placement.wire is not None,
+                     "loopback_because": placement.why_not}
     print(format_table(res), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

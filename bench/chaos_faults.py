@@ -4,7 +4,10 @@ says what it did in a ``Strike``.
 
 A killed or stopped process is started again at once with its own arguments and
 addresses, as a supervisor would (``Cluster.restart``, ``PoolProc.start``); whether the
-fault really struck is checked, not assumed: the signalled pid must be gone.
+fault really struck is checked, not assumed: the signalled pid must be gone, a cut wire
+must carry nothing, a spoiled chunk must have been caught by the receiver's checksum.
+A fault this machine cannot carry out (``link_cut`` without network namespaces) is
+skipped, and its ``Strike`` says why.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
+from bench.chaos_netns import Placement
 from tests.cluster import Cluster
 from tests.pool_procs import PoolProc
 
@@ -37,7 +42,13 @@ class Target:
     pool: PoolProc
     overload: Callable[[int, float], None]
     rate: float
+    placement: Placement = field(default_factory=lambda: Placement(None, "not asked for"))
+    corrupt_file: Path | None = None  # the prefill worker's PDSERVE_TEST_CORRUPT_KV file
     restarts: list[str] = field(default_factory=list)
+
+
+class Skipped(Exception):
+    """The fault cannot be carried out on this machine; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +60,7 @@ class Strike:
     end_s: float
     struck: bool
     detail: str
+    skipped: bool = False
 
 
 def pid_gone(pid: int) -> bool:
@@ -165,7 +177,7 @@ def _http_junk(t: Target) -> list[str]:
     head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     raw = [head.encode() + f"Content-Length: {len(b)}\r\n\r\n".encode() + b for b in bodies]
     raw += [b"GARBAGE\r\n\r\n", os.urandom(4096), b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 5000]
-    answers = _tcp_junk("127.0.0.1", t.cluster.http_port, raw)
+    answers = _tcp_junk(t.cluster.host.ip, t.cluster.http_port, raw)
     return [a.split(b"\r\n", 1)[0].decode(errors="replace")[9:12] or "none" for a in answers]
 
 
@@ -210,18 +222,88 @@ def junk(t: Target) -> tuple[bool, str]:
             f"{sent} junk connections to {len(internal)} internal ports; dead after: {dead}")
 
 
+# ---------------------------------------------------------------- wire and KV faults
+
+CUT_S = 3.0  # a link cut lasts this long: under the KV lease, over a heartbeat or two
+SPOIL_S = (2.0, 10.0)  # a corrupt_kv phase lasts at least, at most this long
+
+
+def link_cut(t: Target) -> tuple[bool, str]:
+    """The prefill worker's link down for ``CUT_S``, then up again; it struck if nothing
+    left its side meanwhile. Took ends once the conductor lists it alive again."""
+    wire = t.placement.wire
+    if wire is None:
+        raise Skipped(t.placement.why_not)
+    side = wire.b
+    side.link(up=False)
+    try:
+        before = side.tx_bytes()
+        time.sleep(CUT_S)
+        silent = side.tx_bytes() == before
+    finally:
+        side.link(up=True)
+    t.cluster.wait_alive(PREFILL)
+    return silent, f"{side.device} in {side.netns} down {CUT_S:.0f} s " \
+        f"({'nothing' if silent else 'SOMETHING'} sent meanwhile), then up"
+
+
+def _kv_counts(t: Target) -> tuple[int, int, int]:
+    """(chunks the prefill worker resent, chunks decode workers asked for again, their
+    local fall-backs)."""
+    decodes = [t.cluster.worker_stats(n) for n in t.cluster.procs if n.startswith("decode")]
+    return (t.cluster.worker_stats(PREFILL).kv_chunks_resent,
+            sum(s.kv_chunks_retried for s in decodes), sum(s.local_fallbacks for s in decodes))
+
+
+def _phase(t: Target, mode: str, seen: Callable[[tuple, tuple], bool]) -> tuple:
+    """Spoil in ``mode`` for at least ``SPOIL_S[0]`` and until ``seen(before, now)`` (a
+    transfer crossed meanwhile), at most ``SPOIL_S[1]``; the counts at its end."""
+    was = _kv_counts(t)
+    start = time.monotonic()
+    t.corrupt_file.write_text(mode)
+    while True:
+        time.sleep(0.5)
+        now = _kv_counts(t)
+        took = time.monotonic() - start
+        if took >= SPOIL_S[1] or (took >= SPOIL_S[0] and seen(was, now)):
+            return now
+
+
+def corrupt_kv(t: Target) -> tuple[bool, str]:
+    """The prefill worker's KV spoiled in flight: first attempts only (each chunk is
+    resent and arrives intact), then every attempt (the transfers fail on their
+    checksum and the decode workers prefill locally). It struck if, in the first phase,
+    receivers' checksums caught chunks and, in the second, decode workers fell back."""
+    if t.corrupt_file is None:
+        raise Skipped("the prefill worker was started without PDSERVE_TEST_CORRUPT_KV")
+    was = _kv_counts(t)
+    try:
+        mid = _phase(t, "first", lambda a, b: b[1] > a[1])
+        now = _phase(t, "all", lambda a, b: b[2] > a[2])
+    finally:
+        t.corrupt_file.write_text("off")
+    caught, fell_back = mid[1] - was[1], now[2] - mid[2]
+    return caught > 0 and fell_back > 0, (
+        f"first attempts spoiled: {mid[0] - was[0]} chunks resent, {caught} caught; "
+        f"every attempt spoiled: {now[1] - mid[1]} caught, {fell_back} local fall-backs")
+
+
 FAULTS: dict[str, Callable[[Target], tuple[bool, str]]] = {
     "prefill_sigkill": prefill_sigkill, "prefill_sigterm": prefill_sigterm,
     "decode_sigkill": decode_sigkill, "conductor_sigterm": conductor_sigterm,
     "pool_restart": pool_restart, "junk": junk, "overload": overload,
+    "link_cut": link_cut, "corrupt_kv": corrupt_kv,
 }
 
 
 def strike(t: Target, name: str, t0: float) -> Strike:
     start = time.monotonic() - t0
+    skipped = False
     try:
         struck, detail = FAULTS[name](t)
+    except Skipped as e:
+        struck, detail, skipped = False, f"skipped: {e}", True
     # A fault that could not be carried out is a result to report, not a crash.
     except Exception as e:  # noqa: BLE001
         struck, detail = False, f"{type(e).__name__}: {e}"
-    return Strike(name, start, time.monotonic() - t0, struck, detail)
+    return Strike(name, start, time.monotonic() - t0, struck, detail, skipped)

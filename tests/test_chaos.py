@@ -3,7 +3,9 @@
 Nothing completed may differ from the undisturbed reference run, no stream may lose or
 repeat a token, and no worker may hold a KV block once the load is over. Requests that
 fail with a clean error are allowed (counted); each fault of the short schedule must
-really have struck (a killed pid is gone, junk reached every port and nobody died).
+really have struck (a killed pid is gone, junk reached every port and nobody died, the
+cut wire carried nothing, spoiled KV was caught by the checksum and fell back), but for
+the link cut where network namespaces cannot be made (it is then skipped, saying why).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ def test_short_chaos_run_loses_nothing(tmp_path):
     assert res["tokens_lost"] == 0 and res["tokens_repeated"] == 0, detail
     assert res["blocks_leaked"] == 0, detail
     assert set(res["faults"]) == set(chaos.SHORT), detail
-    assert all(f["struck"] for f in res["faults"].values()), detail
+    skippable = set() if res["config"]["prefill_on_own_netns"] else {"link_cut"}
+    assert all(f["struck"] or (n in skippable and f["skipped"])
+               for n, f in res["faults"].items()), detail
     assert res["completed_exact"] > 0, detail
     assert res["sent"] == res["completed_exact"] + res["completed_unreferenced"] + \
         res["failed_total"], detail

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from common.transfer import batch, wire
+from common.transfer import batch, fault_hook, wire
 from common.transfer.base import KVSender, TransferError
 
 log = structlog.get_logger("pdserve.transfer")
@@ -59,18 +59,23 @@ class InFlight:
     A backend's ``_post`` sets ``claimed`` (the checksum it announces) before writing
     and keeps the attempt until it calls ``answered(verdict)`` with the receiver's
     verdict or ``lost(reason)`` when the connection goes first; the first of those
-    calls counts. It holds ``view``, the caller's payload, until then: a resend needs
-    the bytes.
+    calls counts. It holds ``view``, the bytes this attempt sends, and ``source``, the
+    caller's payload (the same but under a test-only fault hook), until then: a resend
+    needs the bytes.
     """
 
-    __slots__ = ("sender", "address", "request", "chunk", "view", "nbytes", "claimed", "over")
+    __slots__ = ("sender", "address", "request", "chunk", "view", "nbytes", "claimed", "over",
+                 "source")
 
-    def __init__(self, sender, address, request, chunk, view, claimed=None) -> None:
+    def __init__(self, sender, address, request, chunk, view, claimed=None,
+                 source=None) -> None:
         self.sender, self.address, self.request = sender, address, request
         self.chunk: wire.Chunk | batch.Batch = chunk
         # A batch's payloads are a list of views, its claimed checksums a tuple.
         self.view: memoryview | list[memoryview] = view
         self.nbytes = view.nbytes if type(view) is memoryview else sum(v.nbytes for v in view)
+        # What the caller gave: the same as view, except under a test-only fault hook.
+        self.source = view if source is None else source
         self.claimed = claimed
         self.over = False
 
@@ -111,6 +116,7 @@ class ConnectionSender(KVSender):
         self._closed = False
         self._requests: dict[str, _Request] = {}
         self._resending: set[asyncio.Task] = set()
+        self._corrupt = fault_hook.from_env()  # None unless a test asks for spoiled KV
 
     async def _dial(self, address: str) -> Any:
         raise NotImplementedError
@@ -156,7 +162,9 @@ class ConnectionSender(KVSender):
         if request.failed is not None:
             raise TransferError(request.failed, request_id)
         request.pending += 1
-        attempt = InFlight(self, address, request, chunk, view)
+        sent, claimed = (view, None) if self._corrupt is None else \
+            self._corrupt.apply(view, 0)
+        attempt = InFlight(self, address, request, chunk, sent, claimed, view)
         try:
             await self._post(attempt)
         except BaseException as exc:
@@ -228,14 +236,12 @@ class ConnectionSender(KVSender):
     def _resend(self, attempt: InFlight, reason: str) -> None:
         self.resent += 1
         log.warning("kv_transfer.chunk_resent", request_id=attempt.chunk.request_id, reason=reason)
-        again = InFlight(
-            self,
-            attempt.address,
-            attempt.request,
-            attempt.chunk._replace(attempt=attempt.chunk.attempt + 1),
-            attempt.view,
-            attempt.claimed,
-        )
+        chunk = attempt.chunk._replace(attempt=attempt.chunk.attempt + 1)
+        # The test-only fault hook spoils single chunks; a batch is resent as it was.
+        sent = attempt.source if self._corrupt is None or type(attempt.source) is list \
+            else self._corrupt.apply(attempt.source, chunk.attempt)[0]
+        again = InFlight(self, attempt.address, attempt.request, chunk, sent,
+                         attempt.claimed, attempt.source)
         task = asyncio.ensure_future(self._post_again(again))
         self._resending.add(task)
         task.add_done_callback(self._resending.discard)

@@ -14,6 +14,8 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
                   + prefill(P - cached(p), cached(p))
                   + pool fetch(pool blocks beyond its own)
                   + KV transfer(P * kv_bytes_per_token over the link)
+                  + the decode worker's queue of local prefills (it forwards the
+                    Prefill only between its engine steps, after those)
     local  = TTFT on the decode worker itself: its own prefix, its local prefill queue,
              the decode step in progress; no transfer. Allowed when nothing runs there, or
              when its local prefill queue and this prefill stall the running batch for at
@@ -33,7 +35,8 @@ held requests will still take for their output (``reserved_blocks``).
 
 In-flight accounting: an accepted decision adds one request and its *uncached* tokens
 to the prefill location's ``pending_*`` counters (on a prefill worker kept through its
-next heartbeat, which may not show the request yet: ``Registry.heartbeat``) and, until that
+next heartbeat, which may not show the request yet, or longer while the decode worker's own
+prompts hold it back: ``Registry.heartbeat``) and, until that
 heartbeat, its KV blocks to the decode worker's ledger. The local queue is the decode
 worker's waiting prompts plus those routed there since, drained in turn. The queue term
 grows with every request routed to a worker, so a burst sharing one cached prefix piles
@@ -59,6 +62,10 @@ from services.conductor.routing_policy import (
 )
 
 POOL_PREFIX = "pool:"
+# A decision for a prefill worker whose decode worker has prompts of its own queued stays
+# pending through this many more of the prefill worker's heartbeats: one local prefill
+# step (up to max_num_batched_tokens) may outlast an interval.
+HOLD_BEATS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +145,12 @@ class CacheAwarePolicy(RoutingPolicy):
                       and w.fingerprint == decode.fingerprint] if decode.role == "decode" else []
         remote = min((self._estimate(p, chain, remote=True) for p in prefillers),
                       key=lambda e: (e.ttft_s, -e.hit_blocks, e.worker.worker_id), default=None)
+        ahead = local.queue_s - local.step_s
+        if remote is not None and ahead > 0:
+            # The decode worker takes a remote request (its KV blocks, then the Prefill
+            # it sends) only between engine steps: the prompts it prefills itself, queued
+            # before this one, go first.
+            remote = remote._replace(ttft_s=remote.ttft_s + ahead)
         stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
         busy = decode.load
         budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
@@ -152,7 +165,7 @@ class CacheAwarePolicy(RoutingPolicy):
         if admission and best.ttft_s > slo_ttft_s:
             return Rejection(f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo_ttft_s:.3f}s",
                              max(1.0, best.ttft_s - slo_ttft_s))
-        self._account(best, decode, prompt_tokens + output_tokens)
+        self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead))
         nblocks = len(block_hashes)
         reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
                   f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s; "
@@ -207,7 +220,8 @@ class CacheAwarePolicy(RoutingPolicy):
                 queue += step
         return Estimate(queue + t, w, own + fetch, uncached, queue, step)
 
-    def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int) -> None:
+    def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
+                 ahead_s: float) -> None:
         pre = best.worker
         pre.pending_requests += 1
         pre.pending_tokens += best.uncached
@@ -216,5 +230,7 @@ class CacheAwarePolicy(RoutingPolicy):
             led.local += 1
         else:
             decode.pending_requests += 1
+            if ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
+                pre.hold_beats = HOLD_BEATS
         led.kv_blocks += -(-kv_tokens // decode.block_size)
         led.kv_tokens += kv_tokens

@@ -40,6 +40,9 @@ class WorkerView:
     # Of those, the ones already pending at the last heartbeat: the next one drops them.
     carried_requests: int = 0
     carried_tokens: int = 0
+    # Heartbeats of a prefill worker that keep all its pending decisions: some reach it
+    # late, behind prompts their decode worker prefills itself (``Registry.heartbeat``).
+    hold_beats: int = 0
 
     @property
     def load(self) -> int:
@@ -116,7 +119,13 @@ class Registry:
         up to one interval it may be counted twice, which errs towards refusing rather
         than towards admitting a burst that a heartbeat hid. A decode worker receives
         its requests directly and shows them in its next load snapshot: its heartbeat
-        clears them."""
+        clears them.
+
+        A decode worker busy prefilling prompts of its own holds a remote prefill back
+        until its step ends, which can be longer than an interval: the policy then sets
+        ``hold_beats`` and the prefill worker keeps all its pending decisions through
+        that many more heartbeats. Counted in heartbeats, not seconds, so that a replay
+        of the same heartbeats (the simulator, a test) decides the same."""
         view = self.workers.get(hb.worker_id)
         if view is None:
             return False
@@ -131,6 +140,11 @@ class Registry:
         view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
         view.waiting_for_kv, view.reserved_blocks = hb.waiting_for_kv, hb.reserved_blocks
         carry = view.role == "prefill"
+        if carry and view.hold_beats > 0:
+            view.hold_beats -= 1
+            view.carried_requests = view.pending_requests
+            view.carried_tokens = view.pending_tokens
+            return True
         fresh_requests = max(0, view.pending_requests - view.carried_requests) if carry else 0
         fresh_tokens = max(0, view.pending_tokens - view.carried_tokens) if carry else 0
         view.pending_requests = view.carried_requests = fresh_requests
