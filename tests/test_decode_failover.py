@@ -40,7 +40,7 @@ from services.gateway.failover import (
     FailoverSettings,
     LostWorkers,
     attempt_id,
-    resumed_sampling,
+    remaining_tokens,
 )
 from tests.cluster import Cluster, make_served_tiny_model
 from tests.tiny_models import random_prompts
@@ -68,10 +68,10 @@ def test_lost_worker_is_avoided_until_the_conductor_has_seen_it_go():
     assert lost.exclude([_status("d1", "tcp://c", True)]) == []  # restarted elsewhere
 
 
-def test_resumed_sampling_owes_only_the_rest():
-    assert resumed_sampling(SAMPLING, 0) == SAMPLING
-    assert resumed_sampling(SAMPLING, 3) == {**SAMPLING, "max_tokens": 5, "min_tokens": 2}
-    assert resumed_sampling(SAMPLING, 6)["min_tokens"] == 0
+def test_remaining_tokens_owes_only_the_rest():
+    assert remaining_tokens(SAMPLING, 0) == SAMPLING["max_tokens"]
+    assert remaining_tokens(SAMPLING, 3) == SAMPLING["max_tokens"] - 3
+    assert remaining_tokens(SAMPLING, 99) == 0
     assert attempt_id("r", 0) == "r" and attempt_id("r", 2) == "r.r2"
     with pytest.raises(ValueError):
         FailoverSettings(wait_s=-1)
@@ -188,7 +188,9 @@ async def test_lost_worker_stream_continues_on_another_without_mixing(fake):
     worker, wire1, gen = await cluster.wait_generated(2)
     assert (worker, wire1) == ("d1", "r.r1")
     assert gen.prompt_token_ids == PROMPT + [10, 11, 12] and gen.start_position == 3
-    assert (gen.sampling.max_tokens, gen.sampling.min_tokens, gen.sampling.seed) == (5, 2, 3)
+    # The whole request's sampling: the worker counts the streamed tokens as output.
+    assert (gen.sampling.max_tokens, gen.sampling.min_tokens, gen.sampling.seed) == (
+        SAMPLING["max_tokens"], SAMPLING["min_tokens"], 3)
     # What the lost worker still delivers (position 3 onwards) must not reach the client.
     await cluster.send(backend.stream_addr, wire, Tokens(3, [99, 98]))
     await asyncio.sleep(0.1)

@@ -94,7 +94,8 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str | None, prompt: str | Seq[int],
-                      params: SamplingParams | None, cache_salt: str | None) -> Sequence:
+                      params: SamplingParams | None, cache_salt: str | None,
+                      resumed: int = 0) -> Sequence:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -115,16 +116,31 @@ class EngineCore:
         if self.kv_manager.blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
             raise ValueError(f"prompt of {len(token_ids)} tokens cannot fit in the KV cache "
                              f"({self.block_manager.num_blocks} blocks)")
-        state = SamplingState.create(params, token_ids,
+        if not isinstance(resumed, int) or not 0 <= resumed < len(token_ids):
+            raise ValueError(f"resumed must be an integer in [0, {len(token_ids)}), "
+                             f"got {resumed!r}")
+        # A resumed request's last ``resumed`` tokens are output it already produced:
+        # kept as output, penalties, min/max_tokens and seeded draws count them.
+        cut = len(token_ids) - resumed
+        state = SamplingState.create(params, token_ids[:cut],
                                      seeded_generator=self._seeded_generators)
-        return Sequence(request_id, token_ids, state, cache_salt=cache_salt)
+        if resumed and resumed >= params.max_tokens:
+            raise ValueError(f"the request has nothing left to generate: {resumed} of "
+                             f"max_tokens={params.max_tokens} already produced")
+        state.output_token_ids.extend(token_ids[cut:])
+        seq = Sequence(request_id, token_ids[:cut], state, cache_salt=cache_salt)
+        seq.logprobs.extend([None] * resumed)
+        return seq
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
                     params: SamplingParams | None = None, *, cache_salt: str | None = None,
-                    hold_blocks: bool = False) -> str:
+                    hold_blocks: bool = False, resumed: int = 0) -> str:
         """Queue a request; returns its id. ``hold_blocks`` keeps its KV after it ends
-        (for sending it elsewhere) until :meth:`release`. Bad input raises ``ValueError``."""
-        seq = self._new_sequence(request_id, prompt, params, cache_salt)
+        (for sending it elsewhere) until :meth:`release`. ``resumed``: the last that many
+        tokens of ``prompt`` are this request's output so far (a stream continued after
+        its worker was lost), recomputed like a preempted request's. Bad input raises
+        ``ValueError``."""
+        seq = self._new_sequence(request_id, prompt, params, cache_salt, resumed)
         seq.hold_blocks = hold_blocks
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)

@@ -60,7 +60,7 @@ from services.gateway.failover import (
     SubmitFailed,
     attempt_id,
     moved_route,
-    resumed_sampling,
+    remaining_tokens,
     wait_for_route,
 )
 from services.gateway.request_trace import RequestTrace
@@ -154,13 +154,13 @@ class ClusterBackend(GenerationBackend):
         """Route and submit under ``wire_id``; returns the route taken. A failed
         ``Generate`` raises ``SubmitFailed`` (a BackendUnavailable) naming the worker."""
         prompt = req.prompt_token_ids + generated
-        sampling = resumed_sampling(req.sampling, len(generated))
         route = await self.conductor.route(req, prompt, bool(generated),
-                                           int(sampling.get("max_tokens", 0)), exclude, trace)
+                                           remaining_tokens(req.sampling, len(generated)),
+                                           exclude, trace)
         self.decoders[req.request_id] = (route.decode_addr, wire_id)
         try:
             await self._client(route.decode_addr).call(Generate(
-                prompt_token_ids=prompt, sampling=SamplingParams.from_dict(sampling),
+                prompt_token_ids=prompt, sampling=SamplingParams.from_dict(req.sampling),
                 stream_addr=self.stream_addr,
                 prefill_id=route.prefill_id, prefill_addr=route.prefill_addr,
                 cache_salt=req.cache_salt, start_position=len(generated)),

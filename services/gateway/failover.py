@@ -4,9 +4,11 @@ A decode worker is lost when its stream goes quiet and the conductor no longer l
 alive (its heartbeats stopped), when it hands the request back because it is stopping
 (``WORKER_LEAVING``), or when a ``Generate`` to it fails. The gateway then
 submits the request again, excluding that worker: the prompt plus the tokens already
-streamed as the new prompt, the same sampling with ``max_tokens`` / ``min_tokens``
-reduced by what was generated, and ``start_position`` at the first token still owed
-(seeded draws are keyed by position, so a seeded stream continues exactly). The new
+streamed as the new prompt, the same sampling, and ``start_position`` at the first
+token still owed. The worker keeps those last ``start_position`` prompt tokens as the
+request's output so far, so ``max_tokens``, ``min_tokens``, penalties and seeded draws
+(keyed by output position) all continue exactly as if nothing had happened; only the
+route's cost estimate uses what is still owed (``remaining_tokens``). The new
 worker recomputes the KV of what it is given. A worker that stops on purpose first
 tries to move each request with its KV to another decode worker itself; when it does,
 it says so on the stream (``StreamMoved``) and nothing is re-routed (``moved_route``).
@@ -124,12 +126,9 @@ def attempt_id(request_id: str, attempt: int) -> str:
     return request_id if attempt == 0 else f"{request_id}.r{attempt}"
 
 
-def resumed_sampling(sampling: dict[str, Any], generated: int) -> dict[str, Any]:
-    """``sampling`` for the rest of a stream of which ``generated`` tokens were sent."""
-    if not generated:
-        return dict(sampling)
-    return {**sampling, "max_tokens": sampling.get("max_tokens", 16) - generated,
-            "min_tokens": max(0, sampling.get("min_tokens", 0) - generated)}
+def remaining_tokens(sampling: dict[str, Any], generated: int) -> int:
+    """How many tokens a stream of which ``generated`` were sent may still produce."""
+    return max(0, int(sampling.get("max_tokens", 16)) - generated)
 
 
 def moved_route(route: RouteReply, moved: StreamMoved, request_id: str) -> RouteReply:

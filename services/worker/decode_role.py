@@ -142,8 +142,14 @@ class DecodeRole:
         ctx = self.ctx
         params = rec.sampling  # checked by SamplingParams itself when it was decoded
         prompt, salt = rec.prompt_token_ids, rec.cache_salt
+        # A resumed stream's prompt ends with the tokens it already streamed (positions
+        # 0 onwards): the engine keeps them as output, so its output counts from 0.
+        resumed = rec.start_position
+        if not 0 <= resumed < len(prompt):
+            return Error("bad_request", f"start_position {resumed} must be below the "
+                                        f"prompt's {len(prompt)} tokens")
         stream = self.streams[rid] = Stream(
-            rid, rec.stream_addr, rec.start_position, prompt, salt, rec.start_position,
+            rid, rec.stream_addr, 0, prompt[:len(prompt) - resumed], salt, resumed,
             span=ctx.tracer.span("decode.request", trace, {
                 "request_id": rid, "worker_id": ctx.worker_id,
                 "prompt_tokens": len(prompt)}), arrived=time.monotonic())
@@ -166,7 +172,8 @@ class DecodeRole:
                     asyncio.create_task(self._remote_prefill(rid, rec))
                     return Ack(detail="remote")
             await self.pool.with_prefix(
-                prompt, salt, lambda e: e.add_request(rid, prompt, params, cache_salt=salt))
+                prompt, salt, lambda e: e.add_request(rid, prompt, params, cache_salt=salt,
+                                                      resumed=resumed))
             if await self._undo_if_aborted(rid, stream):
                 return Error("aborted", f"request {rid!r} was aborted")
             return Ack(detail="local")
