@@ -23,7 +23,7 @@ class WorkerSettings:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0: the model's own context length
     num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
-    quantization: str = "none"  # "int8": int8 projections on the CPU (EngineConfig)
+    quantization: str = "none"  # "int8"/"int4": quantized projections on the CPU (EngineConfig)
     # Ranks the model is split over; rank 0 is this process, the rest its followers.
     tensor_parallel_size: int = 1
     control_addr: str = "tcp://127.0.0.1:0"  # where this worker's ROUTER binds
@@ -80,8 +80,8 @@ class WorkerSettings:
         parse_cpus(self.cpu_affinity)
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
                 or not self.pool_bandwidth_mbs > 0 or not self.pool_timeout_s > 0:
             raise ValueError("pool_min_fetch_blocks and pool_replicas must be >= 1, "
