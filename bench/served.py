@@ -2,13 +2,15 @@
 
     python bench/served.py --llama-server PATH [--f32-gguf PATH] [--num-prompts 32]
         [--input-len 390 --range-ratio 0.5 --output-len 64 --request-rate 0.5]
-        [--threads 2 --parallel 8] [--repeats 1 --warmup 0] [--out served.json]
+        [--threads 2 --parallel 8] [--quantization none|int8|int4]
+        [--repeats 1 --warmup 0] [--out served.json]
 
 Sides, each a fresh server per run, interleaved by bench/harness.py:
 
 * ``pdserve``: deploy/configs/colocated.toml (gateway, conductor, one unified worker
-  with ``--threads`` torch threads) started by deploy/run_local.py, every port moved to
-  a free one so that other deployments on the host are left alone;
+  with ``--threads`` torch threads and ``--quantization``) started by
+  deploy/run_local.py, every port moved to a free one so that other deployments on the
+  host are left alone;
 * ``llama-server``: ``llama-server -m <default GGUF> -np <parallel> -t <threads>``;
 * ``llama-server-f32`` (with ``--f32-gguf``): the same weights as F32 (made with
   ``llama-quantize --allow-requantize <gguf> <out> F32``, docs/benchmarks.md).
@@ -56,7 +58,7 @@ def _toml_value(v) -> str:
     return str(v)
 
 
-def colocated_config(ctx: RunContext, threads: int) -> tuple[Path, int]:
+def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[Path, int]:
     """deploy/configs/colocated.toml with each port a free one; (its path, HTTP port)."""
     table = tomllib.loads((ROOT / "deploy" / "configs" / "colocated.toml").read_text())
     moved: dict[int, int] = {}
@@ -75,6 +77,8 @@ def colocated_config(ctx: RunContext, threads: int) -> tuple[Path, int]:
             elif key == "num_threads":
                 value = threads
             lines.append(f"{key} = {_toml_value(value)}")
+        if section == "unified":
+            lines.append(f"quantization = {_toml_value(quantization)}")
         lines.append("")
     path = ctx.tmp / "colocated.toml"
     path.write_text("\n".join(lines))
@@ -106,8 +110,9 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_pdserve(ctx: RunContext, threads: int) -> tuple[subprocess.Popen, str]:
-    config, http_port = colocated_config(ctx, threads)
+def start_pdserve(ctx: RunContext, threads: int,
+                  quantization: str) -> tuple[subprocess.Popen, str]:
+    config, http_port = colocated_config(ctx, threads, quantization)
     proc = subprocess.Popen([sys.executable, "deploy/run_local.py", "--config", str(config)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -126,7 +131,7 @@ def start_llama(ctx: RunContext, binary: str, gguf: str, threads: int,
 
 def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
     if ctx.side == "pdserve":
-        proc, base = start_pdserve(ctx, args.threads)
+        proc, base = start_pdserve(ctx, args.threads, args.quantization)
     else:
         model = args.f32_gguf if ctx.side == "llama-server-f32" else gguf
         proc, base = start_llama(ctx, args.llama_server, model, args.threads, args.parallel)
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--request-rate", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=8, help="llama-server -np")
+    ap.add_argument("--quantization", default="none", help="pdserve's weights: none, int8, int4")
     ap.add_argument("--slo-ttft-ms", type=float, default=5000)
     ap.add_argument("--slo-tpot-ms", type=float, default=250)
     ap.add_argument("--repeats", type=int, default=1)
@@ -172,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"prompts": args.num_prompts, "input_len": args.input_len,
                 "range_ratio": args.range_ratio, "output_len": args.output_len,
                 "rate": args.request_rate, "threads": args.threads,
-                "llama_np": args.parallel, "slo_ttft_ms": args.slo_ttft_ms,
-                "slo_tpot_ms": args.slo_tpot_ms}
+                "llama_np": args.parallel, "quantization": args.quantization,
+                "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     session = Session("served", settings, seed=args.seed)
     runs = session.run({s: (lambda ctx: run_side(ctx, args, gguf)) for s in sides},
                        repeats=args.repeats, warmup=args.warmup)
