@@ -1,7 +1,8 @@
 """Single-request latency of the engine on the CPU, against transformers and llama.cpp.
 
     python bench/latency.py [--model smollm2-135m-instruct] [--runs 3] [--threads 2]
-                            [--decode-tokens 64] [--llama-bench PATH] [--out latency.json]
+                            [--decode-tokens 64] [--llama-bench PATH [--llama-f32-gguf PATH]]
+                            [--quantization none|int8|int4] [--out latency.json]
 
 Three figures per side, all batch 1 and greedy:
 
@@ -10,12 +11,14 @@ Three figures per side, all batch 1 and greedy:
 * ``prefill_tok_s``: 1,024 prompt tokens over the seconds to their first token;
 
 and each Python side's peak RSS (``rss_mib``, in the JSON). ``--quantization int8``
-runs pdserve with int8 weights (services/engine/weights/quantize.py).
+(or ``int4``) runs pdserve with quantized weights (services/engine/weights/quantize.py).
 
 Sides: ``pdserve`` (LLMEngine), ``transformers`` (the same weights in float32, prefill
 with ``logits_to_keep=1`` so neither side computes logits it throws away) and, when
 ``--llama-bench`` names the binary, ``llama.cpp`` on the same GGUF (its ``pp100`` gives
-TTFT, ``pp1024`` prefill, ``tg`` decode). Every run is a fresh process; the sides
+TTFT, ``pp1024`` prefill, ``tg`` decode), and ``llama.cpp-f32`` on ``--llama-f32-gguf``
+(the same weights as F32, made with ``llama-quantize --allow-requantize IN OUT F32``).
+Every run is a fresh process; the sides
 alternate (A, B, C, A, B, C, ...; bench/harness.py, ``--warmup`` rounds first and
 dropped) so that a noisy neighbour hits all of them alike; the ratios are taken per
 round and reported as median [min, max]. The JSON at ``--out`` is the harness's report
@@ -132,10 +135,8 @@ def _cache_of(out):
     return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
-def run_llama_bench(binary: str, model: str, threads: int, n: int) -> dict:
-    from services.engine.weights import resolve_model
-
-    out = subprocess.run([binary, "-m", resolve_model(model), "-t", str(threads), "-r", "1",
+def run_llama_bench(binary: str, gguf: str, threads: int, n: int) -> dict:
+    out = subprocess.run([binary, "-m", gguf, "-t", str(threads), "-r", "1",
                           "-p", f"{TTFT_LEN},{PREFILL_LEN}", "-n", str(n), "-o", "json"],
                          check=True, capture_output=True, text=True).stdout
     rows = json.loads(out)
@@ -145,8 +146,11 @@ def run_llama_bench(binary: str, model: str, threads: int, n: int) -> dict:
 
 
 def run_side(side: str, args: argparse.Namespace, seed: int) -> dict:
-    if side == "llama.cpp":
-        return run_llama_bench(args.llama_bench, args.model, args.threads, args.decode_tokens)
+    if side.startswith("llama.cpp"):
+        from services.engine.weights import resolve_model
+
+        gguf = args.llama_f32_gguf if side == "llama.cpp-f32" else resolve_model(args.model)
+        return run_llama_bench(args.llama_bench, gguf, args.threads, args.decode_tokens)
     cmd = [sys.executable, __file__, "--child", side, "--model", args.model,
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens),
            "--seed", str(seed), "--quantization", args.quantization]
@@ -179,10 +183,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench")
+    ap.add_argument("--llama-f32-gguf", default=None,
+                    help="the model as an F32 GGUF: a llama.cpp-f32 side (needs --llama-bench)")
     ap.add_argument("--out", default="latency.json")
     ap.add_argument("--seed", type=int, default=None, help="default: drawn at random")
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
-    ap.add_argument("--quantization", default="none", help="pdserve's weights: none or int8")
+    ap.add_argument("--quantization", default="none", help="pdserve's weights: none, int8 or int4")
     ap.add_argument("--child", choices=("pdserve", "transformers"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -193,6 +199,10 @@ def main() -> None:
     if args.runs < 3:
         raise SystemExit("--runs must be at least 3: one run says nothing about the spread")
     sides = ["pdserve", "transformers"] + (["llama.cpp"] if args.llama_bench else [])
+    if args.llama_f32_gguf:
+        if not args.llama_bench:
+            raise SystemExit("--llama-f32-gguf needs --llama-bench")
+        sides.append("llama.cpp-f32")
     settings = {"model": args.model, "threads": args.threads, "dtype": "float32",
                 "quantization": args.quantization, "decode_tokens": args.decode_tokens,
                 "batch": 1, "transformers": "prefill logits_to_keep=1"}

@@ -115,8 +115,9 @@ def build_runner(config: EngineConfig, cfg: ModelConfig, tensors: dict[str, torc
     model = LlamaModel.from_hf_weights(
         cfg, make_attention_backend(config.attention_backend, device), tensors, tp=tp,
         consume=consume)
-    quantize_model(model, config.quantization)
     model = model.to(device=device, dtype=dtype).eval()
+    # After the cast: int4 keeps bfloat16 scales, which a cast to float32 would undo.
+    quantize_model(model, config.quantization)
     kv_heads = model.shard.num_kv_heads
     per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, kv_heads,
                                         cfg.head_dim, dtype)

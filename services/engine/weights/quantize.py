@@ -12,7 +12,15 @@ projection several times slower than float32, so float32 stays the default. fbge
 dynamic int8 (activations quantized too) is fast but moved this family's logits by
 20+, so it is not used. Logits stay within the bound tests/test_quantize.py states;
 greedy outputs can differ from the float model where two tokens are close.
+
+``"int4"`` is the speed setting: 4-bit weights in groups of 32 along the input, each
+group with its own scale and offset (the layout of GGUF's Q4_1, so a Q4_1 file's
+weights come back on their own grid), run by ``_weight_int4pack_mm_for_cpu`` on
+bfloat16 activations. That kernel is fast only with bfloat16 activations and scales
+(with float32 ones it falls back to a path 10-100× slower, docs/benchmarks.md), so a
+decode row is rounded to bfloat16 on its way in and the product comes back as float32.
 """
+
 
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ import warnings
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32
 # Above this many rows per matmul the weight is expanded to float for the call.
 DEQUANTIZE_ROWS = 16
 
@@ -74,6 +83,52 @@ class Int8Embedding(nn.Module):
         return self.rows.index_select(0, ids).float() * self.scale.index_select(0, ids)[:, None]
 
 
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + b`` with W 4-bit in groups of ``INT4_GROUP`` inputs (scale and
+    offset per group), x rounded to bfloat16 for the kernel, y float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % INT4_GROUP:
+            raise ValueError(f"int4 needs input features divisible by {INT4_GROUP}, "
+                             f"got {in_features}")
+        w = weight.detach().float().reshape(out_features, -1, INT4_GROUP)
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = ((w - lo) / scale).round_().clamp_(0, 15)
+        # The kernel computes (q - 8) * scale + zero; Q4_1 stores scale * q + min.
+        zero = lo + 8 * scale
+        self.out_features = out_features
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.reshape(out_features, in_features).to(torch.int32), 1))
+        self.register_buffer("scales_zeros", torch.stack(
+            [scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).to(torch.bfloat16)
+            .contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone())
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight the kernel multiplies by."""
+        eye = torch.eye(self.packed_in, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed, INT4_GROUP, self.scales_zeros).float().t()
+
+    @property
+    def packed_in(self) -> int:
+        return self.scales_zeros.shape[0] * INT4_GROUP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat.to(torch.bfloat16), self.packed, INT4_GROUP, self.scales_zeros).float()
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
+
+
 def _weight(module: nn.Module) -> torch.Tensor:
     """[out, in] whatever the module's layout (``WideLinear`` holds [in, out])."""
     return module.weight_t.t() if hasattr(module, "weight_t") else module.weight
@@ -88,7 +143,7 @@ def quantize_model(model: nn.Module, method: str) -> None:
 
     def swap(parent: nn.Module, name: str) -> None:
         old = getattr(parent, name)
-        setattr(parent, name, Int8Linear(_weight(old), getattr(old, "bias", None)))
+        setattr(parent, name, _LINEAR[method](_weight(old), getattr(old, "bias", None)))
 
     with torch.no_grad():
         for layer in model.layers:
