@@ -26,16 +26,23 @@ from services.engine.tokenizer_export import tokenizer_dir_for
 from services.engine.weights import DEFAULT_MODEL
 from tests.cluster import Cluster
 
-# Opt-in (PDSERVE_SIM_PARITY=1): on a 2-core machine, even running alone in the suite,
-# 37-38 of 41 decisions agreed in two of four runs (the rest 39-41): heartbeats landing a
-# little later live turn near-ties between the two prefill workers. Until the simulator
-# models heartbeat timing, the >= 95 % claim holds on a quiet machine only.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(
-    not os.environ.get("PDSERVE_SIM_PARITY"),
-    reason="set PDSERVE_SIM_PARITY=1: timing-sensitive on a loaded 2-core machine")]
+# On by default. On a host oversubscribed beyond OVERLOAD runnable threads per core
+# (1-minute load average) the live processes lose whole seconds waiting for a core: a
+# long prompt's KV lands 0.4-0.9 s late and single requests stall for seconds, which no
+# model of the profile's costs can follow (measured on a 2-core host: 40-41 of 41
+# decisions and mean TTFT within +3-6 % at load 9-10; mean TTFT +29 % at load 12-18).
+# There the test is skipped unless PDSERVE_SIM_PARITY=1 forces it.
+OVERLOAD = 4.0
+_LOAD = os.getloadavg()[0] / (os.cpu_count() or 1)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
+    _LOAD > OVERLOAD and not os.environ.get("PDSERVE_SIM_PARITY"),
+    reason=f"host load {_LOAD:.1f} per core > {OVERLOAD}: the live side cannot keep the "
+           "profile's times (PDSERVE_SIM_PARITY=1 runs it anyway)")]
 
 PROFILE = "smollm2-cpu"
-SCALE = 1.0  # the live workers sleep the profile's times
+SCALE = 1.25  # the live workers sleep the profile's times this much longer, and the
+# trace's times stretch alike: the live path's own per-request cost (~20-80 ms on a
+# loaded 2-core host) weighs less against the work
 HEARTBEAT_S = 0.2
 BLOCK = 16
 GATEWAY = ["--tokenizer-dir", tokenizer_dir_for(DEFAULT_MODEL), "--max-model-len", "8192"]
@@ -48,16 +55,22 @@ def trace(n: int = 40, seed: int = 11) -> list[tuple[float, list[int], int]]:
     goes to a prefill worker, a short one (8 tokens after the prefix) is prefilled where
     its prefix is cached and that is quickest. Long prompts dominate the mean TTFT, so
     the live path's own ~20-50 ms per request (gateway, sockets) stays a few percent.
-    Arrivals are spaced (over four heartbeats apart) so queues stay short: decisions
-    then follow from the prefix caches, which both sides must keep alike, not from when
-    a heartbeat happened to land."""
+    Arrivals are spaced so that no decision hangs on when a heartbeat happened to land
+    (live, each worker beats at its own phase) or on the live path's lag (a job reaches
+    its worker 10-80 ms after the decision, and on a 2-core host at load 12 a long
+    prompt's KV lands up to 0.6 s late): a long prefill (1.51 s, or 1.78 s with no
+    prefix cached, times SCALE) is still running at the next arrival (gaps <= 1.44 s)
+    and has ended and been reported before the one after (two gaps >= 2.48 s: 0.7 s to
+    spare, a heartbeat included). Queues stay short: decisions then follow from the
+    prefix caches and the load, which both sides must keep alike; one flipped decision
+    would also leave a prefix on another worker and flip later ones."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 49152) for _ in range(128)] for _ in range(3)]
-    out, t = [(0.5, [rng.randrange(3, 49152) for _ in range(32)], 850)], 1.0
+    out, t = [(0.5 * SCALE, [rng.randrange(3, 49152) for _ in range(32)], 1250)], 1.0
     for _ in range(n):
-        t += rng.uniform(0.8, 1.0)
+        t += rng.uniform(1.24, 1.44)
         tail = [rng.randrange(3, 49152) for _ in range(rng.choice([8, 600, 600]))]
-        out.append((t, rng.choice(prefixes) + tail, rng.choice([4, 8])))
+        out.append((t * SCALE, rng.choice(prefixes) + tail, rng.choice([4, 8])))
     return out
 
 
@@ -93,31 +106,34 @@ def live(tmp_path, reqs) -> tuple[dict[str, str | None], list[float], int]:
     try:
         kv_blocks = cluster.worker_stats("decode-2").info.num_blocks
         ttft: list[float | None] = [None] * len(reqs)
+        reasons: list[str] = [""] * len(reqs)
         start = time.monotonic() + 0.5
 
         def one(i: int) -> None:
             t, prompt, n = reqs[i]
             time.sleep(max(0.0, start + t - time.monotonic()))
-            with Client(cluster.zmq_addr, timeout_s=60) as client:
+            with Client(cluster.zmq_addr, timeout_s=180) as client:
                 sent = time.monotonic()
                 for chunk in client.stream(prompt_token_ids=prompt, max_tokens=n,
-                                           request_id=f"par-{i}"):
+                                           request_id=f"par-{i}", timing=True):
                     if ttft[i] is None and chunk.token_ids:
                         ttft[i] = time.monotonic() - sent
+                    if chunk.timing is not None:
+                        reasons[i] = chunk.timing.route_reason
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
         for th in threads:
             th.start()
         for th in threads:
-            th.join(120)
-        log = cluster.procs["conductor"].log.read_text()
+            th.join(200)
     finally:
         cluster.stop()
-    # Routed in arrival order (arrivals are 0.8 s apart): the n-th decision is request n's.
+    # Each request's own decision, from the route reason its timing carries (not the
+    # conductor log's order: a stalled host can deliver two arrivals out of order).
     routed = {}
-    for line in log.splitlines():
-        pre = re.search(r"\brouted\b.*?prefill=(\S+)", line)
-        if pre:
-            routed[len(routed)] = None if pre.group(1) == "None" else pre.group(1)
+    for i, reason in enumerate(reasons):
+        where = re.search(r"prefill on (\S+) hit", reason)
+        if where:
+            routed[i] = None if where.group(1).startswith("decode") else where.group(1)
     return routed, ttft, kv_blocks
 
 

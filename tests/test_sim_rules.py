@@ -135,3 +135,28 @@ def test_costs_come_from_a_profile_file_with_optional_noise(tmp_path):
     assert statistics.mean(noisy) == pytest.approx(1.6, rel=0.1)
     with pytest.raises(ValueError, match="noise"):
         Simulator(prof, fixed(None), prefill=0, decode=1, noise=-0.1)
+
+
+def test_heartbeats_report_load_as_the_live_snapshot_does():
+    """Taken between engine steps: a prompt counts whole (cached prefix included) and as
+    waiting until its prefill step ends, on a prefill and on a decode worker."""
+    beats = []
+    # A (1000 tokens) prefilled remotely 0.0-1.6 s; B repeats A's first block, arrives
+    # at 0.5 s and queues behind it; C (600 tokens) is prefilled on decode-0 at 3.0 s.
+    reqs = [SimRequest(0, 0.0, 1000, 2, [0, 1]), SimRequest(1, 0.5, 1000, 2, [0, 9]),
+            SimRequest(2, 3.0, 600, 2, [7, 8])]
+    routes = iter([fixed("prefill-0"), fixed("prefill-0"), fixed(None)])
+    sim = Simulator(TINY, lambda views, req: next(routes)(views, req), prefill=1,
+                    decode=1, heartbeat_s=0.25)
+    real = sim.registry.heartbeat
+    sim.registry.heartbeat = lambda hb, now=None: beats.append((now, hb)) or real(hb, now=now)
+    sim.run(reqs)
+    pre = {round(t, 2): (hb.waiting, hb.queued_prefill_tokens)
+           for t, hb in beats if hb.worker_id == "prefill-0"}
+    # Nothing drains while A's step runs; B counts its cached 512 tokens too.
+    assert pre[0.25] == (1, 1000) and pre[1.5] == (2, 2000)
+    assert pre[1.75] == (1, 1000)  # A done at 1.6 s; B's step runs
+    dec = {round(t, 2): (hb.waiting, hb.queued_prefill_tokens)
+           for t, hb in beats if hb.worker_id == "decode-0"}
+    # C prefills on decode-0 from 3.0 s to 3.88 s (0.1 + 0.6 + 0.18).
+    assert dec[3.25] == (1, 600) and dec[3.75] == (1, 600) and dec[4.0] == (0, 0)

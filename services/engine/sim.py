@@ -118,8 +118,13 @@ class SimExecutor:
     """The ``Executor`` that sleeps what the profile says a step costs."""
 
     def __init__(self, profile: CostProfile, kv_store: SimKVStore, vocab_size: int, *,
-                 time_scale: float, sleep: Callable[[float], None]) -> None:
+                 time_scale: float, sleep: Callable[[float], None],
+                 clock: Callable[[], float] | None = None) -> None:
         self.profile = profile
+        # With a clock, each layer sleeps until its share of the step is due, so the
+        # step's own work (KV writes, a late wake-up on a busy host) is absorbed rather
+        # than added: a step lasts what the profile says, as the offline simulator has it.
+        self._clock = clock
         self.kv_store = kv_store
         self.vocab_size = vocab_size
         self.time_scale = time_scale
@@ -138,9 +143,13 @@ class SimExecutor:
         self.simulated_s += seconds
         kv = self.kv_store
         per_layer = seconds * self.time_scale / kv.num_layers
+        start = self._clock() if self._clock is not None else 0.0
         for layer in range(kv.num_layers):
             if per_layer > 0:
-                self._sleep(per_layer)
+                wait = per_layer if self._clock is None else \
+                    start + (layer + 1) * per_layer - self._clock()
+                if wait > 0:
+                    self._sleep(wait)
             for seq, n in scheduled:
                 self._write_kv(layer, seq, n)
             if layer_hook is not None:
@@ -190,7 +199,8 @@ class SimEngine(EngineCore):
                                  profile.kv_bytes_per_token * block_size // kv_layers))
         kv_store = SimKVStore(kv_layers, num_blocks, block_size, block_bytes)
         executor = SimExecutor(profile, kv_store, vocab_size, time_scale=time_scale,
-                               sleep=sleep)
+                               sleep=sleep,
+                               clock=time.perf_counter if sleep is time.sleep else None)
         super().__init__(
             executor, kv_store,
             fingerprint=f"sim-{profile.name}-{block_size}-{block_bytes}x{kv_layers}",

@@ -15,6 +15,10 @@ blocks the decode worker lacks then crosses the link, after which the blocks are
 (and stay cached).
 
 Timings reach the conductor only in heartbeats, as step samples of work already done.
+Load reaches it as the live engine's snapshot (services/worker/engine_loop.py) reports
+it: taken between engine steps, so a prompt counts as waiting, with all its tokens
+(cached prefix included: the prefix is matched when the step schedules it), until the
+step that prefills it has ended; its tokens do not drain while that step runs.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class PrefillWorker:
         self.sim, self.id, self.prof = sim, wid, sim.profile
         self.kv = KVBlocks(wid, self.prof.kv_blocks, sim.index)
         self.queue: deque[tuple[SimRequest, int]] = deque()  # (request, uncached estimate)
-        self.queued_tokens = 0
+        self.queued_tokens = 0  # whole prompts, as the live snapshot counts them
         self.current: tuple[SimRequest, int, float, float] | None = None  # n, compute, end
         self.link_free = self.last_s = 0.0
         self.samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
@@ -62,29 +66,29 @@ class PrefillWorker:
         n = req.prompt - min(self.kv.prefix(req.hashes) * self.prof.block_size,
                              req.prompt - 1)
         self.queue.append((req, n))
-        self.queued_tokens += n
+        self.queued_tokens += req.prompt
         if self.current is None:
             self._start(now)
 
     def drop(self, req: SimRequest) -> None:
         """The decode worker's lease ran out: a queued job goes, a running one ends
         without sending its KV."""
-        for i, (r, n) in enumerate(self.queue):
+        for i, (r, _) in enumerate(self.queue):
             if r is req:
                 del self.queue[i]
-                self.queued_tokens -= n
+                self.queued_tokens -= r.prompt
                 return
         self.dropped.add(req.rid)
 
     def _start(self, now: float) -> None:
         if self.current is not None or not self.queue:
             return
-        req, est = self.queue[0]
+        req = self.queue[0][0]
         own = self.kv.admit(req.rid, req.hashes, self.blocks(req))
         if own is None:
             return  # its blocks are held by transfers in flight; a release retries
         self.queue.popleft()
-        self.queued_tokens -= est
+        self.queued_tokens -= req.prompt
         prof, pool = self.prof, self.sim.pool
         fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
         cached = min((own + fetch) * prof.block_size, req.prompt - 1)
@@ -118,13 +122,11 @@ class PrefillWorker:
         self._start(now)
 
     def heartbeat(self, seq: int, now: float) -> Heartbeat:
-        left = 0
-        if self.current and self.current[2] > 0:
-            _, n, compute, end = self.current
-            left = int(n * min(1.0, (end - now) / compute))
+        # The prompt being prefilled counts whole until its step ends, as live.
+        running = self.current[0].prompt if self.current else 0
         return Heartbeat(worker_id=self.id, role="prefill", seq=seq, running=0,
                          waiting=len(self.queue) + (self.current is not None),
-                         queued_prefill_tokens=self.queued_tokens + left,
+                         queued_prefill_tokens=self.queued_tokens + running,
                          free_blocks=self.kv.free, total_blocks=self.kv.capacity,
                          step_time_ms=self.last_s * 1e3, prefill_steps=take(self.samples))
 
@@ -141,6 +143,7 @@ class DecodeWorker:
         self.awaiting: dict[int, SimRequest] = {}  # reserved, KV not landed
         self.queued: deque[SimRequest] = deque()  # local prompts waiting for blocks
         self.local: deque[SimRequest] = deque()  # local prompts holding blocks
+        self.prefilling: SimRequest | None = None  # the local prompt being prefilled
         self.joiners: list[SimRequest] = []
         self.stalled, self.version = False, 0
         self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
@@ -261,7 +264,7 @@ class DecodeWorker:
         self.sim.finish(req, "", now)
 
     def _start_local(self, now: float) -> None:
-        req = self.local.popleft()
+        req = self.prefilling = self.local.popleft()
         n = req.prompt - req.cached
         compute = self.sim.prefill_s(n, req.cached)
         fetch_s = req.fetch * self.prof.block_bytes / self.prof.pool_bandwidth \
@@ -274,6 +277,7 @@ class DecodeWorker:
         req, n, compute = arg
         self.prefill_samples.append(StepSample(seconds=compute, tokens=[n], cached=[req.cached]))
         self.stalled, self.t, req.first_token = False, now, now  # the batch resumes now
+        self.prefilling = None
         self.kv.commit(req.rid, req.hashes)
         if self.sim.pool:  # a decode or unified worker writes back what it computed too
             self.sim.pool.insert(req.hashes)
@@ -281,11 +285,12 @@ class DecodeWorker:
         self._boundary(now, (self.version, 0))
 
     def heartbeat(self, seq: int, now: float) -> Heartbeat:
-        local = sum(r.prompt for r in self.queued) + sum(r.prompt - r.cached
-                                                         for r in self.local)
+        # Local prompts count whole until their prefill step ends, as live.
+        prompts = [*self.queued, *self.local] + ([self.prefilling] if self.prefilling else [])
+        local = sum(r.prompt for r in prompts)
         return Heartbeat(worker_id=self.id, role="decode", seq=seq,
                          running=self.B + len(self.joiners),
-                         waiting=len(self.queued) + len(self.local),
+                         waiting=len(prompts),
                          waiting_for_kv=len(self.awaiting), queued_prefill_tokens=local,
                          free_blocks=self.kv.free, total_blocks=self.kv.capacity,
                          step_time_ms=self.last_step * 1e3,

@@ -1,0 +1,158 @@
+"""The advisor checked against live runs: for a prefill-heavy and a decode-heavy load
+from ``bench/serve.py``'s random generator, what ``pdserve advise`` predicts for two
+workers colocated and split 1P+1D, and what the same requests measure live.
+
+    python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
+
+Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
+on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
+with the cost profile the live workers are calibrated by (``smollm2-cpu``: the default
+model, float32, one torch thread) and the live workers' KV cache size. Live: the same
+deployment as real processes (tests/cluster.py: gateway, conductor with the advisor's
+routing settings, two workers of the default model, one torch thread each), the
+requests sent by ``serve.run_benchmark`` at their arrival times. Goodput on both sides
+is requests meeting both SLOs per second of the run.
+
+The check: the two sides rank the deployments the same way, and each predicted goodput
+is within 20% of the live one. Load average before and after each live run is recorded:
+the machine is shared and the profile was calibrated on it at another time. JSON goes
+to ``bench/results/advise_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import serve, serve_report  # noqa: E402
+from common.cost_profile import load_profile  # noqa: E402
+from services.advisor.search import Deployment, Plan, Slo, evaluate  # noqa: E402
+from services.engine.tokenizer_export import tokenizer_dir_for  # noqa: E402
+from services.engine.weights import DEFAULT_MODEL  # noqa: E402
+from services.sim.profiles import Profile  # noqa: E402
+from services.sim.request import SimRequest  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
+
+PROFILE = "smollm2-cpu"
+KV_CACHE_MIB = 256
+# (input tokens, output tokens, requests/s, TTFT SLO ms, TPOT SLO ms): a prompt of ~768
+# tokens takes ~1.9 s to prefill on this profile, a decode step of one sequence ~40 ms.
+WORKLOADS = {
+    "prefill-heavy": (768, 8, 0.5, 5000.0, 100.0),
+    "decode-heavy": (64, 160, 0.5, 3000.0, 50.0),
+}
+DEPLOYMENTS = {"colocated x2": Deployment(0, 2, False), "1P+1D": Deployment(1, 1, False)}
+
+
+def specs_for(name: str, requests: int, seed: int) -> list:
+    inp, out, rate, _, _ = WORKLOADS[name]
+    return serve.build_requests(serve.parse_args([
+        "--base-url", "http://127.0.0.1:1", "--model", DEFAULT_MODEL, "--dataset", "random",
+        "--num-prompts", str(requests), "--input-len", str(inp), "--output-len", str(out),
+        "--range-ratio", "0.25", "--request-rate", str(rate), "--seed", str(seed),
+        "--no-progress"]))
+
+
+def sim_requests(specs: list, block: int) -> list[SimRequest]:
+    """The specs as the simulator's requests; random prompts share no block."""
+    return [SimRequest(i, s.arrival_s, s.prompt_len, s.output_len,
+                       [(i + 1) << 32 | j for j in range(s.prompt_len // block)])
+            for i, s in enumerate(specs)]
+
+
+def plan_for(name: str) -> Plan:
+    _, _, _, ttft_ms, tpot_ms = WORKLOADS[name]
+    cp = load_profile(PROFILE)
+    blocks = (KV_CACHE_MIB << 20) // (cp.kv_bytes_per_token * cp.block_size)
+    return Plan(PROFILE, Profile.from_cost_profile(cp, kv_blocks=blocks),
+                Slo(ttft_ms / 1e3, tpot_ms / 1e3), KV_CACHE_MIB)
+
+
+def predict(specs: list, plan: Plan) -> dict[str, dict]:
+    out = {}
+    for label, dep in DEPLOYMENTS.items():
+        o = evaluate(dep, sim_requests(specs, plan.profile.block_size), plan)
+        out[label] = {"goodput": o.goodput_rps, "good": o.good, "completed": o.completed,
+                      "mean_ttft_ms": o.ttft_s["mean"] * 1e3,
+                      "p90_ttft_ms": o.ttft_s["p90"] * 1e3,
+                      "mean_tpot_ms": o.tpot_s["mean"] * 1e3,
+                      "local_prefills": o.local_prefills}
+    return out
+
+
+def live(specs: list, plan: Plan, dep: Deployment) -> dict:
+    roles = ["unified"] * dep.decode if dep.colocated else \
+        ["prefill"] * dep.prefill + ["decode"] * dep.decode
+    settings = plan.conductor_settings(dep)
+    with tempfile.TemporaryDirectory(prefix="advise-check-") as tmp:
+        cluster = Cluster(DEFAULT_MODEL, Path(tmp), roles, policy=settings.policy,
+                          kv_cache_mib=plan.kv_cache_mib,
+                          conductor_args=["--cost-profile", settings.cost_profile],
+                          gateway_args=["--tokenizer-dir", tokenizer_dir_for(DEFAULT_MODEL),
+                                        "--max-model-len", "4096"])
+        cluster.start(timeout_s=300)
+        load_before = os.getloadavg()[0]
+        try:
+            results = asyncio.run(serve.run_benchmark(
+                cluster.base_url, specs, model=DEFAULT_MODEL, endpoint="completions",
+                progress=False))
+        finally:
+            load_after = os.getloadavg()[0]
+            cluster.stop()
+    slo = serve_report.Slo(plan.slo.ttft_s * 1e3, plan.slo.tpot_s * 1e3)
+    s = serve_report.summarize(results, serve_report.results_duration(results), slo)
+    return {"goodput": s["goodput"], "good": round(s["goodput_fraction"] * len(results)),
+            "completed": s["completed"], "failed": s["failed"],
+            "mean_ttft_ms": s["mean_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
+            "mean_tpot_ms": s["mean_tpot_ms"], "duration_s": s["duration_s"],
+            "loadavg_before": load_before, "loadavg_after": load_after}
+
+
+def ranking(side: dict[str, dict]) -> list[str]:
+    """Best first: goodput, then mean TTFT (the advisor's order, mean for p90)."""
+    return sorted(side, key=lambda k: (-round(side[k]["goodput"], 3), side[k]["mean_ttft_ms"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=sorted(WORKLOADS))
+    ap.add_argument("--predict-only", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
+    args = ap.parse_args()
+    report = {"profile": PROFILE, "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,
+              "cores": os.cpu_count(), "workloads": {}}
+    for name in [args.only] if args.only else list(WORKLOADS):
+        specs, plan = specs_for(name, args.requests, args.seed), plan_for(name)
+        row = {"spec": dict(zip(("input_len", "output_len", "rate", "slo_ttft_ms",
+                                 "slo_tpot_ms"), WORKLOADS[name], strict=True)),
+               "predicted": predict(specs, plan)}
+        if not args.predict_only:
+            row["live"] = {label: live(specs, plan, dep) for label, dep in DEPLOYMENTS.items()}
+            pred, real = row["predicted"], row["live"]
+            row["ranking"] = {"predicted": ranking(pred), "live": ranking(real)}
+            row["ranking_matches"] = ranking(pred) == ranking(real)
+            row["goodput_error"] = {k: (pred[k]["goodput"] / real[k]["goodput"] - 1)
+                                    if real[k]["goodput"] else None for k in pred}
+            row["within_20pct"] = all(e is not None and abs(e) <= 0.2
+                                      for e in row["goodput_error"].values())
+        report["workloads"][name] = row
+        print(json.dumps({name: row}, indent=1), flush=True)
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
