@@ -84,3 +84,8 @@ class StepRecord(NamedTuple):
             else:
                 prefill.append((n, seq.num_computed_tokens))
         return cls(tuple(prefill), batch, context)
+
+
+class EngineDeadError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: this engine cannot step again.
+    Here, not in ``tp.py``, so that what catches it need not import torch."""

@@ -27,10 +27,7 @@ from typing import Any
 import torch
 
 from services.engine.model_config import ModelConfig
-
-
-class EngineDeadError(RuntimeError):
-    """A tensor-parallel rank died or stopped answering: this engine cannot step again."""
+from services.engine.outputs import EngineDeadError  # noqa: F401  (raised by tp_group)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 import structlog
 
 from common.protocol import StepSample
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import EngineDeadError, RequestOutput
 from services.engine.sequence import SequenceStatus
-from services.engine.tp import EngineDeadError
 
 if TYPE_CHECKING:
     from services.engine.core import EngineCore
