@@ -35,6 +35,8 @@ from typing import TypeVar
 import structlog
 import zmq
 
+from common import early_stop
+
 log = structlog.get_logger(__name__)
 
 S = TypeVar("S")
@@ -142,6 +144,8 @@ async def _serve_until_signal(serve: Callable[[S, asyncio.Event], Awaitable[None
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
             loop.add_signal_handler(sig, stop.set)
+    if early_stop.asked():  # a SIGTERM while the process was still importing
+        stop.set()
     await serve(settings, stop)
 
 

@@ -2,7 +2,11 @@
 
 import sys
 
-from services.worker.server import main
+from common import early_stop
+
+early_stop.catch()  # before the heavy imports below: a stop while starting exits 0
+
+from services.worker.server import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(role="prefill"))
