@@ -118,9 +118,10 @@ def max_hit(index: PrefixIndex, seed: int):
 
 
 def ours(profile: Profile, index: PrefixIndex, cost: CostModel, setup: Setup, *,
-         admission: bool):
+         admission: bool, kv_lease_s: float = 10.0):
     policy = CacheAwarePolicy(index, cost, PolicyConfig(
-        profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth))
+        profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
+        kv_lease_s=kv_lease_s))
 
     def route(views, req):
         return policy.decide(views, PolicyRequest(
@@ -177,7 +178,8 @@ def simulate(name: str, trace: str, speed: float, limit: int | None, setup: Setu
              "round_robin": lambda: baseline(PerRole(RoundRobin)),
              "least_loaded": lambda: baseline(LeastLoaded()),
              "cache_aware": lambda: max_hit(index, seed),
-             "ours": lambda: ours(profile, index, cost, setup, admission=admission)}[name]()
+             "ours": lambda: ours(profile, index, cost, setup, admission=admission,
+                                  kv_lease_s=kv_lease_s)}[name]()
     t0 = time.perf_counter()
     sim = Simulator(profile, route, prefill=setup.prefill, decode=setup.decode, index=index,
                     cost=cost,
