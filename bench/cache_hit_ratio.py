@@ -18,7 +18,8 @@ Per request, in arrival order:
    cache is full (evict then insert, as ``DramTier.put`` does).
 
 Hit ratio = hit blocks / all blocks. The infinite cache bounds every policy. Prints a
-table, writes ``bench/results/cache_hit_ratio.json`` and ``cache_hit_ratio.png``.
+table, writes ``bench/results/cache_hit_ratio.json``, ``cache_hit_ratio.md`` (the table of
+docs/benchmarks.md; ``--render JSON`` prints it again) and ``cache_hit_ratio.png``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ from services.cache_pool.eviction import (  # noqa: E402
     ReuseParams,
 )
 
-DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# Beside the checkout (/work/main -> /work/shared), else where bench/routing_sim.py reads it.
+DEFAULT_TRACE = next((p for p in (ROOT.parent / "shared" / "traces",
+                                  Path("/work/shared/traces"))
+                      if (p / "mooncake_conversation_trace.jsonl").exists()),
+                     ROOT.parent / "shared" / "traces") / "mooncake_conversation_trace.jsonl"
 
 
 TRACE_BLOCK_TOKENS = 512
@@ -129,6 +134,19 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(result: dict) -> str:
+    """The table of docs/benchmarks.md (written beside the JSON, pasted as it is)."""
+    out = ["| block | capacity | LRU | reuse-aware | ratio |", "|---|---|---|---|---|",
+           f"| any | infinite | {result['infinite']:.2%} | {result['infinite']:.2%} | — |"]
+    for row in result["rows"]:
+        scale = TRACE_BLOCK_TOKENS // row["block_tokens"]
+        b = "**" if row["fraction"] == 0.05 else ""
+        out.append(f"| {row['block_tokens']} tokens | {row['fraction']:.0%} "
+                   f"({row['capacity_blocks'] * scale:,} blocks) | {row['lru']:.2%} | "
+                   f"{b}{row['reuse_aware']:.2%}{b} | {b}{row['ratio']:.2f}×{b} |")
+    return "\n".join(out).replace("%", " %") + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -140,7 +158,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="replay at these block sizes (divisors of 512)")
     ap.add_argument("--requests", type=int, default=0, help="first N requests only (0: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--render", type=Path, default=None,
+                    help="print the markdown table of this result JSON and exit")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        result = json.loads(args.render.read_text())
+        print(markdown(result), end="")
+        return result
 
     start = time.perf_counter()
     chains = load_chains(args.trace, args.requests)
@@ -181,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache_hit_ratio.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "cache_hit_ratio.md").write_text(markdown(result))
     try:
         plot(result, args.out / "cache_hit_ratio.png")
     except ImportError:

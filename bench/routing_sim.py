@@ -6,6 +6,8 @@ conductor loads with ``cost_profile``; derivation in ``bench/sim/profiles.py``).
                                 [--limit N] [--profile NAME|PATH] [--noise SIGMA]
                                 [--kv-lease S] [--out bench/results/routing_sim]
 
+Writes ``<out>.json``, ``<out>.md`` (the tables of docs/benchmarks.md) and ``<out>.png``.
+
 Each simulated worker caches prefixes only in its own KV blocks (950 blocks of 512
 tokens from the profile's ``kv_capacity_tokens``), decode reserves a request's blocks
 before its remote prefill (no room: prefills it locally) and waits for its KV for at
@@ -118,9 +120,10 @@ def max_hit(index: PrefixIndex, seed: int):
 
 
 def ours(profile: Profile, index: PrefixIndex, cost: CostModel, setup: Setup, *,
-         admission: bool):
+         admission: bool, kv_lease_s: float = 10.0):
     policy = CacheAwarePolicy(index, cost, PolicyConfig(
-        profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth))
+        profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
+        kv_lease_s=kv_lease_s))
 
     def route(views, req):
         return policy.decide(views, PolicyRequest(
@@ -177,7 +180,8 @@ def simulate(name: str, trace: str, speed: float, limit: int | None, setup: Setu
              "round_robin": lambda: baseline(PerRole(RoundRobin)),
              "least_loaded": lambda: baseline(LeastLoaded()),
              "cache_aware": lambda: max_hit(index, seed),
-             "ours": lambda: ours(profile, index, cost, setup, admission=admission)}[name]()
+             "ours": lambda: ours(profile, index, cost, setup, admission=admission,
+                                  kv_lease_s=kv_lease_s)}[name]()
     t0 = time.perf_counter()
     sim = Simulator(profile, route, prefill=setup.prefill, decode=setup.decode, index=index,
                     cost=cost,
@@ -218,6 +222,35 @@ def print_table(rows: list[dict]) -> None:
               f"{r['p99_ttft_s']:>8.2f}s {ratio:>6.2f} {r['p99_tbt_s'] * 1e3:>6.1f}ms "
               f"{r['goodput']:>8} {g:>6.3f} {r['cached_token_frac']:>6.1%} "
               f"{r['local_prefills']:>6} {r['fell_back']:>9}")
+
+
+def markdown(result: dict) -> str:
+    """The tables of docs/benchmarks.md (written beside the JSON, pasted as they are)."""
+    rows = result["policies"]
+    ref = {r["speed"]: r for r in rows if r["policy"] == "least_loaded"}
+    out = ["| speed | policy | avg TTFT | p99 TTFT | vs least-loaded | p99 TBT | goodput "
+           "| cached tokens | local (fell back) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = ref.get(r["speed"])
+        ratio = f"{r['avg_ttft_s'] / base['avg_ttft_s']:.2f}×" if base else "—"
+        b = "**" if r["policy"] == "ours" else ""
+        out.append(f"| {r['speed']:g}× | {b}{r['policy'].replace('_', '-')}{b} | "
+                   f"{b}{r['avg_ttft_s']:.2f} s{b} | {r['p99_ttft_s']:.2f} s | {b}{ratio}{b} | "
+                   f"{r['p99_tbt_s'] * 1e3:.1f} ms | {r['goodput']:,} | "
+                   f"{r['cached_token_frac']:.1%} | {r['local_prefills']:,} "
+                   f"({r['fell_back']:,}) |".replace("%", " %"))
+    ov = result.get("overload")
+    if ov:
+        out += ["", f"Overload (trace at {ov['speed']:g}×), ours:", "",
+                "| rejection | goodput | rejected (arrival / prefill / decode) | avg TTFT |",
+                "|---|---|---|---|"]
+        for label, r in (("none", ov["no_rejection"]), ("early (at arrival)", ov["early"]),
+                         *((f"per stage, W = {r['stage_wait_s']:g} s", r)
+                           for r in ov["per_stage"])):
+            st = r["rejected_by_stage"]
+            out.append(f"| {label} | {r['goodput']:,} | {r['rejected']:,} ({st['arrival']:,} / "
+                       f"{st['prefill']:,} / {st['decode']:,}) | {r['avg_ttft_s']:.2f} s |")
+    return "\n".join(out) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -290,6 +323,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.quick:
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        out.with_suffix(".md").write_text(markdown(result))
         print(f"\nwrote {out.with_suffix('.json')} in {time.perf_counter() - t0:.0f}s")
         return
     ov = round(setup.overload_speed, 2) if args.overload_speed == "auto" else \
@@ -314,6 +348,7 @@ def main() -> None:
                             "per_stage": stage, "closest": match["stage_wait_s"]},
                "wall_s": round(time.perf_counter() - t0, 1)}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
     plot(result, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and .png in {result['wall_s']}s")
 

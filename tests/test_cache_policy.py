@@ -247,6 +247,30 @@ def test_conditional_disaggregation_follows_predicted_costs():
     assert route(policy(), ws).prefill.worker_id == "p1"
 
 
+def test_a_remote_prefill_that_would_outlast_the_kv_lease_is_prefilled_locally():
+    # The 8,192-token prefill takes 0.86 s; under a 0.5 s lease the decode worker would
+    # give up on its KV and prefill it itself: do that at once, stall or not.
+    short = CacheAwarePolicy(PrefixIndex(), CostModel(CAL), PolicyConfig(
+        kv_bytes_per_token=1000, link_bandwidth=1e9, kv_lease_s=0.5))
+    ws = [view("d1", "decode", running=4), view("p1", "prefill")]
+    d = route(short, ws)
+    assert d.prefill is None and "0.5s KV lease" in d.reason
+    assert ws[0].pending_tokens == PROMPT and ws[1].pending_requests == 0
+    # The default 10 s lease: the same request goes remote to spare the batch.
+    ws = [view("d1", "decode", running=4), view("p1", "prefill")]
+    assert route(policy(), ws).prefill.worker_id == "p1"
+    # Among decode workers, the one where its wait plus the stall of the requests there
+    # is least: d1 (3 running) 4 x 0.89 s against d2 (one 4,096-token prompt queued)
+    # 2 x 1.29 s, though d1 has the lower predicted TBT.
+    ws = [view("d1", "decode", running=3),
+          view("d2", "decode", waiting=1, queued=4096), view("p1", "prefill")]
+    d = route(short, ws)
+    assert (d.decode.worker_id, d.prefill) == ("d2", None)
+    assert ws[1].pending_tokens == PROMPT and ws[0].pending_tokens == 0
+    with pytest.raises(ValueError, match="kv_lease_s"):
+        PolicyConfig(kv_bytes_per_token=1, link_bandwidth=1, kv_lease_s=0)
+
+
 def test_pool_blocks_beyond_a_workers_own_are_fetched_and_counted():
     idx = PrefixIndex()
     idx.stored("pool:dram", CHAIN[:12])

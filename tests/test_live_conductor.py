@@ -228,7 +228,8 @@ async def test_rejection_carries_retry_after_and_is_counted(profile_path):
 
 
 async def test_burst_of_identical_prefix_between_heartbeats_is_spread(profile_path):
-    async with Live(profile_path) as live:
+    # The queues below grow to 27 s: workers whose KV lease outlasts them.
+    async with Live(profile_path, kv_lease_s=60.0) as live:
         for w, r in WORKERS:
             await live.hello(w, r)
         # prefill-0 holds the shared 1,024-token prefix; 50 requests add 512 tokens each.
@@ -242,6 +243,17 @@ async def test_burst_of_identical_prefix_between_heartbeats_is_spread(profile_pa
     # 0.66 s, all 1,536 on prefill-1 2.77 s, so both queues end near 27 s with 40 and 10.
     assert (pre.count("prefill-0"), pre.count("prefill-1")) == (40, 10)
     assert dec == ["decode-0", "decode-1"] * 25
+    # Under the workers' default 10 s lease the same burst goes remote only while the
+    # prefill queues are predicted to land the KV within it; the rest the decode
+    # workers would prefill themselves after a lapsed lease, so they do it at once.
+    async with Live(profile_path) as live:
+        for w, r in WORKERS:
+            await live.hello(w, r)
+        live.conductor.router.index.stored("prefill-0", hashes[:16])
+        lease = [await live.route(1536, hashes) for _ in range(50)]
+    assert [p[1] for p in lease[:16]] == pre[:16]
+    assert [p[1] for p in lease[16:]] == [None] * 34
+    assert all("10s KV lease" in p[2] for p in lease[16:])
 
 
 async def test_heartbeat_step_samples_fit_the_cost_model(profile_path):

@@ -21,7 +21,10 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
              when its local prefill queue and this prefill stall the running batch for at
              most min(max_decode_stall_s, slo_tbt_s - its step time): the stall then keeps
              even a running request with two output tokens within its TBT SLO.
-    choose the lower of best remote and local: the crossover moves with measured costs.
+    choose the lower of best remote and local: the crossover moves with measured costs;
+    but a remote prefill predicted to outlast the workers' KV lease (``kv_lease_s``)
+    would be prefilled on the decode worker anyway, a lease later: local, on the decode
+    worker with room where its TTFT times (1 + the requests its stall holds up) is least.
 
 Admission (prediction-based early rejection, on unless ``admission=False``):
 ``Rejection`` when no decode worker has room for the request's KV, when the predicted
@@ -74,6 +77,9 @@ class PolicyConfig:
     link_bandwidth: float  # bytes/s, prefill worker -> decode worker
     pool_bandwidth: float = 0.0  # bytes/s, pool tier -> worker; 0 ignores the pool
     max_decode_stall_s: float = 0.5
+    # How long a decode worker waits for a remote prefill's KV before prefilling the
+    # prompt itself (the workers' ``kv_lease_s``); math.inf: never.
+    kv_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
@@ -82,6 +88,8 @@ class PolicyConfig:
             raise ValueError(f"link_bandwidth must be > 0, got {self.link_bandwidth}")
         if self.pool_bandwidth < 0 or self.max_decode_stall_s < 0:
             raise ValueError("pool_bandwidth and max_decode_stall_s must be >= 0")
+        if not self.kv_lease_s > 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
 
 
 class Estimate(NamedTuple):
@@ -127,7 +135,7 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError(f"bad request sizes: prompt {prompt_tokens}, block {block_size}, "
                              f"output {output_tokens}")
         usable, decoders = candidates(workers, request)
-        decode, tbt, fits = self._pick_decode(decoders, prompt_tokens, output_tokens)
+        decode, tbt, fits, roomy = self._pick_decode(decoders, prompt_tokens, output_tokens)
         admit = admission and (math.isfinite(slo_ttft_s) or math.isfinite(slo_tbt_s))
         if admit and not fits:
             return Rejection(f"no decode worker has room for {prompt_tokens + output_tokens} "
@@ -146,6 +154,10 @@ class CacheAwarePolicy(RoutingPolicy):
         remote = min((self._estimate(p, chain, remote=True) for p in prefillers),
                       key=lambda e: (e.ttft_s, -e.hit_blocks, e.worker.worker_id), default=None)
         ahead = local.queue_s - local.step_s
+        # The lease runs from the decode worker's forwarding of the Prefill to the KV's
+        # landing: a remote prefill predicted to outlast it is prefilled here all the
+        # same, a lease later, its prefill worker's time wasted.
+        lapses = remote is not None and remote.ttft_s > self.config.kv_lease_s
         if remote is not None and ahead > 0:
             # The decode worker takes a remote request (its KV blocks, then the Prefill
             # it sends) only between engine steps: the prompts it prefills itself, queued
@@ -156,6 +168,17 @@ class CacheAwarePolicy(RoutingPolicy):
         budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
         if remote is None:
             best, why = local, ("colocated" if decode.role == "unified" else "no prefill worker")
+        elif lapses:
+            # It stalls its decode worker's batch wherever it runs: choose the worker
+            # where this prompt's wait plus the stall of every request there, in
+            # request-seconds, is least.
+            local, decode, tbt = min(
+                ((self._estimate(d, chain, remote=False), d, t) for d, t in roomy
+                 if d.fingerprint == decode.fingerprint and not (admission and t > slo_tbt_s)),
+                key=lambda e: (e[0].ttft_s * (1 + e[1].load), e[1].worker_id),
+                default=(local, decode, tbt))
+            best, why = local, (f"remote {remote.ttft_s:.3f}s would outlast the "
+                                f"{self.config.kv_lease_s:g}s KV lease")
         elif busy and stall > budget:
             best, why = remote, f"local prefill would stall {busy} decodes {stall:.3f}s"
         elif local.ttft_s <= remote.ttft_s:
@@ -173,9 +196,11 @@ class CacheAwarePolicy(RoutingPolicy):
         return Decision(decode, None if best.worker is decode else best.worker, reason)
 
     def _pick_decode(self, decoders: list[WorkerView], prompt: int,
-                     output: int) -> tuple[WorkerView, float, bool]:
-        """Lowest predicted TBT among decode workers with room; with none, the roomiest."""
+                     output: int) -> tuple[WorkerView, float, bool, list]:
+        """Lowest predicted TBT among decode workers with room; with none, the roomiest.
+        Also every worker with room, with its predicted TBT."""
         best_key, roomiest_key, best, roomiest = None, None, None, None
+        roomy = []
         for d in decoders:
             led = self._ledger(d)
             free = d.unpromised_blocks - led.kv_blocks
@@ -186,13 +211,15 @@ class CacheAwarePolicy(RoutingPolicy):
             local_s = self.cost.prefill_queue_time(d.waiting + led.local,
                                                    d.queued_prefill_tokens + d.pending_tokens)
             tbt += local_s / max(1, output - 1)  # its local prefills will stall this request
-            if free >= need and (best_key is None or (tbt, -free, d.worker_id) < best_key):
-                best_key, best = (tbt, -free, d.worker_id), (d, tbt)
+            if free >= need:
+                roomy.append((d, tbt))
+                if best_key is None or (tbt, -free, d.worker_id) < best_key:
+                    best_key, best = (tbt, -free, d.worker_id), (d, tbt)
             if roomiest_key is None or (-free, tbt, d.worker_id) < roomiest_key:
                 roomiest_key, roomiest = (-free, tbt, d.worker_id), (d, tbt)
         if best is not None:
-            return best[0], best[1], True
-        return roomiest[0], roomiest[1], False
+            return best[0], best[1], True, roomy
+        return roomiest[0], roomiest[1], False, roomy
 
     def _estimate(self, w: WorkerView, chain: tuple, *, remote: bool) -> Estimate:
         prompt, block_size, hits, pool = chain

@@ -51,6 +51,7 @@ class RouterConfig:
     admission: bool = True
     max_decode_stall_s: float = 0.5
     planned_output_tokens: int = 512
+    kv_lease_s: float = 10.0  # the workers' KV lease (cache_aware)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -78,7 +79,7 @@ def make_policy(config: RouterConfig, profile: CostProfile, index: PrefixIndex,
     if config.policy == "cache_aware":
         return CacheAwarePolicy(index, cost, PolicyConfig(
             profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
-            config.max_decode_stall_s))
+            config.max_decode_stall_s, config.kv_lease_s))
     return StaticDisaggregation(make_picker(config.policy), config.disagg_threshold)
 
 

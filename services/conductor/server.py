@@ -88,6 +88,7 @@ class ConductorSettings:
     admission: bool = True  # reject at arrival when the predicted TTFT/TBT misses the SLO
     max_decode_stall_s: float = 0.5  # cap on a local prefill's stall of running decodes
     planned_output_tokens: int = 512  # output planned for when max_tokens is larger
+    kv_lease_s: float = 10.0  # the workers' kv_lease_s: a longer remote prefill falls back
     # Cache-pool control addresses, comma-separated (as the workers'); "": no pool.
     cache_pools: str = ""
     pool_check_interval_s: float = 1.0  # how often each pool instance is asked for Stats
@@ -109,7 +110,7 @@ class ConductorSettings:
             slo_ttft_s=self.slo_ttft_ms / 1e3 if self.slo_ttft_ms > 0 else math.inf,
             slo_tbt_s=self.slo_tbt_ms / 1e3 if self.slo_tbt_ms > 0 else math.inf,
             admission=self.admission, max_decode_stall_s=self.max_decode_stall_s,
-            planned_output_tokens=self.planned_output_tokens)
+            planned_output_tokens=self.planned_output_tokens, kv_lease_s=self.kv_lease_s)
 
 
 class Conductor:
