@@ -35,12 +35,17 @@ format: install
 
 # The headline benchmarks in their quick profiles (about 18 minutes on 2 cores), each
 # side interleaved with its baseline (bench/harness.py); then the marked tables of
-# docs/benchmarks.md are regenerated from the JSON they wrote.
+# docs/benchmarks.md are regenerated from the JSON they wrote. LLAMA_BENCH=path of
+# llama.cpp's llama-bench (and LLAMA_F32_GGUF=the F32 file) add llama.cpp's columns.
 BENCH_OUT ?= bench/results
+LLAMA_BENCH ?=
+LLAMA_F32_GGUF ?=
 bench: install
 	$(PY) bench/throughput.py --quick --out $(BENCH_OUT)
 	$(PY) bench/lone_prompt.py --quick --out $(BENCH_OUT)/lone_prompt.json
-	$(PY) bench/latency.py --runs 3 --threads 1 --decode-tokens 32 --out $(BENCH_OUT)/latency.json
+	$(PY) bench/latency.py --runs 3 --threads 1 --decode-tokens 32 --out $(BENCH_OUT)/latency.json \
+		$(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH)) \
+		$(if $(and $(LLAMA_BENCH),$(LLAMA_F32_GGUF)),--llama-f32-gguf $(LLAMA_F32_GGUF))
 	$(PY) bench/cache.py --part ttft --quick --out $(BENCH_OUT)
 	$(PY) bench/report.py --results $(BENCH_OUT)
 
