@@ -33,7 +33,7 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format .
 
-# The headline benchmarks in their quick profiles (about 18 minutes on 2 cores), each
+# The headline benchmarks in their quick profiles (11 to 20 minutes on 2 cores), each
 # side interleaved with its baseline (bench/harness.py); then the marked tables of
 # docs/benchmarks.md are regenerated from the JSON they wrote. LLAMA_BENCH=path of
 # llama.cpp's llama-bench (and LLAMA_F32_GGUF=the F32 file) add llama.cpp's columns.

@@ -36,15 +36,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.machine import load_average, machine_info
+from bench.machine import load_average, machine_info, was_busy
 from tests.cluster import free_port  # one set of handed-out ports for clusters and runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-# Busy: the 1-minute load average before the session, or the cores other processes
-# used during it (on average, including time the hypervisor stole), above these.
-BUSY_LOAD_PER_CORE = 0.5
-BUSY_OTHER_CORES = 0.25
 
 
 
@@ -181,9 +177,10 @@ class Session:
         other = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / wall if wall > 0 else 0.0
         self.machine["load_after"] = load_average()
         self.machine["other_cores_used"] = round(other, 3)
+        self.machine["cpu_measured"] = busy1 > 0  # /proc/stat was there to read
         cores = self.machine.get("usable_cores") or 1
         before = self.machine["load_before"][0] if self.machine["load_before"] else 0.0
-        busy = before > BUSY_LOAD_PER_CORE * cores or other > BUSY_OTHER_CORES
+        busy = was_busy(self.machine)
         if busy:
             print(f"WARNING: the machine was busy (load average {before:.2f} before on "
                   f"{cores} cores; other processes used {other:.2f} cores during the "

@@ -111,3 +111,20 @@ def machine_line(m: dict) -> str:
     if m.get("git_commit"):
         parts.append(f"commit {m['git_commit'][:12]}")
     return "Machine: " + "; ".join(parts)
+
+
+# Busy: the cores other processes used during the run (on average, including time the
+# hypervisor stole) above this. The 1-minute load average before a run is recorded but
+# decides only where that measure is missing: right after another benchmark (as in
+# `make bench`) it still counts that benchmark's own processes, winding down.
+BUSY_LOAD_PER_CORE = 0.5
+BUSY_OTHER_CORES = 0.25
+
+
+def was_busy(m: dict) -> bool:
+    """Whether the machine ``m`` describes (a report's ``machine``) was busy."""
+    other = m.get("other_cores_used")
+    if other is not None and m.get("cpu_measured", True):
+        return other > BUSY_OTHER_CORES
+    before = m["load_before"][0] if m.get("load_before") else 0.0
+    return before > BUSY_LOAD_PER_CORE * (m.get("usable_cores") or 1)

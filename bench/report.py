@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.machine import machine_line  # noqa: E402
+from bench.machine import machine_line, was_busy  # noqa: E402
 
 SECTION = re.compile(r"(<!-- bench:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)"
                      r"(<!-- /bench:(?P=name) -->)", re.S)
@@ -69,7 +69,7 @@ def render(report: dict, source: str) -> str:
              f"{', after warm-up' if report.get('warmup') else ''}; "
              f"seed {report.get('seed')}).",
              ""]
-    if report.get("busy"):
+    if was_busy(report["machine"]) if "machine" in report else report.get("busy"):
         lines[1] += " **The machine was busy during this run: figures are noisy.**"
     settings = report.get("settings", {})
     if settings:

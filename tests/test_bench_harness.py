@@ -10,7 +10,7 @@ import pytest
 
 from bench import harness
 from bench.harness import Metric, Session, ratios, schedule, spread
-from bench.machine import cpu_info, machine_line, memory_bytes
+from bench.machine import cpu_info, machine_line, memory_bytes, was_busy
 
 CPUINFO = """processor\t: 0
 model name\t: Test CPU 9000
@@ -94,12 +94,29 @@ def test_session_draws_a_seed_when_none_given(monkeypatch):
 
 def test_busy_machine_is_flagged(monkeypatch, capsys):
     monkeypatch.setattr(harness, "machine_info", lambda: {"usable_cores": 2})
-    monkeypatch.setattr(harness, "load_average", lambda: [5.0, 4.0, 3.0])
+    monkeypatch.setattr(harness, "load_average", lambda: [0.1, 0.1, 0.1])
+    clock = iter([(100.0, 1.0), (10_000.0, 1.0)])  # others kept the cores busy
+    monkeypatch.setattr(harness, "_cpu_seconds", lambda: next(clock))
     session = Session("busy", seed=1, log=lambda _: None)
     runs = session.run({"A": lambda ctx: {"v": 1.0}}, repeats=1, warmup=0)
     report = session.finish([Metric("v", "v")], runs)
-    assert report["busy"] is True
+    assert report["busy"] is True and report["machine"]["other_cores_used"] > 0.25
     assert "WARNING: the machine was busy" in capsys.readouterr().err
+
+
+def test_load_left_by_an_earlier_run_alone_is_not_busy(monkeypatch, capsys):
+    # `make bench`: the load average still counts the benchmark that just ended, while
+    # nothing else uses the cores during this one.
+    monkeypatch.setattr(harness, "machine_info", lambda: {"usable_cores": 2})
+    monkeypatch.setattr(harness, "load_average", lambda: [2.0, 1.5, 1.0])
+    monkeypatch.setattr(harness, "_cpu_seconds", lambda: (100.0, 1.0))
+    session = Session("after", seed=1, log=lambda _: None)
+    report = session.finish([Metric("v", "v")], session.run(
+        {"A": lambda ctx: {"v": 1.0}}, repeats=1, warmup=0))
+    assert report["busy"] is False
+    assert "WARNING" not in capsys.readouterr().err
+    # Where the CPU time of others could not be read, the load average decides.
+    assert was_busy({**report["machine"], "cpu_measured": False}) is True
 
 
 def test_machine_info_keys_and_parsers():
