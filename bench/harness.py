@@ -116,8 +116,8 @@ def ratios(runs: Mapping[str, list[dict]], metrics: list[Metric]) -> dict:
 
 
 def _cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its
-    reaped children), both since boot/start."""
+    """(busy CPU seconds of the whole machine, CPU seconds of this process, its reaped
+    children and its live descendants), both since boot/start."""
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         hz = os.sysconf("SC_CLK_TCK")
@@ -125,7 +125,34 @@ def _cpu_seconds() -> tuple[float, float]:
     except (OSError, ValueError, IndexError):
         busy = 0.0
     t = os.times()
-    return busy, t.user + t.system + t.children_user + t.children_system
+    return busy, (t.user + t.system + t.children_user + t.children_system
+                  + _live_descendants_cpu(os.getpid()))
+
+
+def _live_descendants_cpu(pid: int) -> float:
+    """CPU seconds of ``pid``'s descendants still running (a benchmark's long-lived
+    servers): ``os.times`` counts a child only once it has been reaped, and without
+    these a run would count its own processes as other load."""
+    total, todo, hz = 0.0, [pid], os.sysconf("SC_CLK_TCK")
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            for child in children:
+                try:  # utime and stime follow the parenthesised command name
+                    stat = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+                    total += (int(stat[11]) + int(stat[12])) / hz
+                except (OSError, ValueError, IndexError):
+                    continue
+                todo.append(child)
+    return total
 
 
 @dataclass

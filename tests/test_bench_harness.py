@@ -4,7 +4,9 @@ record, and a fresh temporary directory per run."""
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 
 import pytest
 
@@ -146,3 +148,23 @@ def test_quiet_machine_is_not_flagged(monkeypatch, capsys):
         {"A": lambda ctx: {"v": 1.0}}, repeats=1, warmup=0))
     assert report["busy"] is False and report["machine"]["other_cores_used"] == 0
     assert "WARNING" not in capsys.readouterr().err
+
+
+def test_live_child_processes_count_as_ours():
+    # A server a benchmark keeps running across rounds is its own work, not other load.
+    import subprocess
+    import sys as _sys
+
+    proc = subprocess.Popen([_sys.executable, "-c",
+                             "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.6: pass\n"
+                             "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while harness._live_descendants_cpu(os.getpid()) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert harness._live_descendants_cpu(os.getpid()) >= 0.5
+        assert proc.poll() is None  # still running: os.times has not counted it
+    finally:
+        proc.kill()
+        proc.wait()
