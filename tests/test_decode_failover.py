@@ -13,25 +13,13 @@ import signal
 import time
 
 import pytest
-import zmq.asyncio
 
 from common.client import Client, GenerationError
 from common.protocol import (
     WORKER_LEAVING,
-    Abort,
-    Ack,
-    Error,
-    Generate,
-    ListWorkers,
-    Route,
-    RouteReply,
     Tokens,
-    WorkerInfo,
-    WorkerList,
-    WorkerStatus,
 )
 from common.sampling_params import SamplingParams
-from common.zmq_io import PushSocket
 from common.zmq_rpc import RpcServer
 from services.engine.config import EngineConfig
 from services.gateway.backend import BackendUnavailable, GenerationRequest
@@ -43,6 +31,7 @@ from services.gateway.failover import (
     remaining_tokens,
 )
 from tests.cluster import Cluster, make_served_tiny_model
+from tests.gateway_fakes import fake_cluster_and_backend, until, worker_status
 from tests.tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,21 +40,16 @@ PROMPT = [5, 6, 7]
 SAMPLING = {"max_tokens": 8, "min_tokens": 5, "temperature": 0.0, "seed": 3}
 
 
-def _status(wid: str, addr: str, alive: bool) -> WorkerStatus:
-    return WorkerStatus(info=WorkerInfo(wid, "decode", "m", addr, "", "h", 16, 64, "fp"),
-                        alive=alive)
-
-
 def test_lost_worker_is_avoided_until_the_conductor_has_seen_it_go():
     lost = LostWorkers()
     lost.add("d0", "tcp://a")
     assert lost.exclude(None) == ["d0"]  # the conductor did not answer: keep avoiding
-    assert lost.exclude([_status("d0", "tcp://a", True)]) == ["d0"]
-    assert lost.exclude([_status("d0", "tcp://a", False)]) == []
+    assert lost.exclude([worker_status("d0", "tcp://a", True)]) == ["d0"]
+    assert lost.exclude([worker_status("d0", "tcp://a", False)]) == []
     # Listed alive again after that: a restarted process, which may take the request.
-    assert lost.exclude([_status("d0", "tcp://a", True)]) == []
+    assert lost.exclude([worker_status("d0", "tcp://a", True)]) == []
     lost.add("d1", "tcp://b")
-    assert lost.exclude([_status("d1", "tcp://c", True)]) == []  # restarted elsewhere
+    assert lost.exclude([worker_status("d1", "tcp://c", True)]) == []  # restarted elsewhere
 
 
 def test_remaining_tokens_owes_only_the_rest():
@@ -77,87 +61,10 @@ def test_remaining_tokens_owes_only_the_rest():
         FailoverSettings(wait_s=-1)
 
 
-class FakeCluster:
-    """A conductor and decode workers ``d0``, ``d1``. Route picks the first worker marked
-    alive and not excluded ("unavailable" if none); every worker admits ``Generate``
-    (or answers ``refuse`` with an error) and records what it was sent."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.ctx = ctx
-        self.alive = {"d0": True, "d1": True}
-        self.refuse: set[str] = set()
-        self.generated: list[tuple[str, str, Generate]] = []  # (worker, wire id, record)
-        self.aborted: list[tuple[str, str]] = []
-        self.workers = {wid: RpcServer(ctx, "tcp://127.0.0.1:*", self._worker(wid),
-                                       name=wid) for wid in self.alive}
-        self.conductor = RpcServer(ctx, "tcp://127.0.0.1:*", self._conductor,
-                                   name="fake-conductor")
-        self.push: PushSocket | None = None
-        self.routes = 0  # Routes answered, "unavailable" ones too
-
-    async def start(self) -> None:
-        for w in self.workers.values():
-            await w.start()
-        await self.conductor.start()
-
-    async def close(self) -> None:
-        if self.push is not None:
-            await self.push.close()
-        for w in self.workers.values():
-            await w.close()
-        await self.conductor.close()
-
-    async def _conductor(self, msg):
-        if isinstance(msg.record, Route):
-            self.routes += 1
-            wid = next((w for w, up in self.alive.items()
-                        if up and w not in msg.record.exclude), None)
-            if wid is None:
-                return Error("unavailable", "no live decode or unified worker")
-            return RouteReply(wid, self.workers[wid].address, None, None, "test")
-        if isinstance(msg.record, ListWorkers):
-            return WorkerList([_status(w, s.address, self.alive[w])
-                               for w, s in self.workers.items()])
-        return None
-
-    def _worker(self, wid: str):
-        async def handle(msg):
-            rid = msg.envelope.request_id
-            if isinstance(msg.record, Generate):
-                self.generated.append((wid, rid, msg.record))
-                return Error("unavailable", "draining") if wid in self.refuse else Ack()
-            if isinstance(msg.record, Abort):
-                self.aborted.append((wid, rid))
-                return Ack(detail="aborted")
-            return None
-        return handle
-
-    async def send(self, stream_addr: str, wire_id: str, tokens: Tokens) -> None:
-        if self.push is None:
-            self.push = PushSocket(self.ctx, stream_addr, bind=False)
-        await self.push.send(tokens, request_id=wire_id)
-
-    async def wait_generated(self, n: int) -> tuple[str, str, Generate]:
-        async with asyncio.timeout(10):
-            while len(self.generated) < n:
-                await asyncio.sleep(0.01)
-        return self.generated[n - 1]
-
-
 @pytest.fixture
 async def fake():
-    ctx = zmq.asyncio.Context()
-    cluster = FakeCluster(ctx)
-    await cluster.start()
-    backend = ClusterBackend(ctx, cluster.conductor.address, "tcp://127.0.0.1:*", "m",
-                             rpc_timeout_s=2.0, stall_check_s=0.2,
-                             failover=FailoverSettings(wait_s=2.0, poll_s=0.1,
-                                                       route_wait_s=1.5, route_poll_s=0.05))
-    await backend.start()
-    yield cluster, backend
-    await backend.close()
-    await cluster.close()
-    ctx.term()
+    async with fake_cluster_and_backend(stall_check_s=0.2) as pair:
+        yield pair
 
 
 async def _collect(backend: ClusterBackend, rid: str, into: list[Tokens]) -> list[Tokens]:
@@ -165,11 +72,6 @@ async def _collect(backend: ClusterBackend, rid: str, into: list[Tokens]) -> lis
         into.append(t)
     return into
 
-
-async def _until(cond, within_s: float = 5.0) -> None:
-    async with asyncio.timeout(within_s):
-        while not cond():
-            await asyncio.sleep(0.01)
 
 
 def _ids(events: list[Tokens]) -> list[int]:
@@ -183,7 +85,7 @@ async def test_lost_worker_stream_continues_on_another_without_mixing(fake):
     _, wire, _ = await cluster.wait_generated(1)
     for pos, tok in enumerate([10, 11, 12]):
         await cluster.send(backend.stream_addr, wire, Tokens(pos, [tok]))
-    await _until(lambda: len(seen) == 3)
+    await until(lambda: len(seen) == 3)
     cluster.alive["d0"] = False  # its heartbeats lapsed
     worker, wire1, gen = await cluster.wait_generated(2)
     assert (worker, wire1) == ("d1", "r.r1")
@@ -201,7 +103,7 @@ async def test_lost_worker_stream_continues_on_another_without_mixing(fake):
     assert _ids(events) == [10, 11, 12, 13, 14, 15, 16, 17]
     assert [e.position for e in events] == [0, 1, 2, 3, 5]
     assert events[-1].finish_reason == "length"
-    await _until(lambda: ("d0", "r") in cluster.aborted)  # if only frozen, it stops too
+    await until(lambda: ("d0", "r") in cluster.aborted)  # if only frozen, it stops too
     assert ("d1", "r.r1") not in cluster.aborted  # it finished there
 
 
@@ -232,7 +134,7 @@ async def test_waits_for_a_worker_to_come_back(fake):
     task = asyncio.create_task(_collect(backend, "w", seen))
     _, wire, _ = await cluster.wait_generated(1)
     await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
-    await _until(lambda: seen)
+    await until(lambda: seen)
     cluster.alive["d0"] = False
     await asyncio.sleep(0.8)  # no decode worker at all for a while
     assert len(cluster.generated) == 1 and not task.done()
@@ -251,7 +153,7 @@ async def test_no_worker_within_the_wait_ends_with_a_clear_error(fake):
     task = asyncio.create_task(_collect(backend, "e", seen))
     _, wire, _ = await cluster.wait_generated(1)
     await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
-    await _until(lambda: seen)
+    await until(lambda: seen)
     start = time.monotonic()
     cluster.alive.update(d0=False, d1=False)
     events = await asyncio.wait_for(task, 15)
@@ -268,17 +170,17 @@ async def test_worker_that_refuses_the_resumed_request_is_passed_over(fake):
                                       cluster._worker("d2"), name="d2")
     await cluster.workers["d2"].start()
     cluster.alive.update(d1=False, d2=True)  # Route prefers d0, then d1, then d2
-    cluster.refuse.add("d1")
+    cluster.mode["d1"] = "refuse"
     seen: list[Tokens] = []
     task = asyncio.create_task(_collect(backend, "x", seen))
     _, wire, _ = await cluster.wait_generated(1)
     await cluster.send(backend.stream_addr, wire, Tokens(0, [10]))
-    await _until(lambda: seen)
+    await until(lambda: seen)
     cluster.alive.update(d0=False, d1=True)
     assert (await cluster.wait_generated(2))[:2] == ("d1", "x.r1")  # refused there
     worker, wire2, _ = await cluster.wait_generated(3)
     assert (worker, wire2) == ("d2", "x.r2")
-    await _until(lambda: ("d1", "x.r1") in cluster.aborted)  # it may have admitted it
+    await until(lambda: ("d1", "x.r1") in cluster.aborted)  # it may have admitted it
     await cluster.send(backend.stream_addr, wire2, Tokens(1, [12] * 7, finished=True,
                                                           finish_reason="length"))
     events = await asyncio.wait_for(task, 10)
@@ -292,7 +194,7 @@ async def test_new_request_waits_for_a_decode_worker_to_register(fake):
     cluster.alive.update(d0=False, d1=False)
     seen: list[Tokens] = []
     task = asyncio.create_task(_collect(backend, "n", seen))
-    await _until(lambda: cluster.routes >= 3)  # asked, and asked again
+    await until(lambda: cluster.routes >= 3)  # asked, and asked again
     assert not cluster.generated and not task.done()
     cluster.alive["d1"] = True  # a worker said Hello to the conductor
     worker, wire, gen = await cluster.wait_generated(1)

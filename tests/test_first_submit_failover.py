@@ -15,26 +15,14 @@ import asyncio
 import time
 
 import pytest
-import zmq.asyncio
 
 from common.protocol import (
-    Abort,
-    Ack,
-    Error,
-    Generate,
-    ListWorkers,
-    Route,
-    RouteReply,
     Tokens,
-    WorkerInfo,
-    WorkerList,
-    WorkerStatus,
 )
-from common.zmq_io import PushSocket
-from common.zmq_rpc import RpcServer
 from services.gateway.backend import BackendUnavailable, GenerationRequest
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover import FailoverSettings
+from tests.gateway_fakes import FakeCluster, fake_cluster_and_backend, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,107 +31,15 @@ SAMPLING = {"max_tokens": 6, "temperature": 0.0, "seed": 3}
 REFERENCE = [40, 41, 42, 43, 44, 45]  # what the live worker generates
 
 
-class FakeCluster:
-    """A conductor and decode workers ``d0``, ``d1``, both listed alive throughout (a
-    stopping or frozen worker is, until its heartbeats lapse). Route picks the first
-    not excluded. A worker's mode: ``ack`` admits ``Generate``, ``refuse`` answers
-    ``unavailable`` (it is shutting down), ``silent`` records it and never answers."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.ctx = ctx
-        self.mode = {"d0": "ack", "d1": "ack"}
-        self.generated: list[tuple[str, str, Generate]] = []  # (worker, wire id, record)
-        self.aborted: list[tuple[str, str]] = []
-        self.excludes: list[list[str]] = []  # each Route's exclude list
-        self.workers = {wid: RpcServer(ctx, "tcp://127.0.0.1:*", self._worker(wid),
-                                       name=wid) for wid in self.mode}
-        self.addrs: dict[str, str] = {}
-        self.conductor = RpcServer(ctx, "tcp://127.0.0.1:*", self._conductor,
-                                   name="fake-conductor")
-        self.push: PushSocket | None = None
-
-    async def start(self) -> None:
-        for wid, w in self.workers.items():
-            await w.start()
-            self.addrs[wid] = w.address
-        await self.conductor.start()
-
-    async def close(self) -> None:
-        if self.push is not None:
-            await self.push.close()
-        for w in self.workers.values():
-            await w.close()
-        await self.conductor.close()
-
-    async def _conductor(self, msg):
-        if isinstance(msg.record, Route):
-            self.excludes.append(list(msg.record.exclude))
-            wid = next((w for w in self.mode if w not in msg.record.exclude), None)
-            if wid is None:
-                return Error("unavailable", "no live decode or unified worker")
-            return RouteReply(wid, self.addrs[wid], None, None, "test")
-        if isinstance(msg.record, ListWorkers):
-            return WorkerList([WorkerStatus(
-                info=WorkerInfo(w, "decode", "m", a, "", "h", 16, 64, "fp"), alive=True)
-                for w, a in self.addrs.items()])
-        return None
-
-    def _worker(self, wid: str):
-        async def handle(msg):
-            rid = msg.envelope.request_id
-            if isinstance(msg.record, Abort):
-                self.aborted.append((wid, rid))
-                return Ack(detail="aborted")
-            if isinstance(msg.record, Generate):
-                self.generated.append((wid, rid, msg.record))
-                if self.mode[wid] == "refuse":
-                    return Error("unavailable", f"{wid} is shutting down")
-                if self.mode[wid] == "silent":
-                    await asyncio.Event().wait()
-                return Ack()
-            return None
-        return handle
-
-    async def send(self, stream_addr: str, wire_id: str, tokens: Tokens) -> None:
-        if self.push is None:
-            self.push = PushSocket(self.ctx, stream_addr, bind=False)
-        await self.push.send(tokens, request_id=wire_id)
-
-    async def wait_generated(self, n: int, task: asyncio.Task, within_s: float = 10.0):
-        """The ``n``-th Generate received; what ``task`` raised if it ended first."""
-        async with asyncio.timeout(within_s):
-            while len(self.generated) < n:
-                if task.done():
-                    task.result()
-                    raise AssertionError(f"ended after {len(self.generated)} Generate(s)")
-                await asyncio.sleep(0.01)
-        return self.generated[n - 1]
-
-
 @pytest.fixture
 async def fake():
-    ctx = zmq.asyncio.Context()
-    cluster = FakeCluster(ctx)
-    await cluster.start()
-    backend = ClusterBackend(ctx, cluster.conductor.address, "tcp://127.0.0.1:*", "m",
-                             rpc_timeout_s=2.0, stall_check_s=5.0,
-                             failover=FailoverSettings(wait_s=2.0, poll_s=0.1,
-                                                       route_wait_s=1.5, route_poll_s=0.05))
-    await backend.start()
-    yield cluster, backend
-    await backend.close()
-    await cluster.close()
-    ctx.term()
+    async with fake_cluster_and_backend(stall_check_s=5.0) as pair:
+        yield pair
 
 
 async def _collect(backend: ClusterBackend, rid: str) -> list[Tokens]:
     return [t async for t in backend.generate(GenerationRequest(rid, PROMPT, SAMPLING))]
 
-
-async def _until(cond, within_s: float = 5.0) -> None:
-    async with asyncio.timeout(within_s):
-        while not cond():
-            await asyncio.sleep(0.01)
 
 
 async def _completes_on_d1(cluster: FakeCluster, backend: ClusterBackend, rid: str,
@@ -164,7 +60,7 @@ async def _completes_on_d1(cluster: FakeCluster, backend: ClusterBackend, rid: s
     assert [t for e in events for t in e.token_ids] == REFERENCE
     assert [e.position for e in events] == [0, 2]
     assert events[-1].finish_reason == "length" and events[-1].error is None
-    await _until(lambda: ("d0", rid) in cluster.aborted)  # in case it admitted it
+    await until(lambda: ("d0", rid) in cluster.aborted)  # in case it admitted it
     assert ("d1", wire) not in cluster.aborted
     assert len(cluster.generated) == 2
     assert not backend.queues and not backend.decoders
@@ -211,7 +107,7 @@ async def test_every_worker_refusing_ends_unavailable_within_the_route_wait(fake
     assert 1.4 <= elapsed < 6  # waited for a worker to come back, then gave up
     assert [g[:2] for g in cluster.generated] == [("d0", "u"), ("d1", "u.r1")]
     assert cluster.excludes[1] == ["d0"] and cluster.excludes[2] == ["d0", "d1"]
-    await _until(lambda: {("d0", "u"), ("d1", "u.r1")} <= set(cluster.aborted))
+    await until(lambda: {("d0", "u"), ("d1", "u.r1")} <= set(cluster.aborted))
     assert not backend.queues and not backend.decoders
 
 
