@@ -83,18 +83,26 @@ def tokenizer_dir_for(model_ref: str | os.PathLike[str]) -> Path:
     path = _resolved(model_ref)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return path
-    target = cache_root() / "tokenizers" / _cache_key(path)
-    if (target / "tokenizer.json").is_file():
+    return cached_dir(cache_root() / "tokenizers" / _cache_key(path), "tokenizer.json",
+                      lambda out: export_tokenizer(path, out))
+
+
+def cached_dir(target: Path, marker: str, write) -> Path:
+    """``target``, written once by ``write(directory)`` unless it already holds
+    ``marker``: into a temporary directory beside it, then renamed into place, so a
+    reader never sees half of it and two processes writing at once both end with the
+    same complete directory."""
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        export_tokenizer(path, staging)
+        write(staging)
         try:
             os.rename(staging, target)
         except OSError:
             # Another process finished first (rename onto a non-empty directory fails).
-            if not (target / "tokenizer.json").is_file():
+            if not (target / marker).is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from services.engine.model_config import RANDOM_PREFIX, ModelConfig, preset
-from services.engine.tokenizer_export import cache_root
+from services.engine.tokenizer_export import cache_root, cached_dir
 from services.engine.weights import LoadedWeights, expected_shapes
 
 BOS_TOKEN, EOS_TOKEN = "<|begin_of_text|>", "<|end_of_text|>"
@@ -122,21 +119,9 @@ def byte_tokenizer_dir(cfg: ModelConfig) -> Path:
     written once under the tokenizer cache (staged and renamed into place, so a
     reader never sees half of it)."""
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else "none"
-    target = cache_root() / "tokenizers" / f"bytes-v{cfg.vocab_size}-b{cfg.bos_token_id}-e{eos}"
-    if (target / "tokenizer_config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_byte_tokenizer(cfg, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process finished first
-            if not (target / "tokenizer_config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    key = f"bytes-v{cfg.vocab_size}-b{cfg.bos_token_id}-e{eos}"
+    return cached_dir(cache_root() / "tokenizers" / key, "tokenizer_config.json",
+                      lambda out: write_byte_tokenizer(cfg, out))
 
 
 def main(argv: list[str] | None = None) -> int:
