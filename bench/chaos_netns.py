@@ -14,15 +14,12 @@ Without namespaces everything runs on loopback and ``link_cut`` is skipped, sayi
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from tests.cluster import ROOT, Host, free_port
+from tests.cluster import Host, free_port
 from tests.netns import DEVICE, NetnsUnavailable, VethPair
 from tests.pool_procs import PoolProc
 
@@ -80,26 +77,14 @@ class HostedPoolProc(PoolProc):
         self.control = f"tcp://{self.host.ip}:{free_port()}"
         self.events = f"tcp://{self.host.ip}:{free_port()}"
 
-    def start(self, learn_block_bytes: bool = False, timeout_s: float = 20.0) -> PoolProc:
-        self.starts += 1
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_CURVE_KEYS_DIR": self.keys_dir,
-               **self.host.env}
-        cmd = [sys.executable, "-m", "services.cache_pool", *self.args(learn_block_bytes)]
+    def command(self, learn_block_bytes: bool = False) -> list[str]:
+        cmd = super().command(learn_block_bytes)
         if self.host.netns:  # ip execs the command: the pid is the pool's
             cmd = ["ip", "netns", "exec", self.host.netns, *cmd]
-        with self.log.open("a") as log:
-            self.popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"pool {self.instance} exited:\n{self.tail()}")
-            try:
-                self.stats(0.3)
-                return self
-            except TimeoutError:
-                pass
-        raise TimeoutError(f"pool {self.instance} not ready:\n{self.tail()}")
+        return cmd
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), **self.host.env}
 
 
 def corrupt_env(path: Path) -> dict[str, str]:

@@ -60,13 +60,18 @@ class PoolProc:
                      "--ssd-mib", repr(self.ssd_blocks * (BLOCK + HDR) / (1 << 20))]
         return args + self.extra
 
+    def command(self, learn_block_bytes: bool = False) -> list[str]:
+        return [sys.executable, "-m", "services.cache_pool", *self.args(learn_block_bytes)]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_CURVE_KEYS_DIR": self.keys_dir}
+
     def start(self, learn_block_bytes: bool = False, timeout_s: float = 20.0) -> PoolProc:
         self.starts += 1
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_CURVE_KEYS_DIR": self.keys_dir}
         with self.log.open("a") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "services.cache_pool", *self.args(learn_block_bytes)],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.popen = subprocess.Popen(self.command(learn_block_bytes), cwd=ROOT,
+                                          env=self.env(), stdout=log,
+                                          stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
