@@ -318,3 +318,25 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 proc.popen.wait()
+
+
+def stream_each(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
+                started: list[int], timeout_s: float = 240):
+    """Stream each prompt (greedy, ``max_tokens``, EOS ignored) from a thread of its own;
+    ``started`` gets one entry per stream that saw its first chunk. Futures of each
+    stream's chunks."""
+    import concurrent.futures
+
+    from common.client import Client
+
+    def one(prompt):
+        with Client(cluster.zmq_addr, timeout_s=timeout_s) as client:
+            chunks = []
+            for chunk in client.stream(prompt_token_ids=prompt, max_tokens=max_tokens,
+                                       temperature=0, ignore_eos=True):
+                if not chunks:
+                    started.append(1)
+                chunks.append(chunk)
+            return chunks
+    pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
+    return [pool.submit(one, p) for p in prompts]

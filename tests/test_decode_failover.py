@@ -8,7 +8,6 @@ processes: a killed decode worker, a killed and restarted one, and none coming b
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import signal
 import time
 
@@ -30,7 +29,7 @@ from services.gateway.failover import (
     attempt_id,
     remaining_tokens,
 )
-from tests.cluster import Cluster, make_served_tiny_model
+from tests.cluster import Cluster, make_served_tiny_model, stream_each
 from tests.gateway_fakes import fake_cluster_and_backend, until, worker_status
 from tests.tiny_models import random_prompts
 
@@ -256,19 +255,7 @@ def reference(model_dir, prompts):
 
 
 def _streams(cluster: Cluster, prompts: list[list[int]], started: list[int]):
-    """Stream each prompt from its own thread; ``started`` counts first chunks seen.
-    Returns futures of each stream's chunks."""
-    def one(prompt):
-        with Client(cluster.zmq_addr, timeout_s=240) as client:
-            chunks = []
-            for chunk in client.stream(prompt_token_ids=prompt, max_tokens=N,
-                                       temperature=0, ignore_eos=True):
-                if not chunks:
-                    started.append(1)
-                chunks.append(chunk)
-            return chunks
-    pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
-    return [pool.submit(one, p) for p in prompts]
+    return stream_each(cluster, prompts, N, started)
 
 
 def _wait_started(started: list[int], n: int, futures) -> None:

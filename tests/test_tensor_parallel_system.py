@@ -8,7 +8,6 @@ splits two ways; float64 keeps TP=2's all-reduced sums on TP=1's greedy path."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import signal
 import time
@@ -19,7 +18,7 @@ import pytest
 from common.client import Client
 from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
-from tests.cluster import Cluster, Host, make_served_tiny_model
+from tests.cluster import Cluster, Host, make_served_tiny_model, stream_each
 from tests.pool_procs import PoolProc
 from tests.tiny_models import random_prompts
 
@@ -109,23 +108,6 @@ def gone(pid: int) -> bool:
     return stat.split(")")[-1].split()[0] == "Z"  # exited, not yet reaped
 
 
-def stream_all(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
-               started: list[int]) -> list[concurrent.futures.Future]:
-    """Each prompt streamed from a thread of its own; ``started`` gets one entry per
-    stream that saw its first chunk. Futures of each stream's chunks."""
-    def one(prompt):
-        with Client(cluster.zmq_addr, timeout_s=180) as client:
-            chunks = []
-            for chunk in client.stream(prompt_token_ids=prompt, max_tokens=max_tokens,
-                                       temperature=0, ignore_eos=True):
-                if not chunks:
-                    started.append(1)
-                chunks.append(chunk)
-            return chunks
-    pool = concurrent.futures.ThreadPoolExecutor(len(prompts))
-    return [pool.submit(one, p) for p in prompts]
-
-
 def token_ids(chunks) -> list[int]:
     """The stream's tokens, after checking its positions run on with no gap or repeat."""
     at = 0
@@ -172,7 +154,7 @@ def test_follower_killed_mid_stream_worker_dead_streams_rerouted_nothing_left(
     assert len(followers) == 1, followers
     # Three streams in turn: two on unified-0 (TP=2), one on unified-1.
     started: list[int] = []
-    futures = stream_all(cluster, streamed, STREAMED_TOKENS, started)
+    futures = stream_each(cluster, streamed, STREAMED_TOKENS, started, timeout_s=180)
     wait_for("every stream's first tokens", lambda: len(started) == len(streamed)
              or any(f.done() and f.exception() for f in futures), timeout_s=60)
     assert len(started) == len(streamed), [f.exception() for f in futures]
