@@ -13,16 +13,10 @@ import pytest
 
 from common.transfer import TransferError, make_receiver, make_sender
 from common.transfer.fault_hook import ENV
+from tests.kv_sink import Sink
 
 TOKEN = secrets.token_bytes(16)
 
-
-class Sink:
-    def __init__(self) -> None:
-        self.chunks: list[tuple[str, int, list[int], bytes]] = []
-
-    def __call__(self, request_id, layer, block_ids, payload) -> None:
-        self.chunks.append((request_id, layer, block_ids, bytes(payload)))
 
 
 async def _transfer(backend: str, tmp_path, mode: str | None, monkeypatch):

@@ -16,17 +16,11 @@ from common.transfer import TransferError, TransferState, control, make_receiver
 from common.transfer.shm import CHUNK_PLACE, VERSION, chunk_frame, read_chunk
 from common.transfer.shm_segment import new_prefix
 from common.transfer.shm_sender import ShmSender
+from tests.kv_sink import Sink
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = secrets.token_bytes(16)
 
-
-class Sink:
-    def __init__(self) -> None:
-        self.chunks: list[tuple[str, int, list[int], bytes]] = []
-
-    def __call__(self, request_id, layer, block_ids, payload) -> None:
-        self.chunks.append((request_id, layer, list(block_ids), bytes(payload)))
 
 
 @pytest.fixture

@@ -19,26 +19,12 @@ import xxhash
 from common.transfer import TransferError, TransferState, make_receiver, make_sender, wire
 from common.transfer.tcp_receiver import TcpReceiver
 from common.transfer.tcp_sender import TcpSender
+from tests.kv_sink import Sink
 
 # Every transfer is expected with a token and every message presents it; one drawn per run
 # serves these tests (tests/test_transfer_tokens.py checks that the wrong one is refused).
 TOKEN = secrets.token_bytes(16)
 
-
-class Sink:
-    """Records every chunk the receiver hands over; optionally raises for one request."""
-
-    def __init__(self, raise_for: str | None = None) -> None:
-        self.chunks: list[tuple[str, int, list[int], bytes]] = []
-        self.raise_for = raise_for
-
-    def __call__(self, request_id, layer, block_ids, payload) -> None:
-        if request_id == self.raise_for:
-            raise RuntimeError("destination blocks were freed")
-        self.chunks.append((request_id, layer, block_ids, bytes(payload)))
-
-    def of(self, request_id: str) -> list[tuple[str, int, list[int], bytes]]:
-        return [c for c in self.chunks if c[0] == request_id]
 
 
 @pytest.fixture

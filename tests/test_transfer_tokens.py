@@ -21,6 +21,7 @@ from common.transfer import (
 )
 from common.transfer.table import TransferTable
 from common.transfer.ucx import load_ucxx
+from tests.kv_sink import Sink
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,13 +38,6 @@ def kind(request) -> str:
         pytest.skip(UCX_MISSING)
     return request.param
 
-
-class Sink:
-    def __init__(self) -> None:
-        self.chunks: list[tuple[str, int, list[int], bytes]] = []
-
-    def __call__(self, request_id, layer, block_ids, payload) -> None:
-        self.chunks.append((request_id, layer, list(block_ids), bytes(payload)))
 
 
 @pytest.fixture
