@@ -46,6 +46,10 @@ class Arrivals:
             return Error("bad_request", f"request id {rid!r} is already in use")
         if rid in role.aborted:
             return Error("aborted", f"request {rid!r} was aborted")
+        total = len(rec.prompt_token_ids) + len(rec.output_token_ids)
+        if rec.start_position < 0 or not 0 <= rec.cached_tokens <= total:
+            return Error("bad_request", f"start_position {rec.start_position} must be >= 0 "
+                                        f"and cached_tokens {rec.cached_tokens} in [0, {total}]")
         refusal = role.overloaded()
         if refusal is not None:
             return refusal
