@@ -85,7 +85,15 @@ class _FakeStreams:
         self.Stream, self.Event = Stream, Event
 
     def current_stream(self, device):
-        return self.current
+        if self.current != "compute":
+            return self.current
+        fake = self
+
+        class Compute(str):  # still "compute" where the log names it
+            def wait_event(self, event):
+                fake.log.append(f"compute waits {event.name}")
+
+        return Compute("compute")
 
     def stream(self, s):
         fake = self
@@ -152,3 +160,87 @@ def test_device_export_path_through_pool_and_side_stream():
     assert bytes(again) == bytes(plain.export_layer_bytes(0, [1, 1, 1]))
     cache.close()
     assert cache._host.stats.idle == 0
+
+
+def _device_path(cache):
+    """``cache`` on the CUDA code path with CPU tensors: fake streams, an unpinned pool."""
+    streams = _FakeStreams()
+    cache._host = HostBufferPool(pin=False)
+    cache._side = SideStream(torch.device("cpu"), streams)
+    return streams
+
+
+def test_pool_export_packs_on_compute_then_copies_on_the_side():
+    """The gather is queued on the compute stream, before a later step could reuse the
+    (evictable) blocks; only the copy to the host runs on the side stream."""
+    cache, plain = _filled_cache(), _filled_cache()
+    streams = _device_path(cache)
+    packed = torch.arange(12, dtype=torch.float32)
+    pending = cache._to_host(lambda: streams.log.append(f"pack on {streams.current}")
+                             or packed)
+    assert streams.log == ["pack on compute", "e1 on compute", "enter side",
+                           "side waits e1", "e2 on side", "leave side"]
+    assert not pending.ready() and pending._keep is packed  # held while the copy reads it
+    assert bytes(pending.wait()) == packed.numpy().tobytes()
+    assert streams.log[-1] == "sync e2" and pending._keep is None
+
+    streams.log.clear()
+    started = cache.export_blocks_async([5, 0, 3])
+    assert "sync" not in " ".join(streams.log)  # the engine thread did not wait
+    whole = started.wait()
+    want = b"".join(bytes(plain.export_block_bytes(b)) for b in (5, 0, 3))
+    assert bytes(whole) == want and whole.nbytes == 3 * plain.block_nbytes
+
+
+def test_pool_import_copies_on_the_side_and_compute_waits_on_the_event():
+    cache, plain = _filled_cache(), _filled_cache()
+    src = _filled_cache()
+    src.k.mul_(-3)
+    data = [bytes(src.export_block_bytes(b)) for b in (1, 4)]
+    streams = _device_path(cache)
+    cache.import_blocks_bytes([2, 5], data)
+    assert streams.log == ["e1 on compute", "enter side", "side waits e1", "e2 on side",
+                           "leave side", "compute waits e2"]  # no host sync anywhere
+    assert bytes(cache.export_block_bytes(2)) == data[0]
+    assert bytes(cache.export_block_bytes(5)) == data[1]
+    plain.import_blocks_bytes([2, 5], data)
+    assert torch.equal(cache.k, plain.k) and torch.equal(cache.v, plain.v)
+    # The staging buffer stays out of the pool until the copy's event has happened.
+    size = 2 * plain.block_nbytes
+    assert size not in cache._host._idle or not cache._host._idle[size]
+    cache._host.take(1)  # reaps: e2 not done yet
+    assert len(cache._host._in_use) == 1
+    staged, done = cache._host._in_use[0]
+    done.synchronize()
+    assert cache._host.take(size).data_ptr() == staged.data_ptr()  # back once done
+
+
+def test_pool_import_checks_every_block_before_writing_any():
+    cache = _filled_cache()
+    streams = _device_path(cache)
+    before = cache.k.clone()
+    good = bytes(cache.export_block_bytes(0))
+    streams.log.clear()
+    for ids, data in (([1, 2], [good, good[:-4]]), ([1, 9], [good, good]), ([1], [])):
+        try:
+            cache.import_blocks_bytes(ids, data)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{ids} accepted")
+    assert torch.equal(cache.k, before) and streams.log == []
+
+
+def test_cpu_pool_blocks_are_slices_of_one_gather():
+    """On the CPU nothing is staged: a batch of blocks is one gather, each block's bytes a
+    slice of it, ready at once."""
+    from services.engine.kv_store import import_blocks, start_block_export
+
+    cache, other = _filled_cache(), KVCache(2, 6, 4, 2, 8, torch.float32)
+    started = start_block_export(cache, [4, 1, 1])
+    assert started.ready() and cache._host is None
+    views = started.wait()
+    assert len({id(v.obj) for v in views}) == 1  # one buffer under all three
+    assert [bytes(v) for v in views] == [bytes(cache.export_block_bytes(b)) for b in (4, 1, 1)]
+    import_blocks(other, [0, 3], views[:2])
+    assert torch.equal(other.k[:, 0], cache.k[:, 4]) and torch.equal(other.v[:, 3], cache.v[:, 1])

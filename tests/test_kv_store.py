@@ -54,3 +54,22 @@ def test_store_keeps_the_byte_contract(store):
         store.export_layer_bytes(0, [store.num_blocks])
     with pytest.raises(ValueError):
         store.export_block_bytes(-1)
+
+
+def test_a_store_without_batches_moves_pool_blocks_one_by_one():
+    """The simulated (and tensor-parallel) store has no batched block calls: pool blocks
+    are exported at once and imported one at a time, checked first all the same."""
+    from services.engine.kv_store import BlockBatches, import_blocks, start_block_export
+
+    store = SimKVStore(num_layers=2, num_blocks=4, block_size=4, block_bytes=3)
+    assert not isinstance(store, BlockBatches)
+    store.write(0, 1, b"abc")
+    store.write(1, 2, b"xyz")
+    started = start_block_export(store, [2, 1])
+    assert started.ready() and started.count == 2
+    assert [bytes(v) for v in started.wait()] == [b"\0\0\0xyz", b"abc\0\0\0"]
+    with pytest.raises(ValueError, match="6 bytes"):
+        import_blocks(store, [0, 3], [b"123456", b"12345"])
+    assert bytes(store.export_block_bytes(0)) == bytes(6)  # nothing written
+    import_blocks(store, [0, 3], [b"123456", b"uvwxyz"])
+    assert [bytes(store.export_block_bytes(b)) for b in (0, 3)] == [b"123456", b"uvwxyz"]

@@ -71,3 +71,57 @@ async def test_without_pools_it_neither_fetches_nor_writes():
     assert link._queued == 0 and calls == [42]
     await link.close()
     await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_write_back_waits_for_the_copy_off_the_event_loop():
+    """The engine thread only starts the export; its bytes are waited for on another
+    thread while the event loop runs on, then put under their keys and positions."""
+    import threading
+
+    from services.engine.kv_store import PendingBlocks
+
+    class OnTheWay:  # a side-stream copy that ends when ``done`` is set
+        def __init__(self, payload):
+            self.payload, self.done, self.waited_on = memoryview(payload), threading.Event(), []
+
+        def ready(self):
+            return self.done.is_set()
+
+        def wait(self):
+            self.waited_on.append(threading.current_thread().name)
+            if not self.done.wait(10):
+                raise TimeoutError("copy never finished")
+            return self.payload
+
+    copy = OnTheWay(b"aaaabbbb")
+    engine = types.SimpleNamespace(pool_blocks=types.SimpleNamespace(
+        export_async=lambda hashes: PendingBlocks(2, 4, pending=copy)))
+    started = []
+
+    async def run(fn, *args):
+        started.append(args)
+        return fn(engine, *args)
+
+    class Client:
+        puts: list = []
+
+        async def exists(self, keys):
+            return 1  # the pool holds the first block already
+
+        async def put(self, items):
+            self.puts.append([(k, bytes(d), pos) for k, d, pos in items])
+
+    ctx = fake_context(rate=0.0, cache_pools="tcp://127.0.0.1:1")
+    ctx.loop.run = run
+    link = PoolLink(ctx)
+    link.client = Client()
+    writing = asyncio.create_task(link._write([11, 12, 13]))
+    await asyncio.sleep(0.05)
+    assert started == [([12, 13],)] and not writing.done()  # the loop is not blocked
+    copy.done.set()
+    async with asyncio.timeout(10):
+        await writing
+    assert Client.puts == [[(12, b"aaaa", 1), (13, b"bbbb", 2)]]
+    assert link.counts["written_blocks"] == 2
+    assert copy.waited_on[0] != threading.current_thread().name

@@ -8,6 +8,11 @@ bytes any more: the memoryview handed out keeps a numpy array alive, and that ar
 finalizer returns the buffer. So a reader can hold an export as long as it likes; the
 pool only allocates more meanwhile.
 
+Imports go the other way: bytes are staged in a pooled pinned buffer, copied to the
+device and scattered into their blocks on the side stream, and the compute stream waits
+for that on the device (an event), never the host thread. A staging buffer goes back to
+the pool only once its copy is done (:meth:`HostBufferPool.give_back_when`).
+
 On the CPU nothing here is used: an export is a view of the gathered tensor (zero copy).
 """
 
@@ -46,10 +51,12 @@ class HostBufferPool:
         self._allocated = self._reused = 0
         self._closed = False
         self._lock = threading.Lock()
+        self._in_use: list[tuple[torch.Tensor, Any]] = []  # (buffer, event it waits for)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A ``[nbytes]`` uint8 buffer, idle or new; return it with :meth:`give_back`
         or hand it out with :meth:`view`."""
+        self._reap()
         with self._lock:
             idle = self._idle.get(nbytes)
             if idle:
@@ -69,6 +76,20 @@ class HostBufferPool:
             idle.append(buf)
             self._idle_bytes += nbytes
 
+    def give_back_when(self, buf: torch.Tensor, done: Any) -> None:
+        """Return ``buf`` once event ``done`` has happened (a copy still reads it)."""
+        with self._lock:
+            self._in_use.append((buf, done))
+
+    def _reap(self) -> None:
+        with self._lock:
+            finished, waiting = [], []
+            for buf, done in self._in_use:
+                (finished if done.query() else waiting).append((buf, done))
+            self._in_use = waiting
+        for buf, _ in finished:
+            self.give_back(buf)
+
     def view(self, buf: torch.Tensor) -> memoryview:
         """``buf``'s bytes; ``buf`` returns to the pool once every view of them is gone."""
         arr = buf.numpy()
@@ -78,6 +99,7 @@ class HostBufferPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._in_use.clear()  # torch's allocator keeps each until its copy is done
             self._idle.clear()
             self._idle_bytes = 0
 
@@ -93,8 +115,11 @@ class PendingBytes:
     blocks only this thread, only until the side stream's copy is done)."""
 
     def __init__(self, buf: Any, done: Any = None,
-                 to_view: Callable[[Any], memoryview] | None = None) -> None:
+                 to_view: Callable[[Any], memoryview] | None = None,
+                 keep: Any = None) -> None:
         self._buf, self._done, self._to_view = buf, done, to_view
+        # What the copy still reads (the packed device tensor): held until it is done.
+        self._keep = keep
         self._view: memoryview | None = None
 
     @classmethod
@@ -111,18 +136,22 @@ class PendingBytes:
             if self._done is not None:
                 self._done.synchronize()
             self._view = self._to_view(self._buf)
-            self._buf = self._done = None
+            self._buf = self._done = self._keep = None
         return self._view
 
 
 class SideStream:
-    """Device-to-host copies on a stream of their own.
+    """Copies between host and device on a stream of their own.
 
     ``run(work)`` records an event on the current (compute) stream, makes the side
     stream wait for it (so the copy reads what the compute stream wrote so far), runs
     ``work()`` under the side stream and records ``done`` there. The compute stream
     never waits: the next step's kernels overlap the copy. ``streams`` is
     ``torch.cuda`` (a stand-in in tests).
+
+    ``run_joined(work)`` is the same for work the compute stream must see (an import
+    writing blocks): after ``done`` the compute stream is made to wait for it, on the
+    device; this thread goes on at once.
     """
 
     def __init__(self, device: torch.device, streams: Any = None) -> None:
@@ -139,3 +168,11 @@ class SideStream:
             done = self.streams.Event()
             done.record(self.stream)
         return result, done
+
+    def run_joined(self, work: Callable[[], Any]) -> Any:
+        """:meth:`run`, then the compute stream waits (on the device) for ``done``;
+        returns ``done``."""
+        compute = self.streams.current_stream(self.stream.device)
+        _, done = self.run(work)
+        compute.wait_event(done)
+        return done

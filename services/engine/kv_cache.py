@@ -15,8 +15,12 @@ On the CPU an export is one gather whose memory the returned view shares, and an
 reads the caller's bytes in place. On CUDA the blocks are packed on the device (the
 Triton kernel where triton is installed) and copied once into a pooled pinned host
 buffer, on a side stream the compute stream never waits for
-(``services/engine/host_buffers.py``; ``export_layer_async`` lets the caller wait
-later); imports go the other way.
+(``services/engine/host_buffers.py``; ``export_layer_async`` and
+``export_blocks_async`` let the caller wait later). The pack itself runs on the compute
+stream: it is a device-to-device gather of microseconds, and queued there it reads the
+blocks before any later step can reuse them (a pooled block is an evictable one). Pool
+imports (``import_blocks_bytes``) go the other way: staged in a pinned buffer, copied and
+scattered on the side stream, the compute stream made to wait for them by an event.
 """
 
 from __future__ import annotations
@@ -107,17 +111,18 @@ class KVCache:
     def _to_host(self, pack) -> PendingBytes:
         """``pack()``'s tensor copied into a pooled host buffer (on the side stream on
         CUDA, where the copy does not block this thread)."""
-        def work() -> torch.Tensor:
-            packed = pack()
-            buf = self._host.take(packed.numel() * packed.element_size())
+        packed = pack()  # on the compute stream: ordered before any reuse of the blocks
+        buf = self._host.take(packed.numel() * packed.element_size())
+
+        def copy() -> torch.Tensor:
             buf.view(packed.dtype).view(packed.shape).copy_(
                 packed, non_blocking=self._side is not None)
             return buf
 
         if self._side is None:
-            return PendingBytes(work(), None, self._host.view)
-        buf, done = self._side.run(work)
-        return PendingBytes(buf, done, self._host.view)
+            return PendingBytes(copy(), None, self._host.view)
+        _, done = self._side.run(copy)
+        return PendingBytes(buf, done, self._host.view, keep=packed)
 
     def import_layer_bytes(self, layer: int, block_ids: Sequence[int],
                            payload: Buffer) -> None:
@@ -142,27 +147,80 @@ class KVCache:
     def export_block_bytes(self, block_id: int) -> memoryview:
         """One block, all layers, as ``[layer, 0 = K | 1 = V, token, kv_head, head_dim]``
         bytes."""
-        self._ids([block_id])
+        return self.export_blocks_async([block_id]).wait()
+
+    def export_blocks_async(self, block_ids: Sequence[int]) -> PendingBytes:
+        """:meth:`export_block_bytes` of each of ``block_ids``, one after the other in
+        one buffer, started: on CUDA gathered on the compute stream and copied to the host
+        on the side stream (``wait()`` blocks until then); on the CPU one gather whose
+        memory the bytes are, ready at once."""
+        ids = self._ids(block_ids)
+        n, rest = len(block_ids), self.k.shape[2:]
+
+        def pack() -> torch.Tensor:
+            out = torch.empty((n, self.num_layers, 2, *rest), dtype=self.k.dtype,
+                              device=self.k.device)
+            if self.k.device.type == "cpu":  # straight from the cache: one copy
+                for i, b in enumerate(block_ids):
+                    out[i, :, 0].copy_(self.k[:, b])
+                    out[i, :, 1].copy_(self.v[:, b])
+            elif n:  # a few launches, not 2n
+                out[:, :, 0].copy_(self.k.index_select(1, ids).transpose(0, 1))
+                out[:, :, 1].copy_(self.v.index_select(1, ids).transpose(0, 1))
+            return out
+
         if self._host is None:
-            return _cpu_bytes(torch.stack([self.k[:, block_id], self.v[:, block_id]], dim=1))
-        return self._to_host(lambda: torch.stack(
-            [self.k[:, block_id], self.v[:, block_id]], dim=1)).wait()
+            return PendingBytes.ready_now(_cpu_bytes(pack()))
+        return self._to_host(pack)
 
     def import_block_bytes(self, block_id: int, data: Buffer) -> None:
         """Write bytes from :meth:`export_block_bytes` into ``block_id``; ``ValueError``
         if they are not one block of this layout."""
-        self._ids([block_id])
-        if memoryview(data).nbytes != self.block_nbytes:
-            raise ValueError(f"a block holds {self.block_nbytes} bytes, got "
-                             f"{memoryview(data).nbytes}")
-        with warnings.catch_warnings():  # a read-only buffer is fine: the copy below
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(data, dtype=torch.uint8)
-        both = raw.view(self.k.dtype).view(self.num_layers, 2, *self.k.shape[2:])
-        if self.k.device.type != "cpu":
-            both = both.to(self.k.device)  # one host-to-device copy, not two strided ones
-        self.k[:, block_id].copy_(both[:, 0])
-        self.v[:, block_id].copy_(both[:, 1])
+        self.import_blocks_bytes([block_id], [data])
+
+    def import_blocks_bytes(self, block_ids: Sequence[int], data: Sequence[Buffer]) -> None:
+        """:meth:`import_block_bytes` of ``data[i]`` into ``block_ids[i]``, all checked
+        before any is written. On CUDA the host thread does not wait: the copy runs on the
+        side stream and the next step's kernels wait for it on the device."""
+        ids = self._ids(block_ids)
+        if len(data) != len(block_ids):
+            raise ValueError(f"{len(data)} buffers for {len(block_ids)} blocks")
+        views = [memoryview(d).cast("B") for d in data]
+        for view in views:
+            if view.nbytes != self.block_nbytes:
+                raise ValueError(f"a block holds {self.block_nbytes} bytes, got "
+                                 f"{view.nbytes}")
+        if not views:
+            return
+        if self._side is None:
+            for b, view in zip(block_ids, views, strict=True):
+                both = _block_tensor(view, self.k)
+                if self.k.device.type != "cpu":
+                    both = both.to(self.k.device)  # one host-to-device copy, not two
+                self.k[:, b].copy_(both[:, 0])
+                self.v[:, b].copy_(both[:, 1])
+            return
+        size = self.block_nbytes
+        staged = self._host.take(size * len(views))
+        host = staged.numpy()
+        for i, view in enumerate(views):  # pageable to pinned: the copy below is async
+            host[i * size:(i + 1) * size] = view
+        shape = (len(views), self.num_layers, 2, *self.k.shape[2:])
+
+        def scatter() -> None:
+            both = staged.view(self.k.dtype).view(shape).to(self.k.device, non_blocking=True)
+            self.k.index_copy_(1, ids, both[:, :, 0].transpose(0, 1))
+            self.v.index_copy_(1, ids, both[:, :, 1].transpose(0, 1))
+
+        self._host.give_back_when(staged, self._side.run_joined(scatter))
+
+
+def _block_tensor(view: memoryview, like: torch.Tensor) -> torch.Tensor:
+    """One block's bytes, read in place, as ``[layer, 2, token, kv_head, head_dim]``."""
+    with warnings.catch_warnings():  # a read-only buffer is fine: the caller copies it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(view, dtype=torch.uint8)
+    return raw.view(like.dtype).view(like.shape[0], 2, *like.shape[2:])
 
 
 def _cpu_bytes(tensor: torch.Tensor) -> memoryview:

@@ -56,3 +56,70 @@ class KVStore(Protocol):
     def import_block_bytes(self, block_id: int, data: Buffer) -> None:
         """Write bytes from :meth:`export_block_bytes` into ``block_id``."""
         ...
+
+
+class PendingBuffer(Protocol):
+    """Bytes on their way off a device (``host_buffers.PendingBytes``): ``ready()`` says
+    whether ``wait()`` would return at once."""
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> memoryview: ...
+
+
+class PendingBlocks:
+    """Pool blocks on their way off a device: ``wait()`` gives one view per block (slices
+    of one buffer, or the buffers exported one by one); it may block, so callers on an
+    event loop wait in a thread unless ``ready()``."""
+
+    def __init__(self, count: int, block_nbytes: int, pending: PendingBuffer | None = None,
+                 views: list[memoryview] | None = None) -> None:
+        self.count, self._size = count, block_nbytes
+        self._pending, self._views = pending, views
+
+    def ready(self) -> bool:
+        return self._views is not None or self._pending.ready()
+
+    def wait(self) -> list[memoryview]:
+        if self._views is None:
+            whole, size = self._pending.wait(), self._size
+            self._views = [whole[i * size:(i + 1) * size] for i in range(self.count)]
+            self._pending = None
+        return self._views
+
+
+@runtime_checkable
+class BlockBatches(Protocol):
+    """What a store may add to ``KVStore`` to move several pool blocks per call without
+    the host waiting for the device (``KVCache`` does; the others go a block at a time)."""
+
+    def export_blocks_async(self, block_ids: Sequence[int]) -> PendingBuffer:
+        """``export_block_bytes`` of each block, in order, in one buffer, started."""
+        ...
+
+    def import_blocks_bytes(self, block_ids: Sequence[int], data: Sequence[Buffer]) -> None:
+        """``import_block_bytes`` of each, all checked before any is written."""
+        ...
+
+
+def start_block_export(store: KVStore, block_ids: Sequence[int]) -> PendingBlocks:
+    """Blocks ``block_ids`` as ``block_nbytes`` each, started where the store can (the
+    caller waits for them off the engine thread), else exported now."""
+    if isinstance(store, BlockBatches):
+        return PendingBlocks(len(block_ids), store.block_nbytes,
+                             pending=store.export_blocks_async(block_ids))
+    return PendingBlocks(len(block_ids), store.block_nbytes,
+                         views=[store.export_block_bytes(b) for b in block_ids])
+
+
+def import_blocks(store: KVStore, block_ids: Sequence[int], data: Sequence[Buffer]) -> None:
+    """``data[i]`` into ``block_ids[i]``; ``ValueError`` having written none when one is
+    not a block of this layout."""
+    if isinstance(store, BlockBatches):
+        store.import_blocks_bytes(block_ids, data)
+        return
+    size = store.block_nbytes
+    if len(data) != len(block_ids) or any(memoryview(d).nbytes != size for d in data):
+        raise ValueError(f"every block must be {size} bytes, one per block id")
+    for block_id, buf in zip(block_ids, data, strict=True):
+        store.import_block_bytes(block_id, buf)

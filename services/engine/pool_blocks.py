@@ -4,6 +4,10 @@ The cache pool stores a block under its chain hash as ``KVStore.export_block_byt
 bytes (every layer). ``export`` reads blocks this engine has cached; ``adopt`` enters
 blocks fetched from the pool into the prefix cache as if computed here, so the next
 request with that prefix finds them as ordinary prefix hits.
+
+Neither makes the engine thread wait for a device: ``export_async`` starts the copy to the
+host (the caller waits for the bytes elsewhere) and ``adopt`` queues the copy to the
+device ahead of the next step (``kv_store.start_block_export`` / ``import_blocks``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.block_manager import BlockManager
-from services.engine.kv_store import Buffer, KVStore
+from services.engine.kv_store import (
+    Buffer,
+    KVStore,
+    PendingBlocks,
+    import_blocks,
+    start_block_export,
+)
 
 
 class PoolBlocks:
@@ -48,8 +58,8 @@ class PoolBlocks:
         blocks.acquire(held)
         ids = blocks.allocate(min(len(data), blocks.num_free_blocks))
         try:
+            import_blocks(self.kv_store, ids, data[:len(ids)])
             for i, block_id in enumerate(ids):
-                self.kv_store.import_block_bytes(block_id, data[i])
                 blocks.cache_block(block_id, hashes[start + i], chunks[start + i])
         finally:
             blocks.free(list(reversed(held + ids)))  # tail first: evicted before the head
@@ -58,10 +68,16 @@ class PoolBlocks:
     def export(self, hashes: Sequence[int]) -> list[memoryview]:
         """The bytes of the leading blocks of ``hashes`` still in the prefix cache; stops
         at the first that is not."""
-        out = []
+        return self.export_async(hashes).wait()
+
+    def export_async(self, hashes: Sequence[int]) -> PendingBlocks:
+        """:meth:`export`, started: ``count`` blocks whose bytes ``wait()`` gives. Their
+        copy is queued before anything later can reuse the blocks, so they may be evicted
+        as soon as this returns."""
+        ids = []
         for h in hashes:
             block_id = self.blocks.block_for_hash(h)
             if block_id is None:
                 break
-            out.append(self.kv_store.export_block_bytes(block_id))
-        return out
+            ids.append(block_id)
+        return start_block_export(self.kv_store, ids)

@@ -63,6 +63,16 @@ class ExportedNow(NamedTuple):
     def wait(self) -> memoryview:
         return self.view
 
+
+async def exported_bytes(pending: Any) -> Any:
+    """An export's bytes (``wait()``) once its copy off the device is done: waited for on
+    a thread so the event loop goes on meanwhile; at once when they are already there
+    (the CPU)."""
+    if not pending.ready():
+        await asyncio.to_thread(pending.wait)
+    return pending.wait()
+
+
 OutputHandler = Callable[[list[RequestOutput], float], None]
 MAX_SAMPLES = 32
 T = TypeVar("T")

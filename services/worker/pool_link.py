@@ -14,9 +14,11 @@ the blocks it computed out after.
         below) runs on the engine thread, through the engine loop.
     computed(prompt)
         the prompt's full blocks are computed here: queue the chain for write-back. A
-        background task asks the pool which leading blocks it already holds, exports the
-        rest from the prefix cache a batch at a time (engine thread) and puts them. The
-        queue is bounded; past the bound work is dropped (counted), never waited for.
+        background task asks the pool which leading blocks it already holds, starts the
+        export of the rest from the prefix cache a batch at a time (engine thread; on a
+        GPU the copy to the host then runs on a side stream), waits for the bytes on
+        another thread and puts them. The queue is bounded; past the bound work is
+        dropped (counted), never waited for.
 
 The estimate: fetching n blocks costs ``n * block_bytes / bandwidth``, bandwidth measured
 on earlier fetches (``pool_bandwidth_mbs`` until then); computing them costs
@@ -42,6 +44,7 @@ from common.pool.client import PoolClient
 from common.pool.discovery import discover_pools, parse_pool_addrs
 from common.protocol import WorkerPoolCounts
 from services.worker.context import RoleContext
+from services.worker.engine_loop import exported_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -191,7 +194,8 @@ class PoolLink:
         held = await self.client.exists(chain)
         for first in range(held, len(chain), EXPORT_BATCH):
             batch = chain[first:first + EXPORT_BATCH]
-            blocks = await self.ctx.loop.run(export_blocks, batch)
+            started = await self.ctx.loop.run(export_blocks, batch)
+            blocks = await exported_bytes(started) if started.count else []
             if blocks:
                 await self.client.put([(key, data, first + i) for i, (key, data)
                                        in enumerate(zip(batch, blocks, strict=False))])
@@ -237,6 +241,7 @@ def cached_prefix_blocks(engine, chain: list[int]) -> int:
     return local
 
 
-def export_blocks(engine, hashes: list[int]) -> list:
-    """Engine thread: the cached blocks of ``hashes`` as bytes (``PoolBlocks.export``)."""
-    return engine.pool_blocks.export(hashes)
+def export_blocks(engine, hashes: list[int]):
+    """Engine thread: the export of the cached blocks of ``hashes`` started
+    (``PoolBlocks.export_async``); their bytes are waited for off this thread."""
+    return engine.pool_blocks.export_async(hashes)

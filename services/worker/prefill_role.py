@@ -32,6 +32,7 @@ from common.tracing import Span, wall_ns
 from common.transfer import MultiSender, TransferError
 from services.engine.outputs import RequestOutput
 from services.worker.context import RoleContext
+from services.worker.engine_loop import exported_bytes
 from services.worker.pool_link import PoolLink
 from services.worker.token_streams import logprob_records
 
@@ -240,14 +241,6 @@ class PrefillRole:
             if not job.done.done():
                 job.done.set_result(RequestOutput(rid, [], 0, finished=True,
                                                   finish_reason="abort"))
-
-
-async def exported_bytes(pending) -> memoryview:
-    """A layer's bytes once its copy off the device is done: waited for on a thread so
-    the event loop goes on meanwhile; at once when they are already there (the CPU)."""
-    if not pending.ready():
-        await asyncio.to_thread(pending.wait)
-    return pending.wait()
 
 
 def _drop(engine, rid: str) -> None:
