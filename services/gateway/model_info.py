@@ -1,7 +1,11 @@
 """What the torch-free gateway needs to know about a model, found in a child process.
 
-    python -m services.gateway.model_info MODEL
+    python -m services.gateway.model_info MODEL [--random-weights PRESET]
     → {"tokenizer_dir": ..., "max_model_len": ..., "vocab_size": ...}
+
+With ``--random-weights`` the model is the shape preset the workers draw random weights
+for (``services/engine/model_config.py``): its context length, and the byte tokenizer
+the workers use (``weights/random_init.py``); ``MODEL`` is then only a name.
 
 The gateway never imports torch; reading weights metadata and exporting a GGUF's
 tokenizer do, so :func:`describe_model` runs this module as a subprocess.
@@ -22,16 +26,25 @@ class ModelInfo(NamedTuple):
     vocab_size: int
 
 
-def describe_model(model: str, timeout_s: float = 300.0) -> ModelInfo:
-    proc = subprocess.run([sys.executable, "-m", "services.gateway.model_info", model],
-                          capture_output=True, text=True, timeout=timeout_s)
+def describe_model(model: str, timeout_s: float = 300.0, *,
+                   random_weights: str = "") -> ModelInfo:
+    preset = ["--random-weights", random_weights] if random_weights else []
+    proc = subprocess.run([sys.executable, "-m", "services.gateway.model_info", model,
+                           *preset], capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise ValueError(f"cannot load model {model!r}: {tail[0]}")
     return ModelInfo(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def _inspect(model: str) -> ModelInfo:
+def _inspect(model: str, random_weights: str = "") -> ModelInfo:
+    if random_weights:
+        from services.engine.model_config import preset
+        from services.engine.weights.random_init import byte_tokenizer_dir
+
+        cfg = preset(random_weights)
+        return ModelInfo(str(byte_tokenizer_dir(cfg)), cfg.max_position_embeddings,
+                         cfg.vocab_size)
     from services.engine.tokenizer_export import tokenizer_dir_for
     from services.engine.weights import resolve_model
     from services.engine.weights.hf import read_config
@@ -51,9 +64,11 @@ def _inspect(model: str) -> ModelInfo:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m services.gateway.model_info MODEL")
+    args = sys.argv[1:]
+    if len(args) not in (1, 3) or (len(args) == 3 and args[1] != "--random-weights"):
+        sys.exit("usage: python -m services.gateway.model_info MODEL "
+                 "[--random-weights PRESET]")
     try:
-        print(json.dumps(_inspect(sys.argv[1])._asdict()))
+        print(json.dumps(_inspect(args[0], *args[2:])._asdict()))
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"error: {exc}")

@@ -23,6 +23,7 @@ from common.tokenizer import TextTokenizer
 from common.tracing import Tracer
 from common.zmq_auth import make_context
 from common.zmq_metrics import ControlMetrics
+from services.engine.model_config import preset  # shapes only: imports no torch
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover import FailoverSettings
 from services.gateway.model_info import describe_model
@@ -44,6 +45,9 @@ class GatewaySettings:
     stream_bind: str = "tcp://127.0.0.1:5553"  # where workers push tokens
     stream_advertise: str = ""  # address workers should use, if not stream_bind
     tokenizer_dir: str = ""  # empty: derived from the model
+    # The shape preset the workers serve with random weights (their --random-weights):
+    # the tokenizer and context length are the preset's; `model` is then only a name.
+    random_weights: str = ""
     max_model_len: int = 0  # 0: the model's context length
     api_keys: tuple[str, ...] = ()  # required on HTTP and the ZeroMQ port when set
     request_timeout_s: float = 600.0
@@ -61,6 +65,8 @@ class GatewaySettings:
     tracing_file: str = ""  # spans as JSON lines, one file per process
 
     def __post_init__(self) -> None:
+        if self.random_weights:
+            preset(self.random_weights)  # ValueError naming the known presets
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.shutdown_grace_s < float("inf"):
@@ -86,7 +92,8 @@ async def _serve(settings: GatewaySettings, stop: asyncio.Event,
     if settings.tokenizer_dir and settings.max_model_len:
         tok_dir, max_len = settings.tokenizer_dir, settings.max_model_len
     else:
-        info = await asyncio.to_thread(describe_model, settings.model)
+        info = await asyncio.to_thread(describe_model, settings.model,
+                                       random_weights=settings.random_weights)
         tok_dir = settings.tokenizer_dir or info.tokenizer_dir
         max_len = settings.max_model_len or info.max_model_len
     tokenizer = TextTokenizer.from_dir(tok_dir)
