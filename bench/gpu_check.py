@@ -10,7 +10,9 @@ On CUDA, then:
   (weights + KV read once, at ``--hbm-gbs``);
 - batch-64 decode throughput against transformers ``generate``;
 - a 4,096-token prefill against the measured bfloat16 matmul peak.
-- decode steps replayed from CUDA graphs give the eager steps' tokens.
+- decode steps replayed from CUDA graphs give the eager steps' tokens;
+- the cache pool's blocks out and in (bench/gpu_pool_check.py): the same bytes, and the
+  decode step time added by a pool batch each step.
 ``--dry-run`` also runs a tiny random model through the engine's padded decode path
 (the graphs' inputs, run eagerly) against the torch backend.
 Exits non-zero if any kernel check fails or the tokens differ.
@@ -27,6 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_pool_check import pool_round_trip, pool_stall  # noqa: E402
+
 
 def kernel_checks(dev: str, tiny: bool) -> list[tuple[str, float, bool]]:
     from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
@@ -270,9 +275,12 @@ def main() -> int:
 
         with tempfile.TemporaryDirectory() as tmp:
             ok &= graph_tokens("cpu", tiny_random_model(Path(tmp)))
+        ok &= pool_round_trip("cpu", tiny=True)
         return 0 if ok else 1
     ok &= token_exactness(args.model, 32)
     ok &= graph_tokens("cuda", None)
+    ok &= pool_round_trip("cuda", tiny=False)
+    pool_stall(llama8b_random)
     decode_roofline(args.hbm_gbs)
     batch_throughput(args.model)
     prefill_vs_peak()
