@@ -7,7 +7,10 @@ workers colocated and split 1P+1D, and what the same requests measure live.
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
 with the cost profile the live workers are calibrated by (``smollm2-cpu``: the default
-model, float32, one torch thread) and the live workers' KV cache size. Live: the same
+model, float32, one torch thread) and the live workers' KV cache size, simulated on one
+shared host as they run live (``Plan.shared_host``: the profile's contention factor for
+the workers busy at once and its serving overhead per token, from
+``bench/calibrate_host.py``). Live: the same
 deployment as real processes (tests/cluster.py: gateway, conductor with the advisor's
 routing settings, two workers of the default model, one torch thread each), the
 requests sent by ``serve.run_benchmark`` at their arrival times. Goodput on both sides
@@ -74,7 +77,7 @@ def plan_for(name: str) -> Plan:
     cp = load_profile(PROFILE)
     blocks = (KV_CACHE_MIB << 20) // (cp.kv_bytes_per_token * cp.block_size)
     return Plan(PROFILE, Profile.from_cost_profile(cp, kv_blocks=blocks),
-                Slo(ttft_ms / 1e3, tpot_ms / 1e3), KV_CACHE_MIB)
+                Slo(ttft_ms / 1e3, tpot_ms / 1e3), KV_CACHE_MIB, shared_host=True)
 
 
 def predict(specs: list, plan: Plan) -> dict[str, dict]:
