@@ -17,11 +17,12 @@ read. An engine step that prefills several chunks pays ``a`` once.
 Two optional fields say what serving on a host costs beyond the engine's own steps,
 for a simulator that runs a deployment's workers on one host (they share its cores):
 ``contention[k-1]`` multiplies a step run while ``k`` worker processes on the host are
-busy at once (``[]``: not measured, 1.0), and ``token_overhead_s`` is added to a decode
-step per sequence in it (the serving path's work per streamed token: the worker's
-streaming, the gateway's detokenizing, the client). Neither changes ``prefill_s`` or
-``decode_step_s``, which stay the engine's step alone (what workers report and the
-conductor fits); ``contended`` and ``served_decode_step_s`` apply them.
+busy at once (``[]``: not measured, 1.0; ``contention[0]``, one busy worker against
+the fitted steps, is near 1 on the machine and load they were fitted on), and
+``token_overhead_s`` is added to a decode step per sequence in it (the serving path's
+work per streamed token: the worker's streaming, the gateway, the client). Neither
+changes ``prefill_s`` or ``decode_step_s``, which stay the engine's step alone (what
+workers report and the conductor fits); ``contended`` and ``served_decode_step_s`` apply them.
 
 On disk a profile is one JSON object (``deploy/profiles/<name>.json``) with every field
 below; ``pool_bandwidth`` and ``kv_capacity_tokens`` default to 0, and ``notes`` (how
@@ -162,10 +163,11 @@ class CostProfile:
 
     def contended(self, busy: int) -> float:
         """The step factor with ``busy`` worker processes busy on one host (counting
-        the one stepping): 1.0 for one or none, the last measured beyond the list."""
-        if busy <= 1 or not self.contention:
+        the one stepping; at least one), the last measured beyond the list; 1.0 when
+        not measured."""
+        if not self.contention:
             return 1.0
-        return self.contention[min(busy, len(self.contention)) - 1]
+        return self.contention[min(max(busy, 1), len(self.contention)) - 1]
 
     def served_decode_step_s(self, batch: int, context_tokens: int, busy: int = 1) -> float:
         """A decode step as a client sees it on a shared host: the engine's step under

@@ -95,10 +95,10 @@ class Profile:
                     prefill_terms(n, c))
 
     def contended(self, busy: int) -> float:
-        """The step factor with ``busy`` workers busy on one host (1.0 for one)."""
-        if busy <= 1 or not self.contention:
+        """The step factor with ``busy`` workers busy on one host (cost_profile.py)."""
+        if not self.contention:
             return 1.0
-        return self.contention[min(busy, len(self.contention)) - 1]
+        return self.contention[min(max(busy, 1), len(self.contention)) - 1]
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """True seconds of one decode step."""
