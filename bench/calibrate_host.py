@@ -9,10 +9,11 @@ clients.
 * contention: this process times decode steps (batches 1, 4 and 16) and prefills (128
   and 512 tokens) alone, and right after each again while ``k - 1`` other processes,
   each its own engine with the same torch threads, run decode steps of 4 sequences
-  without pause; ``contention[0]`` is the median ratio of this engine's steps alone to
-  the profile's fitted ones (the host now against the host the profile was fitted on,
-  at least 1), ``contention[k-1]`` that times the median ratio busy to alone (k = 2 ..
-  ``--workers``). It is what a
+  without pause; ``contention[k-1]`` is ``contention[0]`` times the median ratio busy
+  to alone (k = 2 .. ``--workers``). ``contention[0]`` is one worker as served: the
+  step times it reports while streaming (below) against the profile's fitted ones (the
+  serving processes beside it, and the host now against the one the steps were fitted
+  on; at least 1). The engine alone against the profile is kept for reference. It is what a
   worker's step costs while the others are busy, the case that decides TPOT and TTFT
   under load.
 * token overhead: one unified worker behind the real gateway and conductor
@@ -107,9 +108,9 @@ def contention(model: str, threads: int, workers: int, repeats: int,
         alone = [(point_times(engine, pt, dec, repeats, rng), pt, dec) for pt, dec in points]
         ratios = [t / (cp.decode_step_s(*pt[:1], pt[0] * pt[1]) if dec else cp.prefill_s(*pt))
                   for t, pt, dec in alone]
-        factors.append(max(1.0, statistics.median(ratios)))
+        factors.append(statistics.median(ratios))
         rows += [[1, *pt, t, t] for t, pt, _ in alone]
-        print(f"1 busy worker: {factors[0]:.2f} x the profile "
+        print(f"1 worker alone: {factors[0]:.2f} x the profile "
               f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
         for k in range(2, workers + 1):
             ratios = []
@@ -124,15 +125,16 @@ def contention(model: str, threads: int, workers: int, repeats: int,
                 busy = point_times(engine, point, decode, repeats, rng)
                 ratios.append(busy / alone)
                 rows.append([k, *point, alone, busy])
-            ratio = factors[0] * statistics.median(ratios)
-            factors.append(max(factors[-1], ratio))  # never falls with more busy workers
-            print(f"{k} busy workers: step factor {ratio:.2f} "
+            ratio = statistics.median(ratios)
+            factors.append(ratio)
+            print(f"{k} busy workers: {ratio:.2f} x alone "
                   f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
     finally:
         stop.set()
         for p in procs:
             p.join(30)
-    return factors, {"contention": rows}
+    return factors, {"contention": rows, "alone_vs_profile": factors[0],
+                     "busy_vs_alone": factors[1:]}
 
 
 def token_overhead(model: str, output_len: int, cp) -> tuple[float, list]:
@@ -201,9 +203,14 @@ def main() -> None:
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     cp, t0, load0 = load_profile(args.profile), time.perf_counter(), os.getloadavg()[0]
-    factors, host = contention(args.model, args.threads, args.workers, args.repeats, cp)
+    relative, host = contention(args.model, args.threads, args.workers, args.repeats, cp)
     overhead, serving = token_overhead(args.model, args.output_len, cp)
     host["serving"] = serving
+    # One busy worker as served (beside the gateway, conductor and clients): its own
+    # reported steps against the profile's; k busy: that times k engines' busy/alone.
+    factors = [max(1.0, statistics.median(w / p for _, _, w, p in serving))]
+    for r in relative[1:]:
+        factors.append(max(factors[-1], factors[0] * r))  # never falls as k grows
     host["columns"] = ("contention: [k busy, B or n, L or c, seconds alone, seconds busy] "
                        "(decode points, then prefill); serving: [B, client TPOT, worker's "
                        "step, profile step]")
