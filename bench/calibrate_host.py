@@ -4,18 +4,17 @@ per streamed token. ``bench/calibrate.py`` times one engine alone; a deployment 
 two or more worker processes on the same cores, plus the gateway, the conductor and the
 clients.
 
-    python bench/calibrate_host.py [--workers 2] [--profile deploy/profiles/smollm2-cpu.json]
+    python bench/calibrate_host.py [--workers 3] [--profile deploy/profiles/smollm2-cpu.json]
 
 * contention: this process times decode steps (batches 1, 4 and 16) and prefills (128
   and 512 tokens) alone, and right after each again while ``k - 1`` other processes,
   each its own engine with the same torch threads, run decode steps of 4 sequences
   without pause; ``contention[k-1]`` is ``contention[0]`` times the median ratio busy
-  to alone (k = 2 .. ``--workers``). ``contention[0]`` is one worker as served: the
-  step times it reports while streaming (below) against the profile's fitted ones (the
-  serving processes beside it, and the host now against the one the steps were fitted
-  on; at least 1). The engine alone against the profile is kept for reference. It is what a
-  worker's step costs while the others are busy, the case that decides TPOT and TTFT
-  under load.
+  to alone (k = 2 .. ``--workers``), and ``contention[0]`` the median ratio of the
+  engine alone to the profile's fitted steps (the host now against the one the steps
+  were fitted on; at least 1). The simulator counts a deployment's workers and, while a
+  request is in flight, its serving processes (gateway, conductor, clients) as one more:
+  a pair of workers needs ``--workers 3``.
 * token overhead: one unified worker behind the real gateway and conductor
   (tests/cluster.py), streams of ``--output-len`` tokens, 1 and then 4 at once; the
   overhead per sequence per step is the least-squares fit (on relative error) of the
@@ -195,7 +194,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--workers", type=int, default=2, help="most workers busy at once")
+    ap.add_argument("--workers", type=int, default=3,
+                    help="most busy processes at once (workers, plus one for serving)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--profile", default=str(ROOT / "deploy" / "profiles" / "smollm2-cpu.json"))
@@ -206,9 +206,9 @@ def main() -> None:
     relative, host = contention(args.model, args.threads, args.workers, args.repeats, cp)
     overhead, serving = token_overhead(args.model, args.output_len, cp)
     host["serving"] = serving
-    # One busy worker as served (beside the gateway, conductor and clients): its own
-    # reported steps against the profile's; k busy: that times k engines' busy/alone.
-    factors = [max(1.0, statistics.median(w / p for _, _, w, p in serving))]
+    # One busy process: the engine alone against the profile's steps; k: that times k
+    # engines' busy/alone. (The simulator counts the serving processes as one more.)
+    factors = [max(1.0, relative[0])]
     for r in relative[1:]:
         factors.append(max(factors[-1], factors[0] * r))  # never falls as k grows
     host["columns"] = ("contention: [k busy, B or n, L or c, seconds alone, seconds busy] "

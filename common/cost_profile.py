@@ -16,9 +16,10 @@ read. An engine step that prefills several chunks pays ``a`` once.
 
 Two optional fields say what serving on a host costs beyond the engine's own steps,
 for a simulator that runs a deployment's workers on one host (they share its cores):
-``contention[k-1]`` multiplies a step run while ``k`` worker processes on the host are
-busy at once (``[]``: not measured, 1.0; ``contention[0]``, one busy worker against
-the fitted steps, is near 1 on the machine and load they were fitted on), and
+``contention[k-1]`` multiplies a step run while ``k`` processes on the host are busy at
+once (a simulator counts the workers busy, and the serving processes as one more;
+``[]``: not measured, 1.0; ``contention[0]``, one busy process against the fitted
+steps, is near 1 on the machine and load they were fitted on), and
 ``token_overhead_s`` is added to a decode step per sequence in it (the serving path's
 work per streamed token: the worker's streaming, the gateway, the client). Neither
 changes ``prefill_s`` or ``decode_step_s``, which stay the engine's step alone (what

@@ -22,8 +22,9 @@ workers follow (services/sim/workers.py):
   ``noise`` (sigma; mean 1) per prefill and per run of decode steps.
 * ``shared_host``: every worker runs on one host and shares its cores, as on a small
   machine: each prefill and each run of decode steps is slowed by the profile's
-  ``contention`` factor for the workers busy when it starts, and every decode step
-  costs ``token_overhead_s`` more per sequence (the serving path's work per token).
+  ``contention`` factor for the processes busy when it starts (the workers busy, and
+  the serving processes -- gateway, conductor, clients -- as one more while any request
+  is in flight), and every decode step costs ``token_overhead_s`` more per sequence.
 * Caches publish ``stored``/``removed`` to the prefix index at once (KV events); load
   and step timings reach the policy only in heartbeats every ``heartbeat_s`` through
   ``Registry`` and the conductor's sample fitting, so the policy sees stale counters
@@ -95,6 +96,7 @@ class Simulator:
         self.heartbeat_s, self.stage_reject_wait_s = heartbeat_s, stage_reject_wait_s
         self.kv_lease_s, self.noise, self._rng = kv_lease_s, noise, random.Random(seed)
         self.shared_host = shared_host
+        self.arrived = self.total = 0
         self.token_overhead_s = profile.token_overhead_s if shared_host else 0.0
         self.pool = PoolTier(pool_blocks, self.index) if pool_blocks else None
         self.registry = Registry(heartbeat_s)
@@ -124,8 +126,9 @@ class Simulator:
         share one host, else the profile's for it and the others busy at this moment."""
         if not self.shared_host:
             return 1.0
+        serving = self.arrived > self.total - self.open  # a request in flight
         return self.profile.contended(
-            1 + sum(1 for w in self.workers.values() if w is not worker and w.busy))
+            1 + serving + sum(1 for w in self.workers.values() if w is not worker and w.busy))
 
     def prefill_s(self, n: int, c: int) -> float:
         return self.profile.prefill_s(n, c) * self.jitter()
@@ -145,7 +148,7 @@ class Simulator:
                 raise ValueError(f"request {req.rid} needs more than the {cap} KV blocks "
                                  "of a decode worker")
             self.push(req.arrival, self._arrive, req)
-        self.open = len(requests)
+        self.open = self.total = len(requests)
         self.push(self.heartbeat_s, self._heartbeat, 1)
         while self._heap:
             t, _, fn, arg = heapq.heappop(self._heap)
@@ -164,6 +167,7 @@ class Simulator:
             self.push(now + self.heartbeat_s, self._heartbeat, seq + 1)
 
     def _arrive(self, now: float, req: SimRequest) -> None:
+        self.arrived += 1
         decision = self.route(self.views, req)
         if isinstance(decision, Rejection):
             return self.finish(req, "arrival")

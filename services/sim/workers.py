@@ -15,7 +15,8 @@ blocks the decode worker lacks then crosses the link, after which the blocks are
 (and stay cached).
 
 On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile's time
-times its contention factor for the workers busy when it starts, and a decode worker's
+times its contention factor for the processes busy when it starts (the simulator's
+``contention``), and a decode worker's
 steps that factor as sampled at each batch change (a run of steps keeps it), plus the
 serving path's overhead per sequence.
 
