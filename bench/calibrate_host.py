@@ -219,7 +219,7 @@ def main() -> None:
     values.update(contention=[round(f, 3) for f in factors],
                   token_overhead_s=round(overhead, 5), fit={**cp.fit, "host": host})
     values["notes"] = cp.notes.split("; host:")[0] + (
-        f"; host: bench/calibrate_host.py, {args.workers} workers busy at most, "
+        f"; host: bench/calibrate_host.py, {args.workers} busy processes at most, "
         f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     save_profile(profile_from_dict(values, args.profile), args.profile)
     print(f"contention {values['contention']}, token overhead {overhead * 1e3:.1f} ms; "
