@@ -7,7 +7,10 @@ workers colocated and split 1P+1D, and what the same requests measure live.
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
 with the cost profile the live workers are calibrated by (``smollm2-cpu``: the default
-model, float32, one torch thread) and the live workers' KV cache size. Live: the same
+model, float32, one torch thread) and the live workers' KV cache size, simulated on one
+shared host as they run live (``Plan.shared_host``: the profile's contention factor for
+the workers busy at once and its serving overhead per token, from
+``bench/calibrate_host.py``). Live: the same
 deployment as real processes (tests/cluster.py: gateway, conductor with the advisor's
 routing settings, two workers of the default model, one torch thread each), the
 requests sent by ``serve.run_benchmark`` at their arrival times. Goodput on both sides
@@ -34,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import serve, serve_report  # noqa: E402
-from common.cost_profile import load_profile  # noqa: E402
+from common.cost_profile import CostProfile, load_profile  # noqa: E402
 from services.advisor.search import Deployment, Plan, Slo, evaluate  # noqa: E402
 from services.engine.tokenizer_export import tokenizer_dir_for  # noqa: E402
 from services.engine.weights import DEFAULT_MODEL  # noqa: E402
@@ -44,12 +47,15 @@ from tests.cluster import Cluster  # noqa: E402
 
 PROFILE = "smollm2-cpu"
 KV_CACHE_MIB = 256
-# (input tokens, output tokens, requests/s, TTFT SLO ms, TPOT SLO ms): a prompt of ~768
-# tokens takes ~1.9 s to prefill on this profile, a decode step of one sequence ~40 ms.
+# (input tokens, output tokens, requests/s, TTFT SLO, TPOT SLO), the SLOs as multiples
+# of what the profile says serving costs on this host with both workers busy (slo_for):
+# TTFT of the mean prompt's prefill, TPOT of the decode step at the batch a colocated
+# worker carries under the workload's rate.
 WORKLOADS = {
-    "prefill-heavy": (768, 8, 0.5, 5000.0, 100.0),
-    "decode-heavy": (64, 160, 0.5, 3000.0, 50.0),
+    "prefill-heavy": (768, 8, 0.5, 2.6, 2.5),
+    "decode-heavy": (64, 160, 0.5, 10.0, 1.5),
 }
+WORKERS = 2
 DEPLOYMENTS = {"colocated x2": Deployment(0, 2, False), "1P+1D": Deployment(1, 1, False)}
 
 
@@ -69,12 +75,25 @@ def sim_requests(specs: list, block: int) -> list[SimRequest]:
             for i, s in enumerate(specs)]
 
 
+def slo_for(name: str, cp: CostProfile) -> Slo:
+    """The workload's SLOs from the profile and the workload's own statistics: TTFT a
+    multiple of the mean prompt's prefill, TPOT a multiple of the decode step at the
+    batch B one of the colocated workers carries (Little's law, B = rate per worker x
+    output tokens x step(B), by fixed-point iteration), both with ``WORKERS`` busy."""
+    inp, out, rate, ttft_x, tpot_x = WORKLOADS[name]
+    batch = 1.0
+    for _ in range(50):
+        step = cp.served_decode_step_s(round(batch), round(batch * (inp + out / 2)), WORKERS)
+        batch = min(64.0, max(1.0, rate / WORKERS * out * step))
+    prefill = cp.prefill_s(inp) * cp.contended(WORKERS)
+    return Slo(ttft_x * prefill, tpot_x * step)
+
+
 def plan_for(name: str) -> Plan:
-    _, _, _, ttft_ms, tpot_ms = WORKLOADS[name]
     cp = load_profile(PROFILE)
     blocks = (KV_CACHE_MIB << 20) // (cp.kv_bytes_per_token * cp.block_size)
     return Plan(PROFILE, Profile.from_cost_profile(cp, kv_blocks=blocks),
-                Slo(ttft_ms / 1e3, tpot_ms / 1e3), KV_CACHE_MIB)
+                slo_for(name, cp), KV_CACHE_MIB, shared_host=True)
 
 
 def predict(specs: list, plan: Plan) -> dict[str, dict]:
@@ -130,12 +149,16 @@ def main() -> None:
     ap.add_argument("--predict-only", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
     args = ap.parse_args()
-    report = {"profile": PROFILE, "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,
+    report = {"profile": PROFILE, "contention": load_profile(PROFILE).contention,
+              "token_overhead_s": load_profile(PROFILE).token_overhead_s,
+              "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,
               "cores": os.cpu_count(), "workloads": {}}
     for name in [args.only] if args.only else list(WORKLOADS):
         specs, plan = specs_for(name, args.requests, args.seed), plan_for(name)
-        row = {"spec": dict(zip(("input_len", "output_len", "rate", "slo_ttft_ms",
-                                 "slo_tpot_ms"), WORKLOADS[name], strict=True)),
+        row = {"spec": {**dict(zip(("input_len", "output_len", "rate", "ttft_x", "tpot_x"),
+                                   WORKLOADS[name], strict=True)),
+                        "slo_ttft_ms": plan.slo.ttft_s * 1e3,
+                        "slo_tpot_ms": plan.slo.tpot_s * 1e3},
                "predicted": predict(specs, plan)}
         if not args.predict_only:
             row["live"] = {label: live(specs, plan, dep) for label, dep in DEPLOYMENTS.items()}

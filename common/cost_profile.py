@@ -14,14 +14,27 @@ attention (n new queries see c cached keys and on average n/2 new ones), ``e`` t
 weight read of one step, ``f`` the per-sequence cost, ``g`` the per-context-token KV
 read. An engine step that prefills several chunks pays ``a`` once.
 
+Two optional fields say what serving on a host costs beyond the engine's own steps,
+for a simulator that runs a deployment's workers on one host (they share its cores):
+``contention[k-1]`` multiplies a step run while ``k`` processes on the host are busy at
+once (a simulator counts the workers busy, and the serving processes as one more;
+``[]``: not measured, 1.0; ``contention[0]``, one busy process against the fitted
+steps, is near 1 on the machine and load they were fitted on), and
+``token_overhead_s`` is added to a decode step per sequence in it (the serving path's
+work per streamed token: the worker's streaming, the gateway, the client). Neither
+changes ``prefill_s`` or ``decode_step_s``, which stay the engine's step alone (what
+workers report and the conductor fits); ``contended`` and ``served_decode_step_s`` apply them.
+
 On disk a profile is one JSON object (``deploy/profiles/<name>.json``) with every field
 below; ``pool_bandwidth`` and ``kv_capacity_tokens`` default to 0, and ``notes`` (how
-it was made) and ``fit`` (the measurements behind it) are optional. ``load_profile``
+it was made), ``fit`` (the measurements behind it), ``contention`` and
+``token_overhead_s`` are optional. ``load_profile``
 takes a path or the name of a profile in that folder.
 
 Contract: coefficients are > 0 (a cost that is really zero is written as a tiny number),
 ``kv_bytes_per_token`` and ``block_size`` are > 0 integers, bandwidths in bytes/s with
-``link_bandwidth`` > 0 and ``pool_bandwidth`` >= 0 (0: no pool). Anything else is a
+``link_bandwidth`` > 0 and ``pool_bandwidth`` >= 0 (0: no pool), ``contention``
+factors >= 1 that do not fall as ``k`` grows, ``token_overhead_s`` >= 0. Anything else is a
 ``ValueError`` naming the field and the file. No torch, no numpy.
 """
 
@@ -31,6 +44,7 @@ import dataclasses
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +100,8 @@ class CostProfile:
     link_bandwidth: float
     pool_bandwidth: float = 0.0
     kv_capacity_tokens: int = 0  # a worker's KV cache in tokens; 0: unknown
+    contention: tuple[float, ...] = ()  # step factor with k workers busy on one host
+    token_overhead_s: float = 0.0  # serving path, per sequence per decode step
     notes: str = ""
     fit: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +118,15 @@ class CostProfile:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"profile {self.name!r}: {name} must be an int > 0, "
                                  f"got {value!r}")
+        factors = tuple(self.contention) if isinstance(self.contention, tuple | list) else (0,)
+        if any(isinstance(f, bool) or not isinstance(f, int | float) or not f >= 1
+               for f in factors) or any(b < a for a, b in pairwise(factors)):
+            raise ValueError(f"profile {self.name!r}: contention must be factors >= 1 "
+                             f"that do not fall, got {self.contention!r}")
+        object.__setattr__(self, "contention", tuple(float(f) for f in factors))
+        if isinstance(self.token_overhead_s, bool) or not isinstance(
+                self.token_overhead_s, int | float) or not self.token_overhead_s >= 0:
+            raise ValueError(f"profile {self.name!r}: token_overhead_s must be >= 0")
         if not self.link_bandwidth > 0 or not self.pool_bandwidth >= 0:
             raise ValueError(f"profile {self.name!r}: link_bandwidth must be > 0 and "
                              f"pool_bandwidth >= 0")
@@ -137,6 +162,22 @@ class CostProfile:
             return 0.0
         return cost(self.decode_coefficients, decode_terms(batch, context_tokens))
 
+    def contended(self, busy: int) -> float:
+        """The step factor with ``busy`` worker processes busy on one host (counting
+        the one stepping; at least one), the last measured beyond the list; 1.0 when
+        not measured."""
+        if not self.contention:
+            return 1.0
+        return self.contention[min(max(busy, 1), len(self.contention)) - 1]
+
+    def served_decode_step_s(self, batch: int, context_tokens: int, busy: int = 1) -> float:
+        """A decode step as a client sees it on a shared host: the engine's step under
+        ``busy`` workers' contention plus the serving path's per-token overhead."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_step_s(batch, context_tokens) * self.contended(busy) + \
+            batch * self.token_overhead_s
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -152,6 +193,8 @@ def profile_from_dict(values: dict[str, Any], source: str = "<dict>") -> CostPro
     if unknown or missing:
         raise ValueError(f"{source}: cost profile has unknown keys {sorted(unknown)} "
                          f"and lacks {sorted(missing)}")
+    if isinstance(values.get("contention"), list):
+        values = {**values, "contention": tuple(values["contention"])}
     try:
         return CostProfile(**values)
     except (TypeError, ValueError) as exc:

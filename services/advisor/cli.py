@@ -5,7 +5,8 @@
          | --rate R --input-len L --output-len L [--requests 200] [--range-ratio 0.5]
            [--shared-prefix T] [--seed S])
         [--profile smollm2-cpu] [--kv-cache-mib MIB] [--pool-mib 1024] [--no-pool]
-        [--admission] [--noise SIGMA] [--kv-lease S] [--out advise] [--no-progress]
+        [--admission] [--noise SIGMA] [--kv-lease S] [--one-host] [--out advise]
+        [--no-progress]
 
 Simulates every deployment (``services/advisor/search.py``), prints them ranked, and
 writes into ``--out``: ``recommended.toml`` (the best one as a deploy/configs file),
@@ -55,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lognormal sigma on every simulated duration")
     p.add_argument("--kv-lease", type=float, default=10.0)
     p.add_argument("--out", default="advise", help="folder for the config, plot and JSON")
+    p.add_argument("--one-host", action="store_true",
+                   help="all workers share one host's cores: apply the profile's contention "
+                        "and per-token serving overhead (bench/calibrate_host.py)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -93,7 +97,7 @@ def advise(args: argparse.Namespace) -> int:
     plan = search.Plan(args.profile, Profile.from_cost_profile(
         cp, block_size=load.block_tokens, kv_blocks=max(1, blocks)),
         search.Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3), mib, args.pool_mib,
-        args.admission, args.kv_lease, args.noise, args.seed)
+        args.admission, args.kv_lease, args.noise, args.seed, shared_host=args.one_host)
     candidates = search.deployments(args.workers,
                                     pool=not args.no_pool and cp.pool_bandwidth > 0)
     print(f"workload: {load.name}\n  {load.stats().line()}")

@@ -78,6 +78,7 @@ class Plan:
     kv_lease_s: float = 10.0
     noise: float = 0.0
     seed: int = 0
+    shared_host: bool = False  # all workers on one host: the profile's contention applies
 
     def conductor_settings(self, dep: Deployment) -> ConductorSettings:
         slo = {"slo_ttft_ms": self.slo.ttft_s * 1e3, "slo_tbt_ms": self.slo.tpot_s * 1e3} \
@@ -129,7 +130,8 @@ def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan) -> Outcome:
     Simulator(plan.profile, route, prefill=dep.prefill, decode=dep.decode,
               index=router.index, cost=router.cost,
               pool_blocks=plan.pool_blocks() if dep.pool else 0,
-              kv_lease_s=plan.kv_lease_s, noise=plan.noise, seed=plan.seed).run(reqs)
+              kv_lease_s=plan.kv_lease_s, noise=plan.noise, seed=plan.seed,
+              shared_host=plan.shared_host).run(reqs)
     done = [r for r in reqs if r.done is not None]
     good = sum(1 for r in done if r.ttft <= plan.slo.ttft_s and r.tbt <= plan.slo.tpot_s)
     start = min(r.arrival for r in reqs)

@@ -48,6 +48,10 @@ class Profile:
     kv_blocks: int  # a worker's KV capacity in blocks: also its whole prefix cache
     link_bandwidth: float  # bytes/s, prefill -> decode
     pool_bandwidth: float  # bytes/s, pool tier -> worker
+    # On one shared host (Simulator(shared_host=True)): the step factor with k workers
+    # busy, and the serving path's seconds per sequence per decode step (cost_profile.py).
+    contention: tuple[float, ...] = ()
+    token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("kv_bytes_per_token", "block_size", "kv_blocks", "link_bandwidth"):
@@ -70,7 +74,8 @@ class Profile:
         return cls(name=cp.name, cost=CostCoefficients(*cp.coefficients()),
                    kv_bytes_per_token=cp.kv_bytes_per_token, block_size=bs,
                    kv_blocks=blocks, link_bandwidth=cp.link_bandwidth,
-                   pool_bandwidth=cp.pool_bandwidth)
+                   pool_bandwidth=cp.pool_bandwidth, contention=cp.contention,
+                   token_overhead_s=cp.token_overhead_s)
 
     @classmethod
     def load(cls, spec: str, **kw) -> Profile:
@@ -88,6 +93,12 @@ class Profile:
         k = self.cost
         return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
                     prefill_terms(n, c))
+
+    def contended(self, busy: int) -> float:
+        """The step factor with ``busy`` workers busy on one host (cost_profile.py)."""
+        if not self.contention:
+            return 1.0
+        return self.contention[min(max(busy, 1), len(self.contention)) - 1]
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """True seconds of one decode step."""

@@ -20,6 +20,11 @@ workers follow (services/sim/workers.py):
   series (K grows by B a step), so the simulator jumps between changes in closed form.
 * Costs are a profile file's (``Profile.load``), times a lognormal factor of
   ``noise`` (sigma; mean 1) per prefill and per run of decode steps.
+* ``shared_host``: every worker runs on one host and shares its cores, as on a small
+  machine: each prefill and each run of decode steps is slowed by the profile's
+  ``contention`` factor for the processes busy when it starts (the workers busy, and
+  the serving processes -- gateway, conductor, clients -- as one more while any request
+  is in flight), and every decode step costs ``token_overhead_s`` more per sequence.
 * Caches publish ``stored``/``removed`` to the prefix index at once (KV events); load
   and step timings reach the policy only in heartbeats every ``heartbeat_s`` through
   ``Registry`` and the conductor's sample fitting, so the policy sees stale counters
@@ -79,7 +84,7 @@ class Simulator:
                  index: PrefixIndex | None = None, cost: CostModel | None = None,
                  heartbeat_s: float = 1.0, pool_blocks: int = 0,
                  stage_reject_wait_s: float | None = None, kv_lease_s: float = 10.0,
-                 noise: float = 0.0, seed: int = 0) -> None:
+                 noise: float = 0.0, seed: int = 0, shared_host: bool = False) -> None:
         if decode <= 0 or prefill < 0 or heartbeat_s <= 0:
             raise ValueError("need decode >= 1, prefill >= 0 workers and heartbeat_s > 0")
         if pool_blocks and profile.pool_bandwidth <= 0:
@@ -90,6 +95,9 @@ class Simulator:
         self.index = PrefixIndex() if index is None else index
         self.heartbeat_s, self.stage_reject_wait_s = heartbeat_s, stage_reject_wait_s
         self.kv_lease_s, self.noise, self._rng = kv_lease_s, noise, random.Random(seed)
+        self.shared_host = shared_host
+        self.arrived = self.total = 0
+        self.token_overhead_s = profile.token_overhead_s if shared_host else 0.0
         self.pool = PoolTier(pool_blocks, self.index) if pool_blocks else None
         self.registry = Registry(heartbeat_s)
         self.workers: dict[str, PrefillWorker | DecodeWorker] = {}
@@ -113,6 +121,15 @@ class Simulator:
             return 1.0
         return math.exp(self._rng.gauss(-self.noise ** 2 / 2, self.noise))
 
+    def contention(self, worker: object) -> float:
+        """The step factor for ``worker`` starting work now: 1.0 unless the workers
+        share one host, else the profile's for it and the others busy at this moment."""
+        if not self.shared_host:
+            return 1.0
+        serving = self.arrived > self.total - self.open  # a request in flight
+        return self.profile.contended(
+            1 + serving + sum(1 for w in self.workers.values() if w is not worker and w.busy))
+
     def prefill_s(self, n: int, c: int) -> float:
         return self.profile.prefill_s(n, c) * self.jitter()
 
@@ -131,7 +148,7 @@ class Simulator:
                 raise ValueError(f"request {req.rid} needs more than the {cap} KV blocks "
                                  "of a decode worker")
             self.push(req.arrival, self._arrive, req)
-        self.open = len(requests)
+        self.open = self.total = len(requests)
         self.push(self.heartbeat_s, self._heartbeat, 1)
         while self._heap:
             t, _, fn, arg = heapq.heappop(self._heap)
@@ -150,6 +167,7 @@ class Simulator:
             self.push(now + self.heartbeat_s, self._heartbeat, seq + 1)
 
     def _arrive(self, now: float, req: SimRequest) -> None:
+        self.arrived += 1
         decision = self.route(self.views, req)
         if isinstance(decision, Rejection):
             return self.finish(req, "arrival")

@@ -14,6 +14,12 @@ from its own KV blocks, then the pool tier's blocks beyond it (fetched); the KV 
 blocks the decode worker lacks then crosses the link, after which the blocks are freed
 (and stay cached).
 
+On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile's time
+times its contention factor for the processes busy when it starts (the simulator's
+``contention``), and a decode worker's
+steps that factor as sampled at each batch change (a run of steps keeps it), plus the
+serving path's overhead per sequence.
+
 Timings reach the conductor only in heartbeats, as step samples of work already done.
 Load reaches it as the live engine's snapshot (services/worker/engine_loop.py) reports
 it: taken between engine steps, so a prompt counts as waiting, with all its tokens
@@ -93,11 +99,15 @@ class PrefillWorker:
         fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
         cached = min((own + fetch) * prof.block_size, req.prompt - 1)
         n = req.prompt - cached
-        compute = self.sim.prefill_s(n, cached)
+        compute = self.sim.prefill_s(n, cached) * self.sim.contention(self)
         end = now + compute + (fetch * prof.block_bytes / prof.pool_bandwidth if fetch else 0)
         req.cached = cached
         self.current = (req, n, compute, end)
         self.sim.push(end, self._finish)
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
 
     def _finish(self, now: float) -> None:
         (req, n, compute, _), sim = self.current, self.sim
@@ -150,6 +160,10 @@ class DecodeWorker:
         self.decode_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.fallbacks = 0
 
+    @property
+    def busy(self) -> bool:
+        return self.B > 0 or self.stalled
+
     def need(self, req: SimRequest) -> int:
         return max(len(req.hashes), -(-(req.prompt + req.output) // self.prof.block_size))
 
@@ -201,11 +215,16 @@ class DecodeWorker:
             self.local.append(req)
         self._schedule(now)
 
+    def _first_step(self) -> float:
+        """The next step's seconds: the engine's, times noise and contention, plus the
+        serving path's per-token overhead on a shared host."""
+        return self.factor * self.prof.decode_step_s(self.B, self.K) + \
+            self.B * self.sim.token_overhead_s
+
     def _time_at(self, m: int) -> float:
         """Time of the boundary ``m`` steps after the last one, the batch unchanged."""
-        half_slope = self.prof.cost.decode_per_ctx_token_s * self.B / 2
-        return self.t + self.factor * (m * self.prof.decode_step_s(self.B, self.K)
-                                       + half_slope * m * (m - 1))
+        half_slope = self.factor * self.prof.cost.decode_per_ctx_token_s * self.B / 2
+        return self.t + m * self._first_step() + half_slope * m * (m - 1)
 
     def _schedule(self, now: float) -> None:
         """Book the next boundary where the batch changes: the first to end a request,
@@ -221,7 +240,7 @@ class DecodeWorker:
         m = self.finish[0][0] - self.steps
         if self.joiners or self.local:
             h = self.factor * self.prof.cost.decode_per_ctx_token_s * self.B / 2
-            s0, dt = self.factor * self.prof.decode_step_s(self.B, self.K), now - self.t
+            s0, dt = self._first_step(), now - self.t
             root = dt / s0 if h == 0 else \
                 (-(s0 - h) + math.sqrt((s0 - h) ** 2 + 4 * h * dt)) / (2 * h)
             k = max(1, math.ceil(root))
@@ -253,7 +272,7 @@ class DecodeWorker:
             self.B += 1
             self.K += req.prompt
         self.joiners.clear()
-        self.factor = self.sim.jitter()
+        self.factor = self.sim.jitter() * self.sim.contention(self)
         self._pump(now)
 
     def _retire(self, req: SimRequest, now: float, joined: bool) -> None:
@@ -266,7 +285,7 @@ class DecodeWorker:
     def _start_local(self, now: float) -> None:
         req = self.prefilling = self.local.popleft()
         n = req.prompt - req.cached
-        compute = self.sim.prefill_s(n, req.cached)
+        compute = self.sim.prefill_s(n, req.cached) * self.sim.contention(self)
         fetch_s = req.fetch * self.prof.block_bytes / self.prof.pool_bandwidth \
             if req.fetch else 0.0
         self.stalled = True

@@ -1,0 +1,137 @@
+"""Workers sharing one host: the profile's contention factors and per-token serving
+overhead (common/cost_profile.py), how the simulator applies them when told the workers
+share a host and ignores them otherwise, and bench/calibrate_host.py's overhead fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from bench.calibrate_host import overhead_fit
+from common.cost_profile import CostProfile, load_profile, profile_from_dict, save_profile
+from common.records import CostCoefficients
+from services.advisor import search
+from services.conductor.policy import Decision
+from services.sim.profiles import Profile
+from services.sim.simulator import SimRequest, Simulator
+
+COST = CostCoefficients(0.1, 1e-3, 1e-6, 0.01, 1e-3, 1e-5)  # prefill(1000) = 1.6 s
+HOST = Profile(name="host", cost=COST, kv_bytes_per_token=1000, block_size=512,
+               kv_blocks=100, link_bandwidth=1e6, pool_bandwidth=1e6,
+               contention=(1.0, 1.5, 2.0), token_overhead_s=0.02)
+
+
+def cost_profile(**kw) -> CostProfile:
+    base = dict(name="p", prefill_fixed_s=0.1, prefill_per_token_s=1e-3,
+                prefill_per_pair_s=1e-6, decode_fixed_s=0.01, decode_per_seq_s=1e-3,
+                decode_per_ctx_token_s=1e-5, kv_bytes_per_token=1000, block_size=16,
+                link_bandwidth=1e6)
+    return CostProfile(**{**base, **kw})
+
+
+def test_contention_factor_per_number_of_busy_workers():
+    cp = cost_profile(contention=[1.0, 1.6, 2.4], token_overhead_s=0.005)
+    assert cp.contention == (1.0, 1.6, 2.4)
+    assert [cp.contended(k) for k in (0, 1, 2, 3, 4, 9)] == [1.0, 1.0, 1.6, 2.4, 2.4, 2.4]
+    # The engine's step is unchanged; served: x1.6 with two busy, + 5 ms per sequence.
+    assert cp.decode_step_s(4, 1000) == pytest.approx(0.01 + 0.004 + 0.01)
+    assert cp.served_decode_step_s(4, 1000, busy=2) == pytest.approx(0.024 * 1.6 + 0.02)
+    assert cp.served_decode_step_s(4, 1000) == pytest.approx(0.024 + 0.02)
+    assert cp.served_decode_step_s(0, 1000, busy=2) == 0.0
+    assert cost_profile().contended(5) == 1.0  # not measured: no factor
+    # A host slower than the one the steps were fitted on: one busy worker is x1.2 too.
+    slow = cost_profile(contention=[1.2, 1.8])
+    assert [slow.contended(k) for k in (0, 1, 2, 3)] == [1.2, 1.2, 1.8, 1.8]
+    assert slow.served_decode_step_s(4, 1000) == pytest.approx(0.024 * 1.2)
+
+
+@pytest.mark.parametrize("bad", [[0.9, 1.2], [1.0, 1.5, 1.2], [1.0, "2"], [True], 1.5])
+def test_contention_must_be_factors_of_at_least_one_that_do_not_fall(bad):
+    with pytest.raises(ValueError, match="contention"):
+        profile_from_dict({**cost_profile().to_json(), "contention": bad}, "f.json")
+
+
+def test_token_overhead_must_not_be_negative():
+    with pytest.raises(ValueError, match="token_overhead_s"):
+        cost_profile(token_overhead_s=-0.001)
+
+
+def test_host_fields_round_trip_through_the_file_and_reach_the_simulated_worker(tmp_path):
+    path = save_profile(cost_profile(contention=(1.0, 1.7), token_overhead_s=0.003),
+                        tmp_path / "p.json")
+    assert json.loads(path.read_text())["contention"] == [1.0, 1.7]
+    cp = load_profile(str(path))
+    assert (cp.contention, cp.token_overhead_s) == ((1.0, 1.7), 0.003)
+    prof = Profile.from_cost_profile(cp, kv_blocks=10)
+    assert (prof.contention, prof.token_overhead_s, prof.contended(2)) == ((1.0, 1.7), 0.003,
+                                                                          1.7)
+    # An older file without them still loads: no contention, no overhead.
+    old = {k: v for k, v in cp.to_json().items() if k not in ("contention", "token_overhead_s")}
+    assert profile_from_dict(old).contended(2) == 1.0
+
+
+def test_shipped_profile_carries_host_measurements():
+    cp = load_profile("smollm2-cpu")
+    assert len(cp.contention) >= 2 and 1.0 <= cp.contention[0] < cp.contention[1]
+    assert cp.token_overhead_s >= 0
+    assert len(cp.fit["host"]["contention"]) >= 5  # 5 points per k measured
+    assert "host" in cp.fit
+
+
+def two_local(shared_host: bool) -> list[SimRequest]:
+    """Two 1000-token prompts at t=0, one per decode worker, each prefilled where it
+    decodes, 3 output tokens."""
+    def route(views, req):
+        by_id = {v.worker_id: v for v in views}
+        return Decision(by_id[f"decode-{req.rid}"], None, "fixed")
+    reqs = [SimRequest(i, 0.0, 1000, 3, [10 * i, 10 * i + 1]) for i in range(2)]
+    Simulator(HOST, route, prefill=0, decode=2, shared_host=shared_host).run(reqs)
+    return reqs
+
+
+def test_shared_host_slows_work_by_the_processes_busy_when_it_starts():
+    r0, r1 = two_local(shared_host=True)
+    # decode-0 starts its prefill beside the serving processes (requests in flight): x1.5;
+    # decode-1 starts while decode-0 is busy too: x2.0.
+    assert r0.ttft == pytest.approx(1.6 * 1.5)
+    assert r1.ttft == pytest.approx(1.6 * 2.0)
+    # decode-0's two steps run while decode-1 still prefills: x2.0, plus 20 ms a token.
+    assert r0.tbt == pytest.approx(0.021 * 2.0 + 0.02 + 1e-5 * 2.0 / 2)
+    # decode-1's steps start after decode-0 has finished: beside the serving only.
+    assert r0.done < r1.first_token
+    assert r1.tbt == pytest.approx(0.021 * 1.5 + 0.02 + 1e-5 * 1.5 / 2)
+
+
+def test_without_shared_host_the_host_fields_change_nothing():
+    r0, r1 = two_local(shared_host=False)
+    assert r0.ttft == pytest.approx(1.6) and r1.ttft == pytest.approx(1.6)
+    assert r0.tbt == pytest.approx(0.021 + 1e-5 / 2) == pytest.approx(r1.tbt)
+
+
+def test_the_advisor_plan_passes_shared_host_to_the_simulator():
+    prof = dataclasses.replace(HOST, block_size=16, kv_blocks=1000)
+    reqs = lambda: [SimRequest(i, 0.0, 1000, 3, list(range(100 * i, 100 * i + 62)))  # noqa: E731
+                    for i in range(2)]
+    outcomes = {}
+    for shared in (False, True):
+        plan = search.Plan("smollm2-cpu", prof, search.Slo(2.5, 1.0), 256,
+                           shared_host=shared)
+        outcomes[shared] = search.evaluate(search.Deployment(0, 2, False), reqs(), plan)
+    # Alone each prompt meets a 2.5 s TTFT; on one host the first prefills x1.5 (2.4 s)
+    # and the second x2.0 (3.2 s).
+    assert (outcomes[False].good, outcomes[True].good) == (2, 1)
+    assert outcomes[True].ttft_s["p90"] == pytest.approx(1.6 * 2.0)
+
+
+def test_overhead_fit_recovers_a_per_sequence_overhead():
+    # tpot = step + B*o with o = 12 ms exactly: the fit returns it.
+    rows = [(1, 0.05 + 0.012, 0.05), (4, 0.08 + 0.048, 0.08), (16, 0.2 + 0.192, 0.2)]
+    assert overhead_fit(rows) == pytest.approx(0.012)
+    # A client faster than the engine alone (noise) is no negative overhead.
+    assert overhead_fit([(1, 0.04, 0.05)]) == 0.0
+    # Rows that disagree (10 ms a sequence at B=1, 20 ms at B=4): weighted by relative
+    # error, between the two, nearer the larger batch's.
+    o = overhead_fit([(1, 0.06, 0.05), (4, 0.18, 0.10)])
+    assert o == pytest.approx(0.016399, rel=1e-4)
