@@ -180,6 +180,16 @@ class EngineLoop:
         expects) before it asks for any of those."""
         self._engine.kv_store.import_layer_bytes(layer, block_ids, payload)
 
+    def import_layer_slice(self, layer: int, block_ids: Sequence[int],
+                           heads: tuple[int, int, int], payload: memoryview) -> None:
+        """``import_layer`` for one tensor-parallel rank's slice of the KV heads (the same
+        rules); ``ValueError`` for an engine whose store takes no slices (TP > 1)."""
+        store = self._engine.kv_store
+        take = getattr(store, "import_layer_slice_bytes", None)
+        if take is None:
+            raise ValueError("this engine takes KV head slices only with one rank")
+        take(layer, block_ids, heads, payload)
+
     def recent_step_ms(self) -> float:
         return 1000 * sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
 
