@@ -170,6 +170,13 @@ class EngineLoop:
             return ExportedNow(store.export_layer_bytes(layer, block_ids))
         return start(layer, block_ids)
 
+    def export_local_slice(self, layer: int, block_ids: Sequence[int]) -> ExportedNow:
+        """Rank 0's own KV heads of ``layer`` for ``block_ids``: its part of a direct
+        send (``services/engine/tp_direct.py``). Engine thread only."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError("export_local_slice runs on the engine thread only")
+        return ExportedNow(self._engine.kv_store.export_local_layer(layer, block_ids))
+
     def import_layer(self, layer: int, block_ids: Sequence[int], payload: memoryview) -> None:
         """Write received KV into ``block_ids``, from the event loop, without waiting for
         a step to end (the payload is only borrowed for the data plane's sink call).
