@@ -104,7 +104,7 @@ def transfer_round(name: str, src: LLMEngine, dst: LLMEngine, plane: Plane,
 
 def transfer(args, base: dict) -> None:
     moved: dict = {}
-    dst = LLMEngine(EngineConfig(**base, enable_prefix_caching=False))
+    dst = LLMEngine(EngineConfig(**base))
     plane = Plane(args.backend, dst)
 
     def hook_for(get_src):
@@ -161,8 +161,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
     ap.add_argument("--backend", choices=("tcp", "shm"), default="tcp")
     args = ap.parse_args()
+    # No prefix caching: every source computes the round's prompt in full.
     base = dict(model=args.model, dtype="float32", max_num_seqs=1, kv_cache_bytes=256 << 20,
-                max_num_batched_tokens=max(2048, args.prompt_len))
+                max_num_batched_tokens=max(2048, args.prompt_len), enable_prefix_caching=False)
     transfer(args, base)
 
 

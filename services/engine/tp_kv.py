@@ -6,11 +6,11 @@ prefill worker feeds a TP=1 decode worker, and a block pooled by one is read by 
 other. Rank 0 gathers the slices into that layout for an export and scatters them for
 an import, over a gloo group of its own (``tp_group.join_group``), on one host.
 
-Gather on rank 0 rather than each rank sending its slice on the data plane: the data
-plane, the decode worker's advert and the pool then stay as they are (one sender, one
-receiver, bytes per layer), and a hop over loopback costs little next to the transfer
-itself. Every slice is gathered once and sent once, so the bytes on the wire equal the
-model's KV for the prompt.
+A prefill worker's KV for a decode worker that takes head slices skips the gather:
+each rank sends its own slice on the data plane (``tp_direct.py``). The gather stays
+for the rest (pool exports, a TP decode worker, the ucx backend), where one sender
+and the all-heads layout are what the other side takes. Either way every slice is
+sent once, so the bytes on the wire equal the model's KV for the prompt.
 
 Followers take part through the plans rank 0 broadcasts (``tp_group``), so every
 collective runs in the same order on every rank:
