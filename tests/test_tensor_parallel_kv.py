@@ -211,3 +211,32 @@ def test_head_slices_land_in_the_all_heads_blocks_and_a_forged_one_writes_nothin
         with pytest.raises(ValueError, match=match):
             dst.import_layer_slice_bytes(layer, [4, 5], heads, payload)
     assert torch.equal(dst.k, before[0]) and torch.equal(dst.v, before[1])
+
+
+async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slices():
+    """The path a TP=2 prefill worker picks per request (counted in ``kv_send_paths``):
+    direct to an advert that takes slices on tcp or shm; gathered for a TP decode
+    worker's advert or the ucx backend; a one-rank engine picks neither."""
+    import asyncio
+    import collections
+    from types import SimpleNamespace
+
+    from common.records import KVAdvert
+    from services.worker.prefill_role import Job, PrefillRole
+
+    role = PrefillRole.__new__(PrefillRole)  # only its path choice, no worker around it
+    role.paths, role._slicing = collections.Counter(), ((0, 1, 2), 2)
+    slices = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"}, slices=True)
+    whole = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"})
+    picked = []
+    for advert, backend in ((slices, "tcp"), (slices, "shm"), (whole, "tcp"),
+                            (slices, "ucx"), (None, "tcp")):
+        job = Job(SimpleNamespace(kv_advert=advert), "", asyncio.get_running_loop()
+                  .create_future())
+        await role._choose_path("r", job, backend)
+        picked.append((job.heads, job.ranks))
+    assert picked == [((0, 1, 2), 2)] * 2 + [(None, 1)] * 3
+    assert role.paths == {"direct": 2, "gathered": 3}
+    role.paths, role._slicing = collections.Counter(), ()
+    await role._choose_path("r", Job(SimpleNamespace(kv_advert=slices), "", None), "tcp")
+    assert role.paths == {}
