@@ -52,6 +52,7 @@ class WorkerStats:
     kv_messages_refused: int = 0  # for a live transfer, without its token
     # Remote prefills per data-plane backend kind; the kinds are the data plane's.
     transfer_backends: dict = field(default_factory=dict)
+    kv_send_paths: dict = field(default_factory=dict)
     kv_advert: KVAdvert | None = None
     pool: WorkerPoolCounts = field(default_factory=WorkerPoolCounts)
     waiting_for_kv: int = 0

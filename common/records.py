@@ -68,10 +68,13 @@ class WorkerRefusal:
 class KVAdvert:
     """Where a data-plane receiver listens: its host id and one address per backend kind
     (``endpoints``: kind -> address; a map because the kinds are the data plane's to
-    extend). ``common.transfer`` makes, checks and negotiates with this record."""
+    extend). ``common.transfer`` makes, checks and negotiates with this record.
+    ``slices``: the receiver takes KV head slices (wire version 6), so each rank of a
+    tensor-parallel prefill worker may send its own."""
 
     host_id: str
     endpoints: dict
+    slices: bool = False
 
 
 @record

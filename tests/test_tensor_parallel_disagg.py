@@ -1,7 +1,8 @@
 """Disaggregated serving between tensor-parallel sizes, over real processes: prefill TP=2
 feeds decode TP=1, and prefill TP=1 feeds decode TP=2. The output equals one TP=1 engine
 computing alone, and the KV bytes moved equal the model's KV for each prompt: every
-head's slice once, none twice."""
+head's slice once, none twice. A TP=2 prefill worker's ranks each send their heads'
+slice straight to the TP=1 decode worker (the direct path), on tcp and on shm."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 MAX_TOKENS = 10
 # The served tiny model: 2 layers, 2 KV heads of 16, float64, 16-token blocks.
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 8
-TP2 = Host(env={"PDSERVE_TENSOR_PARALLEL_SIZE": "2"})
+TP2 = {"PDSERVE_TENSOR_PARALLEL_SIZE": "2"}
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +39,16 @@ def prompts_and_want(model_dir):
     return prompts, [c.token_ids for c in engine.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("tp_worker", ["prefill-0", "decode-1"])
+@pytest.mark.parametrize(("tp_worker", "backend"), [
+    ("prefill-0", "tcp"), ("prefill-0", "shm"), ("decode-1", "auto")])
 def test_prefill_and_decode_of_different_tp_sizes(model_dir, tmp_path, prompts_and_want,
-                                                  tp_worker):
+                                                  tp_worker, backend):
     prompts, want = prompts_and_want
+    data_plane = {"PDSERVE_TRANSFER_BACKEND": backend}
+    other = "decode-1" if tp_worker == "prefill-0" else "prefill-0"
     cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], dtype="float64",
-                      worker_hosts={tp_worker: TP2})
+                      worker_hosts={tp_worker: Host(env={**TP2, **data_plane}),
+                                    other: Host(env=data_plane)})
     cluster.start()
     try:
         with Client(cluster.zmq_addr, timeout_s=60) as client:
@@ -52,8 +57,13 @@ def test_prefill_and_decode_of_different_tp_sizes(model_dir, tmp_path, prompts_a
         assert got == want
         kv = sum(-(-len(p) // 16) for p in prompts) * BLOCK_BYTES
         prefill, decode = cluster.worker_stats("prefill-0"), cluster.worker_stats("decode-1")
-        assert prefill.prefills_done == 2
+        assert prefill.prefills_done == 2 and decode.local_fallbacks == 0
         assert prefill.kv_bytes_sent == decode.kv_bytes_received == kv
+        if tp_worker == "prefill-0":  # each rank sent its own slice, on the backend asked
+            assert prefill.kv_send_paths == {"direct": 2}
+            assert prefill.transfer_backends == {backend: 2}
+        else:  # a one-rank prefill worker sends all heads itself
+            assert prefill.kv_send_paths == {}
         workers = cluster.conductor_workers()
         assert workers[tp_worker].info.tp_size == 2
         assert {w.info.tp_size for w in workers.values()} == {1, 2}

@@ -181,3 +181,62 @@ def test_pool_blocks_cross_tp_sizes_with_a_replicated_kv_head(tmp_path, engines)
         assert got.num_cached_tokens == 48 and got.token_ids == want
         assert bytes(dst.pool_blocks.export(hashes)[2]) == bytes(data[2])
 
+
+
+def test_head_slices_land_in_the_all_heads_blocks_and_a_forged_one_writes_nothing():
+    """What a TP=1 decode worker does with each prefill rank's slice (the direct path):
+    slices of heads [0, 1) and [1, 3) give the blocks a whole export gives; a slice of
+    the wrong head range, head count, layer or size is refused before anything moves."""
+    from services.engine.kv_cache import KVCache
+
+    src = KVCache(2, 6, 16, 3, 8, torch.float64, torch.device("cpu"))
+    src.k.normal_()
+    src.v.normal_()
+    dst = KVCache(2, 6, 16, 3, 8, torch.float64, torch.device("cpu"))
+    for layer in range(2):
+        for start, count in ((0, 1), (1, 2)):
+            part = torch.stack([src.k[layer, [1, 2], :, start:start + count],
+                                src.v[layer, [1, 2], :, start:start + count]]).contiguous()
+            dst.import_layer_slice_bytes(layer, [4, 5], (start, count, 3),
+                                         memoryview(part.numpy()).cast("B"))
+    assert torch.equal(dst.k[:, [4, 5]], src.k[:, [1, 2]])
+    assert torch.equal(dst.v[:, [4, 5]], src.v[:, [1, 2]])
+    before = (dst.k.clone(), dst.v.clone())
+    one_head = memoryview(torch.ones(2, 2, 16, 1, 8, dtype=torch.float64).numpy()).cast("B")
+    for layer, heads, payload, match in (
+            (0, (3, 1, 4), one_head, "of 4 heads for a cache of 3"),
+            (0, (2, 2, 3), one_head, r"\[2, 4\) of 3 heads"),
+            (2, (0, 1, 3), one_head, "layer 2 outside"),
+            (0, (0, 2, 3), one_head, "where 8192 fit 2 blocks of 2 heads")):
+        with pytest.raises(ValueError, match=match):
+            dst.import_layer_slice_bytes(layer, [4, 5], heads, payload)
+    assert torch.equal(dst.k, before[0]) and torch.equal(dst.v, before[1])
+
+
+async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slices():
+    """The path a TP=2 prefill worker picks per request (counted in ``kv_send_paths``):
+    direct to an advert that takes slices on tcp or shm; gathered for a TP decode
+    worker's advert or the ucx backend; a one-rank engine picks neither."""
+    import asyncio
+    import collections
+    from types import SimpleNamespace
+
+    from common.records import KVAdvert
+    from services.worker.prefill_role import Job, PrefillRole
+
+    role = PrefillRole.__new__(PrefillRole)  # only its path choice, no worker around it
+    role.paths, role._slicing = collections.Counter(), ((0, 1, 2), 2)
+    slices = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"}, slices=True)
+    whole = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"})
+    picked = []
+    for advert, backend in ((slices, "tcp"), (slices, "shm"), (whole, "tcp"),
+                            (slices, "ucx"), (None, "tcp")):
+        job = Job(SimpleNamespace(kv_advert=advert), "", asyncio.get_running_loop()
+                  .create_future())
+        await role._choose_path("r", job, backend)
+        picked.append((job.heads, job.ranks))
+    assert picked == [((0, 1, 2), 2)] * 2 + [(None, 1)] * 3
+    assert role.paths == {"direct": 2, "gathered": 3}
+    role.paths, role._slicing = collections.Counter(), ()
+    await role._choose_path("r", Job(SimpleNamespace(kv_advert=slices), "", None), "tcp")
+    assert role.paths == {}

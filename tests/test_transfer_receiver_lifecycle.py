@@ -11,7 +11,8 @@ import pytest
 from common.address import parse_address
 from common.transfer import BackendUnavailable, TransferError, TransferState
 from common.transfer.backends import backend_receiver, backend_sender
-from common.transfer.table import TableReceiver, TransferTable
+from common.transfer.table import TransferTable
+from common.transfer.table_receiver import TableReceiver
 from common.transfer.ucx import load_ucxx
 
 # Every transfer is expected with a token and every message presents it; one drawn per run

@@ -450,7 +450,7 @@ def test_wire_round_trip_and_rejections():
     with pytest.raises(wire.WireError, match="lengths say"):  # a msgpack map is no CHUNK
         wire.decode_header(wire.Kind.CHUNK, finish[wire.PREFIX.size :])
     # A CHUNK header whose request id can be read names it, so its transfer can fail.
-    retried_twice = wire.CHUNK_HEAD.pack(0, 0, wire.MAX_ATTEMPTS, 0, 1, 0) + b"r"
+    retried_twice = wire.CHUNK_HEAD.pack(0, 0, wire.MAX_ATTEMPTS, 0, 1, 0, 0, 0, 0) + b"r"
     with pytest.raises(wire.WireError, match="attempt") as info:
         wire.decode_header(wire.Kind.CHUNK, retried_twice)
     assert info.value.request_id == "r"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from common.transfer.base import ChunkSink, KVSender
 from common.transfer.negotiate import PREFERENCE
-from common.transfer.table import TableReceiver, TransferTable
+from common.transfer.table import TransferTable
+from common.transfer.table_receiver import TableReceiver
 
 
 def backend_receiver(

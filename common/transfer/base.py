@@ -27,6 +27,11 @@ transfer ends exactly once::
        +-------------------------+--> CANCELLED  cancel(), receiver closed
 
 The first terminal state reached wins; anything that arrives afterwards is dropped.
+A transfer may come from several senders (each tensor-parallel rank of a prefill
+worker sends its KV heads' slice): its chunks carry their head slice (``wire.py``),
+go to the receiver's ``SliceSink``, and one FINISH counts them all; the transfer is
+DONE once that many have landed and every head of every block and layer is in.
+
 This module imports neither torch nor numpy: payloads are bytes-like objects.
 """
 
@@ -45,6 +50,12 @@ Called on the receiver's event loop for each verified chunk of an expected, live
 transfer, in arrival order. ``payload`` is valid only during the call (the receiver
 reuses its buffer): copy what you keep. If the sink raises, that transfer fails with
 the exception recorded as its error; the receiver keeps serving.
+"""
+
+SliceSink = Callable[[str, int, list[int], tuple[int, int, int], memoryview], None]
+"""``sink(request_id, layer, block_ids, (head_start, head_count, total_heads), payload)``:
+a ``ChunkSink`` for chunks that hold a slice of the KV heads; the same rules. It
+raises (failing the transfer, writing nothing) for a slice that does not fit its layout.
 """
 
 
@@ -235,9 +246,13 @@ class KVSender(ABC):
         payload: bytes | bytearray | memoryview,
         *,
         token: bytes,
+        heads: tuple[int, int, int] = (0, 0, 0),
     ) -> None:
         """Send one chunk: ``payload`` holds ``layer``'s KV for ``block_ids``; ``token`` is
-        the one the receiver expects the transfer with.
+        the one the receiver expects the transfer with. ``heads`` ``(start, count,
+        total)``: the payload is that slice of the KV heads (one tensor-parallel rank's),
+        sent by each rank on its own connection, all counting towards one ``finish``
+        (``wire.py``); the default, every head.
 
         ``payload`` must be C-contiguous. It is kept, not copied, until the receiver's
         verdict, since the chunk may have to go again: leave it unchanged until

@@ -152,11 +152,12 @@ class ConnectionSender(KVSender):
             return conn
 
     async def send(self, address, request_id, layer, block_ids, payload, *,
-                   token: bytes) -> None:
+                   token: bytes, heads: tuple[int, int, int] = wire.WHOLE) -> None:
         view = byte_view(payload)
         if not isinstance(block_ids, list | tuple):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token)
+        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token,
+                           wire.WHOLE if heads == wire.WHOLE else tuple(heads))
         wire.validate(chunk)
         request = self._request(request_id)  # as _start, without its await: once a chunk
         if request.failed is not None:

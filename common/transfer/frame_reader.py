@@ -293,6 +293,7 @@ class FrameReader(asyncio.BufferedProtocol):
                     message.checksum,
                     message.attempt,
                     message.token,
+                    message.heads,
                 )
         elif isinstance(message, wire.Finish | wire.Abort):
             if self._verdicts:  # first: the sender's finish waits for them

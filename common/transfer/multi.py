@@ -20,7 +20,14 @@ import structlog
 
 from common.records import KVAdvert
 from common.transfer.backends import backend_receiver, backend_sender
-from common.transfer.base import ChunkSink, KVReceiver, KVSender, Transfer, TransferError
+from common.transfer.base import (
+    ChunkSink,
+    KVReceiver,
+    KVSender,
+    SliceSink,
+    Transfer,
+    TransferError,
+)
 from common.transfer.negotiate import (
     PREFERENCE,
     BackendUnavailable,
@@ -31,6 +38,7 @@ from common.transfer.negotiate import (
     scheme_of,
 )
 from common.transfer.table import TransferTable
+from common.transfer.wire import WHOLE
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -55,6 +63,7 @@ class MultiReceiver(KVReceiver):
         host: str = "127.0.0.1",
         port: int = 0,
         sink: ChunkSink,
+        slice_sink: SliceSink | None = None,
         host_id: str | None = None,
         ports: Mapping[str, int] | None = None,
     ) -> None:
@@ -65,7 +74,7 @@ class MultiReceiver(KVReceiver):
             raise ValueError(f"kinds must be a non-empty subset of {PREFERENCE}, got {kinds}")
         ports = {"tcp": port, **(ports or {})}
         self.host_id = host_id or default_host_id()
-        self._table = TransferTable(sink)
+        self._table = TransferTable(sink, slice_sink)
         self._receivers: dict[str, KVReceiver] = {}
         for kind in kinds:
             try:
@@ -185,9 +194,9 @@ class MultiSender(KVSender):
         return sender
 
     async def send(self, address, request_id, layer, block_ids, payload, *,
-                   token: bytes) -> None:
+                   token: bytes, heads: tuple[int, int, int] = WHOLE) -> None:
         await self.sender(scheme_of(address)).send(address, request_id, layer, block_ids,
-                                                   payload, token=token)
+                                                   payload, token=token, heads=heads)
 
     async def finish(self, address: str, request_id: str, num_chunks: int, *,
                      token: bytes) -> None:

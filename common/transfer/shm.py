@@ -65,7 +65,7 @@ from typing import NamedTuple
 from common.transfer import batch, control, wire
 
 SCHEME = "shm"
-VERSION = 4  # 3: the chunk frame is binary; 4: batches
+VERSION = 5  # 3: the chunk frame is binary; 4: batches; 5: head slices in the CHUNK header
 MAX_SLOTS = 64
 CHUNK_PLACE = struct.Struct("<BBHIQQ")  # BINARY, slot, what, generation, offset, length
 BATCHED = 1  # "what" of a batch frame

@@ -17,7 +17,7 @@ from common.transfer.shm_segment import (
     segment_name,
     unlink_prefix,
 )
-from common.transfer.table import TableReceiver
+from common.transfer.table_receiver import TableReceiver
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -122,7 +122,8 @@ class _Peer(asyncio.Protocol):
                     verdict = table.on_batch(msg, view)
                 else:
                     verdict = table.on_chunk(rid, msg.layer, msg.block_ids, view,
-                                             msg.checksum, msg.attempt, msg.token)
+                                             msg.checksum, msg.attempt, msg.token,
+                                             msg.heads)
         except (OSError, ValueError) as exc:
             name = segment_name(self.prefix, slot, generation)
             verdict = table.fail(rid, f"shared-memory segment {name!r} unusable: {exc}")

@@ -9,9 +9,7 @@ transfers for the same reasons with the same error strings.
 Every transfer is expected with a ``token`` and takes only messages that present it
 (``admits``, constant-time): any other is refused (``refused`` counts them) and changes nothing, not
 even a failure, so a peer that guesses a request id can neither write into its blocks
-nor end it. ``TableReceiver`` is the
-receiver around the table: its checks, start, serving and close, the same for every
-backend, which adds only its wire.
+nor end it. ``table_receiver.TableReceiver`` is the receiver around the table.
 """
 
 from __future__ import annotations
@@ -21,10 +19,10 @@ from collections import OrderedDict
 
 import structlog
 
-from common.address import format_address
-from common.transfer.base import ChunkSink, KVReceiver, Transfer, TransferState
+from common.transfer.base import ChunkSink, SliceSink, Transfer, TransferState
 from common.transfer.batch import Batch
-from common.transfer.wire import DROPPED, MAX_ATTEMPTS, OK, Status, Verdict, checksum
+from common.transfer.slices import SliceLedger
+from common.transfer.wire import DROPPED, MAX_ATTEMPTS, OK, WHOLE, Status, Verdict, checksum
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -39,10 +37,13 @@ class TransferTable:
     ``refused`` messages for a live transfer that did not present its token.
     """
 
-    def __init__(self, sink: ChunkSink) -> None:
+    def __init__(self, sink: ChunkSink, slice_sink: SliceSink | None = None) -> None:
         if not callable(sink):
             raise TypeError(f"sink must be callable, got {sink!r}")
         self._sink = sink
+        self._slice_sink = slice_sink  # None: head slices are refused
+        # Per live transfer sent as head slices (slices.py): the heads landed so far.
+        self._slices: dict[str, SliceLedger] = {}
         self._live: dict[str, Transfer] = {}
         # Only to tell "late" from "never expected" in logs; bounded.
         self._ended: OrderedDict[str, TransferState] = OrderedDict()
@@ -119,6 +120,7 @@ class TransferTable:
         expected_checksum: int,
         attempt: int = 0,
         token: bytes = b"",
+        heads: tuple[int, int, int] = WHOLE,
     ) -> Verdict:
         """Verify one chunk and hand it to the sink; ``payload`` is borrowed for the call.
 
@@ -131,11 +133,49 @@ class TransferTable:
             if transfer is None:
                 self.drop(request_id, "chunk")
             return DROPPED
-        if attempt == 0:
+        if heads != WHOLE or request_id in self._slices:
+            verdict = self._verify_slice(transfer, layer, block_ids, payload,
+                                         expected_checksum, attempt, heads)
+        elif attempt == 0:
             return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0)
-        verdict = self._verify(transfer, layer, block_ids, payload, expected_checksum, attempt)
-        self._resent_in(transfer)
+        else:
+            verdict = self._verify(transfer, layer, block_ids, payload, expected_checksum,
+                                   attempt)
+        if attempt:
+            self._resent_in(transfer)
+        elif request_id in self._finish_due and request_id not in self._resends_due \
+                and transfer.is_live:  # a FINISH waits for other ranks' slices
+            self._settle(transfer, self._finish_due.pop(request_id))
         return verdict
+
+    def _verify_slice(self, transfer: Transfer, layer: int, block_ids: list[int],
+                      payload: memoryview, expected: int, attempt: int,
+                      heads: tuple[int, int, int]) -> Verdict:
+        """``_verify`` for a chunk holding a slice of the heads: refused, before the sink
+        sees it, when it overlaps a slice already landed, or in a transfer of whole
+        chunks."""
+        request_id = transfer.request_id
+        ledger = self._slices.get(request_id)
+        if heads == WHOLE or (ledger is None and transfer.chunks_received):
+            return self.fail(request_id, "a transfer mixes head slices and whole chunks")
+        if self._slice_sink is None:
+            return self.fail(request_id, "this receiver takes no head slices")
+        if ledger is None:
+            ledger = self._slices[request_id] = SliceLedger(heads[2])
+        refused = ledger.refuse(layer, block_ids, heads)
+        if refused:
+            return self.fail(request_id, refused)
+        actual = checksum(payload)
+        if actual != expected:
+            return self._mismatch(transfer, layer, block_ids, expected, actual, attempt)
+        try:
+            self._slice_sink(request_id, layer, block_ids, heads, payload)
+        except Exception as exc:
+            log.exception("kv_transfer.sink_raised", request_id=request_id, layer=layer)
+            return self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
+        ledger.land(layer, block_ids, heads)
+        transfer._accept_chunk(payload.nbytes)
+        return OK
 
     def on_batch(self, batch: Batch, payload: memoryview) -> Verdict:
         """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
@@ -148,6 +188,8 @@ class TransferTable:
             if transfer is None:
                 self.drop(request_id, "batch")
             return DROPPED
+        if request_id in self._slices:
+            return self.fail(request_id, "a transfer mixes head slices and whole chunks")
         views, start = [], 0
         for size, expected in zip(batch.sizes, batch.checksums, strict=True):
             view = payload[start : start + size]
@@ -233,7 +275,18 @@ class TransferTable:
             self._settle(transfer, num_chunks)
 
     def _settle(self, transfer: Transfer, num_chunks: int) -> None:
-        if transfer.chunks_received == num_chunks:
+        ledger = self._slices.get(transfer.request_id)
+        if ledger is not None and transfer.chunks_received < num_chunks:
+            # Other ranks' slices come on their own connections: wait for them (within
+            # the lease).
+            self._finish_due[transfer.request_id] = num_chunks
+        elif ledger is not None and transfer.chunks_received == num_chunks:
+            missing = ledger.missing()
+            if missing:
+                self.fail(transfer.request_id, f"head slices missing: {missing}")
+            else:
+                transfer._end(TransferState.DONE)
+        elif transfer.chunks_received == num_chunks:
             transfer._end(TransferState.DONE)
         else:
             self.fail(
@@ -262,6 +315,7 @@ class TransferTable:
             del self._live[transfer.request_id]
             self._resends_due.pop(transfer.request_id, None)
             self._finish_due.pop(transfer.request_id, None)
+            self._slices.pop(transfer.request_id, None)
             self._tokens.pop(transfer.request_id, None)
         self._ended[transfer.request_id] = transfer.state
         emit = {TransferState.DONE: log.debug, TransferState.FAILED: log.warning}.get(
@@ -277,104 +331,3 @@ class TransferTable:
         )
         while len(self._ended) > _REMEMBER_ENDED:
             self._ended.popitem(last=False)
-
-
-class TableReceiver(KVReceiver):
-    """What every backend's receiver shares: its constructor's checks, its transfers in
-    ``self.table``, the sender connections it serves, and start / idempotent close.
-
-    Give ``sink``, or a ``table`` shared with other receivers (``multi.py``), not both.
-    A backend sets ``SCHEME`` and implements its wire: ``_listen`` binds and begins
-    serving and returns the port it got; ``_stop`` stops listening and ends every
-    connection (the table's transfers are cancelled by then). Each sender connection is
-    registered with ``_track`` while it lasts and removed with ``_untrack``.
-    """
-
-    SCHEME: str
-
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        sink: ChunkSink | None = None,
-        table: TransferTable | None = None,
-        max_payload_bytes: int = 1 << 30,
-    ) -> None:
-        if (sink is None) == (table is None):
-            raise TypeError("give exactly one of sink and table")
-        if not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {port!r}")
-        if max_payload_bytes <= 0:
-            raise ValueError(f"max_payload_bytes must be > 0, got {max_payload_bytes}")
-        self._host, self._port = host, port
-        self.table = table if table is not None else TransferTable(sink)
-        self.max_payload = max_payload_bytes
-        # Sender connection -> what its backend keeps with it (ucx: its task).
-        self._connections: dict[object, object] = {}
-        self._address: str | None = None
-        self._listening = False
-        self._closed = False
-
-    async def _listen(self) -> int:
-        raise NotImplementedError
-
-    async def _stop(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def connections(self) -> int:
-        """Sender connections open right now."""
-        return len(self._connections)
-
-    def _track(self, connection: object, kept: object = None) -> None:
-        self._connections[connection] = kept
-
-    def _untrack(self, connection: object) -> None:
-        self._connections.pop(connection, None)
-
-    def _serving(self) -> bool:
-        return self._listening and not self._closed
-
-    async def start(self) -> None:
-        if self._listening or self._closed:
-            raise RuntimeError("receiver already started" if self._listening else "receiver closed")
-        port = await self._listen()
-        self._listening = True
-        self._address = format_address(self.SCHEME, self._host, port)
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.table.cancel_all("receiver closed")
-        await self._stop()
-
-    @property
-    def address(self) -> str:
-        if self._address is None:
-            raise RuntimeError("receiver has no address before start()")
-        return self._address
-
-    @property
-    def dropped(self) -> int:
-        return self.table.dropped
-
-    @property
-    def retried(self) -> int:
-        return self.table.retried
-
-    @property
-    def refused(self) -> int:
-        return self.table.refused
-
-    def expect(self, request_id: str, lease_s: float, token: bytes) -> Transfer:
-        if not self._serving():
-            raise RuntimeError("receiver is not serving (start() it; it must not be closed)")
-        return self.table.expect(request_id, lease_s, token)
-
-    def cancel(self, request_id: str) -> None:
-        self.table.cancel(request_id)
-
-    def live(self) -> int:
-        return self.table.live()

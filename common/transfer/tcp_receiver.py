@@ -12,7 +12,7 @@ import asyncio
 import socket
 
 from common.transfer.frame_reader import FrameReader
-from common.transfer.table import TableReceiver
+from common.transfer.table_receiver import TableReceiver
 from common.transfer.tcp import SCHEME, SOCKET_BUFFER_BYTES, tune_socket
 
 

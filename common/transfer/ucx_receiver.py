@@ -19,7 +19,8 @@ import structlog
 from common.address import is_wildcard
 from common.transfer import wire
 from common.transfer.frame_reader import VERDICT_BATCH, VERDICT_BATCH_BYTES
-from common.transfer.table import TableReceiver, TransferTable
+from common.transfer.table import TransferTable
+from common.transfer.table_receiver import TableReceiver
 from common.transfer.ucx import (
     BATCH_LENGTH,
     RUN_BUFFER_BYTES,
@@ -233,7 +234,8 @@ def _dispatch(
     if isinstance(message, wire.Chunk):
         if wanted:
             return table.on_chunk(rid, message.layer, message.block_ids, view,
-                                  message.checksum, message.attempt, message.token)
+                                  message.checksum, message.attempt, message.token,
+                                  message.heads)
         if not table.is_live(rid):  # else refused by admits, and counted there
             table.drop(rid, "chunk")
         return wire.DROPPED

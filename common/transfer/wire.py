@@ -10,11 +10,14 @@ Every message is::
               sender -> receiver
               CHUNK    fixed-layout binary, little-endian (the one message sent per
                        chunk: a msgpack map cost several µs to build and to read back):
-                         "<QQBBHI"  checksum u64 | layer u64 | attempt u8 |
+                         "<QQBBHIHHH"  checksum u64 | layer u64 | attempt u8 |
                                     token length u8 | request_id length u16 |
-                                    block count u32
+                                    block count u32 | head start u16 |
+                                    head count u16 | heads in all u16
                          request_id (UTF-8) | token | block_ids (u64 each)
-                       and nothing after them
+                       and nothing after them. Heads all 0: every KV head; else
+                       heads [start, start + count) of ``heads in all``, one TP
+                       rank's slice (``Chunk.heads``, ``slices.py``)
               BATCH    several chunks of one request, one verdict (``batch.py``);
                        its payload is their bytes back to back
               the others: a msgpack map
@@ -60,9 +63,12 @@ import msgpack
 import xxhash
 
 MAGIC = b"PDKV"
-VERSION = 5  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary; 5: BATCH
+VERSION = 6  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary; 5: BATCH;
+# 6: head slices in CHUNK
 PREFIX = struct.Struct("<4sBBHIQ")
-CHUNK_HEAD = struct.Struct("<QQBBHI")
+CHUNK_HEAD = struct.Struct("<QQBBHIHHH")
+WHOLE = (0, 0, 0)  # Chunk.heads of a payload with every KV head
+MAX_HEADS = 0xFFFF
 MAX_HEADER_BYTES = 1 << 20
 _U64_MAX = (1 << 64) - 1
 MAX_ATTEMPTS = 2
@@ -94,6 +100,21 @@ class Chunk(NamedTuple):
     checksum: int
     attempt: int = 0  # 0, or 1 when the receiver asked for it again
     token: bytes = b""  # the transfer's secret, as the receiver drew it
+    # (start, count, heads in all): a slice of the KV heads, or WHOLE for every head
+    heads: tuple[int, int, int] = WHOLE
+
+
+def check_heads(heads: object) -> str | None:
+    """Why ``heads`` is not a valid ``Chunk.heads``; None if it is."""
+    if heads == WHOLE:
+        return None
+    if (not isinstance(heads, tuple) or len(heads) != 3
+            or not all(_is_uint(h, MAX_HEADS) for h in heads)):
+        return f"heads must be (start, count, total) u16s, got {heads!r:.80}"
+    start, count, total = heads
+    if count == 0 or start + count > total:
+        return f"head slice [{start}, {start + count}) outside the {total} heads"
+    return None
 
 
 class Finish(NamedTuple):
@@ -152,8 +173,9 @@ def _are_uints(values: list) -> bool:
 def _plain_chunk(chunk: Chunk) -> bool:
     """Whether ``chunk`` is valid with exactly the types a sender usually gives (plain
     str, int, list of int, bytes); False means only "look closer", not invalid."""
-    rid, layer, blocks, checksum, attempt, token = chunk
-    return (type(rid) is str and rid != "" and type(layer) is int and 0 <= layer <= _U64_MAX
+    rid, layer, blocks, checksum, attempt, token, heads = chunk
+    return (heads is WHOLE and type(rid) is str and rid != ""
+            and type(layer) is int and 0 <= layer <= _U64_MAX
             and type(checksum) is int and 0 <= checksum <= _U64_MAX
             and type(attempt) is int and 0 <= attempt < MAX_ATTEMPTS
             and type(token) is bytes and len(token) <= MAX_TOKEN_BYTES
@@ -188,6 +210,9 @@ def validate(message: Message) -> None:
             raise WireError(
                 f"attempt must be in [0, {MAX_ATTEMPTS - 1}], got {message.attempt!r}", rid
             )
+        bad = check_heads(message.heads)
+        if bad:
+            raise WireError(bad, rid)
     elif isinstance(message, Finish):
         if not _is_uint(message.num_chunks):
             raise WireError(f"num_chunks must be an integer >= 0, got {message.num_chunks!r}", rid)
@@ -252,7 +277,8 @@ def encode_chunk(chunk: Chunk, checksum: int | None = None) -> bytes:
         raise WireError(f"request_id of {len(rid)} bytes exceeds 65535", chunk.request_id)
     try:
         return (CHUNK_HEAD.pack(chunk.checksum if checksum is None else checksum, chunk.layer,
-                                chunk.attempt, len(token), len(rid), len(blocks))
+                                chunk.attempt, len(token), len(rid), len(blocks),
+                                *chunk.heads)
                 + rid + token + _blocks_struct(len(blocks)).pack(*blocks))
     except struct.error as exc:  # an unvalidated field out of range
         raise WireError(f"CHUNK field out of range: {exc}", chunk.request_id) from None
@@ -272,7 +298,8 @@ def decode_chunk(raw: bytes | bytearray | memoryview, start: int = 0) -> Chunk:
     if size < CHUNK_HEAD.size:
         raise WireError(f"CHUNK header of {size} bytes, shorter than its fixed "
                         f"{CHUNK_HEAD.size}")
-    checksum, layer, attempt, token_len, rid_len, count = CHUNK_HEAD.unpack_from(raw, start)
+    checksum, layer, attempt, token_len, rid_len, count, *heads = \
+        CHUNK_HEAD.unpack_from(raw, start)
     at = start + CHUNK_HEAD.size
     blocks_at = at + rid_len + token_len
     if blocks_at + 8 * count != len(raw):
@@ -289,8 +316,12 @@ def decode_chunk(raw: bytes | bytearray | memoryview, start: int = 0) -> Chunk:
     if attempt >= MAX_ATTEMPTS:
         raise WireError(f"attempt must be in [0, {MAX_ATTEMPTS - 1}], got {attempt}", rid)
     token = bytes(raw[at + rid_len : blocks_at])
+    heads = WHOLE if heads == [0, 0, 0] else tuple(heads)
+    bad = check_heads(heads)
+    if bad:
+        raise WireError(bad, rid)
     return Chunk(rid, layer, list(_blocks_struct(count).unpack_from(raw, blocks_at)),
-                 checksum, attempt, token)
+                 checksum, attempt, token, heads)
 
 
 def decode_header(kind: Kind, raw: bytes | bytearray | memoryview) -> Message:

@@ -32,6 +32,7 @@ from services.engine.sampler import Sampler
 from services.engine.scheduler import ScheduledSeq, SchedulerConfig
 from services.engine.tokenizer import Tokenizer
 from services.engine.tp import SINGLE, ParallelContext, check_shardable, shard_shape
+from services.engine.tp_direct import direct_sends
 from services.engine.tp_group import STEP_EXPORT, Leader
 from services.engine.tp_kv import ShardedKVStore
 from services.engine.tp_shard import shard_hf_tensors
@@ -71,14 +72,20 @@ class ModelExecutor:
                     layer_hook: LayerHook | None):
         self.kv.flush()
         bs = self.runner.block_size
-        export = [] if layer_hook is None else sorted({
-            b for seq in completing_prompts(scheduled)
-            for b in seq.block_table[:-(-seq.num_prompt_tokens // bs)]})
-        if export:
-            self.leader.send_step(msgpack.packb([export, inputs.to_msgpack()],
-                                                use_bin_type=True), STEP_EXPORT)
+        completing = [] if layer_hook is None else completing_prompts(scheduled)
+        routes = self.kv.routes
+        # Prompts with a route: every rank sends its slice (tp_direct.py); the rest are
+        # gathered on rank 0.
+        direct = direct_sends(completing, routes, bs)
+        export = sorted({b for seq in completing if seq.request_id not in routes
+                         for b in seq.block_table[:-(-seq.num_prompt_tokens // bs)]})
+        if export or direct:
+            self.leader.send_step(msgpack.packb(
+                [export, inputs.to_msgpack(), direct, self.kv.heads_by_rank],
+                use_bin_type=True), STEP_EXPORT)
             self.kv.begin_step(export)
-            layer_hook = self.kv.staging_hook(layer_hook)
+            if export:
+                layer_hook = self.kv.staging_hook(layer_hook)
         else:
             self.leader.send_step(inputs.to_msgpack())
             self.kv.begin_step([])

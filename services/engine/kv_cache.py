@@ -26,6 +26,7 @@ scattered on the side stream, the compute stream made to wait for them by an eve
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -138,6 +139,33 @@ class KVCache:
             raw = torch.frombuffer(payload, dtype=torch.uint8)
         buf = raw.view(self.k.dtype).view(2, len(block_ids), *self.k.shape[2:])
         self.import_layer(layer, block_ids, buf)
+
+    def import_layer_slice_bytes(self, layer: int, block_ids: Sequence[int],
+                                 heads: tuple[int, int, int], payload: Buffer) -> None:
+        """Write one tensor-parallel rank's slice of the KV heads, heads ``[start, start +
+        count)`` of ``total`` as ``[2, n, token, count, head_dim]`` bytes, into those
+        heads of ``block_ids``; ``ValueError``, writing nothing, if it does not fit."""
+        start, count, total = heads
+        _, _, block_size, num_heads, head_dim = self.k.shape
+        if total != num_heads or count < 1 or start + count > num_heads:
+            raise ValueError(f"head slice [{start}, {start + count}) of {total} heads "
+                             f"for a cache of {num_heads}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        ids = self._ids(block_ids)
+        payload = memoryview(payload)
+        shape = (2, len(block_ids), block_size, count, head_dim)
+        want = math.prod(shape) * self.k.element_size()
+        if payload.nbytes != want:
+            raise ValueError(f"KV slice of {payload.nbytes} bytes where {want} fit "
+                             f"{len(block_ids)} blocks of {count} heads")
+        with warnings.catch_warnings():  # a read-only buffer is fine: the copy below
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+        buf = raw.view(self.k.dtype).view(shape).to(self.k.device)
+        heads_of = slice(start, start + count)
+        self.k[layer, :, :, heads_of].index_copy_(0, ids, buf[0])
+        self.v[layer, :, :, heads_of].index_copy_(0, ids, buf[1])
 
     @property
     def block_nbytes(self) -> int:

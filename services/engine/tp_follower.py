@@ -3,7 +3,8 @@
 Started by rank 0 as ``python -m services.engine.tp_follower '<json>'`` with its rank,
 the world size, the rendezvous port on loopback and the engine's settings. It loads its
 shard, then runs each step rank 0 broadcasts, and takes part in its KV gathers and
-scatters (``tp_kv.py``), until a STOP plan. It speaks no ZeroMQ
+scatters (``tp_kv.py``), or sends its KV heads' slice straight to a decode worker
+(``tp_direct.py``), until a STOP plan. It speaks no ZeroMQ
 and samples nothing. Any failure exits non-zero, which rank 0's watcher reports.
 """
 
@@ -54,7 +55,7 @@ def main(argv: list[str]) -> int:
     weights = weights_for(config)
     runner, _ = build_runner(config, weights.config, weights.tensors, tp, consume=True)
     del weights  # the shard is in the model now
-    kv = FollowerKV(runner.kv_cache, kv_group)
+    kv = FollowerKV(runner.kv_cache, kv_group, rank)
     steps = 0
     try:
         while True:
@@ -65,8 +66,9 @@ def main(argv: list[str]) -> int:
                 runner.forward(StepInputs.from_msgpack(payload))
                 steps += 1
             elif kind == STEP_EXPORT:
-                block_ids, inputs = msgpack.unpackb(payload)
-                runner.forward(StepInputs.from_msgpack(inputs), kv.step_hook(block_ids))
+                block_ids, inputs, direct, heads_by_rank = msgpack.unpackb(payload)
+                runner.forward(StepInputs.from_msgpack(inputs),
+                               kv.step_hook(block_ids, direct, heads_by_rank))
                 kv.end_step()
                 steps += 1
             elif kind == KV_IN:
@@ -78,6 +80,8 @@ def main(argv: list[str]) -> int:
     except Exception:
         log.exception("tensor-parallel follower failed", steps=steps)
         return 1
+    finally:
+        kv.direct.close()
     dist.destroy_process_group()
     return 0
 

@@ -6,18 +6,20 @@ prefill worker feeds a TP=1 decode worker, and a block pooled by one is read by 
 other. Rank 0 gathers the slices into that layout for an export and scatters them for
 an import, over a gloo group of its own (``tp_group.join_group``), on one host.
 
-Gather on rank 0 rather than each rank sending its slice on the data plane: the data
-plane, the decode worker's advert and the pool then stay as they are (one sender, one
-receiver, bytes per layer), and a hop over loopback costs little next to the transfer
-itself. Every slice is gathered once and sent once, so the bytes on the wire equal the
-model's KV for the prompt.
+A prefill worker's KV for a decode worker that takes head slices skips the gather:
+each rank sends its own slice on the data plane (``tp_direct.py``). The gather stays
+for the rest (pool exports, a TP decode worker, the ucx backend), where one sender
+and the all-heads layout are what the other side takes. Either way every slice is
+sent once, so the bytes on the wire equal the model's KV for the prompt.
 
 Followers take part through the plans rank 0 broadcasts (``tp_group``), so every
 collective runs in the same order on every rank:
 
     STEP_EXPORT  a step that completes prompts: after each layer, every rank sends its
                  slice of those prompts' blocks to rank 0, which hands the layer's
-                 export out of what it gathered (the prefill worker's per-layer stream)
+                 export out of what it gathered (the prefill worker's per-layer stream);
+                 or, for a prompt with a route, every rank sends its slice straight
+                 to the decode worker (``tp_direct.py``)
     KV_OUT       an export between steps (the pool's blocks; a layer outside a step)
     KV_IN        imports: rank 0 scatters each op's slices
 
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from services.engine.kv_cache import KVCache
 from services.engine.kv_store import Buffer
 from services.engine.tp import ShardShape
+from services.engine.tp_direct import DirectSender, Heads, Route, rank_heads
 
 
 class _Posted(NamedTuple):
@@ -105,23 +108,35 @@ def apply_slice(cache: KVCache, op: Op, part: torch.Tensor) -> None:
 class FollowerKV:
     """A follower's side of the gathers and scatters."""
 
-    def __init__(self, cache: KVCache, group) -> None:
+    def __init__(self, cache: KVCache, group, rank: int) -> None:
         self.cache = cache
         self.group = group
+        self.rank = rank
+        self.direct = DirectSender()
         self._posted: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
 
     def gather(self, op: Op) -> None:
         dist.gather(local_slice(self.cache, op), None, dst=0, group=self.group)
 
-    def step_hook(self, block_ids: list[int]) -> Callable[[int], None]:
-        """Post this rank's slice of each layer as it is computed (rank 0 collects it a
-        layer later); at most two in flight. ``end_step`` waits for the rest."""
+    def step_hook(self, block_ids: list[int], direct: Sequence[list] = (),
+                  heads_by_rank: Sequence[Heads | None] = ()) -> Callable[[int], None]:
+        """Post this rank's slice of each layer of ``block_ids`` as it is computed (rank
+        0 collects it a layer later), at most two in flight, ``end_step`` waiting for
+        the rest; and send its slice of each ``direct`` prompt to its decode worker."""
+        heads = tuple(heads_by_rank[self.rank]) if direct and heads_by_rank[self.rank] \
+            else None
+
         def hook(layer: int) -> None:
-            mine = local_slice(self.cache, (layer, block_ids))
-            self._posted.append((dist.gather(mine, None, dst=0, group=self.group,
-                                             async_op=True), mine))
-            while len(self._posted) > 2:
-                self._posted.popleft()[0].wait()
+            if block_ids:
+                mine = local_slice(self.cache, (layer, block_ids))
+                self._posted.append((dist.gather(mine, None, dst=0, group=self.group,
+                                                 async_op=True), mine))
+                while len(self._posted) > 2:
+                    self._posted.popleft()[0].wait()
+            if heads is not None:
+                for rid, address, token, src, dest in direct:
+                    payload = _bytes(local_slice(self.cache, (layer, src)))
+                    self.direct.send(address, rid, layer, dest, payload, token, heads)
         return hook
 
     def end_step(self) -> None:
@@ -166,6 +181,9 @@ class ShardedKVStore:
         self._index: dict[int, int] = {}
         self._posted: _Posted | None = None
         self._deliver_to: Callable[[int], None] | None = None
+        # Prompts whose KV every rank sends straight to the decode worker (tp_direct.py).
+        self.routes: dict[str, Route] = {}
+        self.heads_by_rank = rank_heads(shapes, num_kv_heads)
         # Rank 0's engine thread in gathers for a step's stream (slices, waits, layout).
         self.handoff_seconds = 0.0
         local_heads = local.k.shape[3]
@@ -175,6 +193,23 @@ class ShardedKVStore:
     @property
     def block_nbytes(self) -> int:
         return self._layer_block_nbytes * self.num_layers
+
+    @property
+    def sending_ranks(self) -> int:
+        """Ranks that send a slice of each layer on the direct path."""
+        return sum(h is not None for h in self.heads_by_rank)
+
+    def route(self, request_id: str, route: Route) -> None:
+        """Send ``request_id``'s KV on the direct path. Engine thread."""
+        self.routes[request_id] = route
+
+    def unroute(self, request_id: str) -> None:
+        self.routes.pop(request_id, None)
+
+    def export_local_layer(self, layer: int, block_ids: Sequence[int]) -> memoryview:
+        """Rank 0's own heads of ``layer`` for ``block_ids`` (``heads_by_rank[0]``), the
+        direct path's payload: ``[2, n, token, heads, head_dim]`` bytes."""
+        return _bytes(local_slice(self.local, (layer, [int(i) for i in block_ids])))
 
     def close(self) -> None:
         """Free this rank's KV export buffers."""

@@ -80,7 +80,8 @@ class DecodeRole:
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
-                                      sink=self.on_kv_chunk, host_id=s.resolved_host_id)
+                                      sink=self.on_kv_chunk, slice_sink=self._slice_sink(),
+                                      host_id=s.resolved_host_id)
         ctx.metrics.kv_refused.read = lambda: self.receiver.refused
         self.arrivals = Arrivals(self)  # requests moved here by stopping workers
         self.departures = Departures(ctx, self.streams, self.remote)  # and from here
@@ -102,7 +103,8 @@ class DecodeRole:
         advert = self.receiver.advert()
         return KVAdvert(host_id=advert.host_id,
                         endpoints={k: self.ctx.advertised(a)
-                                   for k, a in advert.endpoints.items()})
+                                   for k, a in advert.endpoints.items()},
+                        slices=self._slice_sink() is not None)
 
     def report(self, stats: WorkerStats) -> WorkerStats:
         """``stats`` with this role's counters filled in."""
@@ -246,8 +248,16 @@ class DecodeRole:
         with contextlib.suppress(Exception):
             await self.ctx.peer(addr).send(Abort(reason="decode gave up"), request_id=rid)
 
-    def on_kv_chunk(self, rid: str, layer: int, block_ids: list[int], payload: memoryview):
-        """Data-plane sink: write one layer's KV straight into the reserved blocks."""
+    def _slice_sink(self):
+        """The sink for KV head slices (each rank of a TP prefill worker sends its own):
+        a one-rank engine places them into its all-heads blocks; a TP engine takes
+        whole chunks only (its ranks' imports go through rank 0)."""
+        return self.on_kv_slice if self.ctx.settings.tensor_parallel_size == 1 else None
+
+    def on_kv_chunk(self, rid: str, layer: int, block_ids: list[int], payload: memoryview,
+                    heads: tuple[int, int, int] | None = None):
+        """Data-plane sink: write one layer's KV (or, with ``heads``, one rank's slice of
+        its heads) straight into the reserved blocks."""
         remote = self.remote.get(rid)
         if remote is None:
             raise TransferError(f"no KV expected for {rid}")
@@ -257,11 +267,18 @@ class DecodeRole:
         try:
             # Safe off the engine thread: see EngineLoop.import_layer. Every path that
             # ends the wait (complete, fall back, abort) stops this sink first.
-            self.ctx.loop.import_layer(layer, block_ids, payload)
+            if heads is None:
+                self.ctx.loop.import_layer(layer, block_ids, payload)
+            else:
+                self.ctx.loop.import_layer_slice(layer, block_ids, heads, payload)
         except ValueError as exc:
             raise TransferError(str(exc)) from exc
         self.received_bytes += len(payload)
         self.ctx.metrics.kv_transfer_bytes.inc(len(payload))
+
+    def on_kv_slice(self, rid: str, layer: int, block_ids: list[int],
+                    heads: tuple[int, int, int], payload: memoryview):
+        self.on_kv_chunk(rid, layer, block_ids, payload, heads)
 
     def on_output(self, out) -> None:
         stream = self.streams.get(out.request_id)

@@ -180,6 +180,13 @@ class EngineLoop:
             return ExportedNow(store.export_layer_bytes(layer, block_ids))
         return start(layer, block_ids)
 
+    def export_local_slice(self, layer: int, block_ids: Sequence[int]) -> ExportedNow:
+        """Rank 0's own KV heads of ``layer`` for ``block_ids``: its part of a direct
+        send (``services/engine/tp_direct.py``). Engine thread only."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeError("export_local_slice runs on the engine thread only")
+        return ExportedNow(self._engine.kv_store.export_local_layer(layer, block_ids))
+
     def import_layer(self, layer: int, block_ids: Sequence[int], payload: memoryview) -> None:
         """Write received KV into ``block_ids``, from the event loop, without waiting for
         a step to end (the payload is only borrowed for the data plane's sink call).
@@ -189,6 +196,16 @@ class EngineLoop:
         ``abort``, and the caller stops writing (drops the request from what it
         expects) before it asks for any of those."""
         self._engine.kv_store.import_layer_bytes(layer, block_ids, payload)
+
+    def import_layer_slice(self, layer: int, block_ids: Sequence[int],
+                           heads: tuple[int, int, int], payload: memoryview) -> None:
+        """``import_layer`` for one tensor-parallel rank's slice of the KV heads (the same
+        rules); ``ValueError`` for an engine whose store takes no slices (TP > 1)."""
+        store = self._engine.kv_store
+        take = getattr(store, "import_layer_slice_bytes", None)
+        if take is None:
+            raise ValueError("this engine takes KV head slices only with one rank")
+        take(layer, block_ids, heads, payload)
 
     def recent_step_ms(self) -> float:
         return 1000 * sum(self.step_times) / len(self.step_times) if self.step_times else 0.0

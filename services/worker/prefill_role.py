@@ -30,7 +30,9 @@ from common.protocol import Error, Prefill, PrefillDone, Timing, Tokens, WorkerS
 from common.sampling_params import SamplingParams
 from common.tracing import Span, wall_ns
 from common.transfer import MultiSender, TransferError
+from common.transfer.wire import WHOLE
 from services.engine.outputs import RequestOutput
+from services.engine.tp_direct import DIRECT_BACKENDS, Route
 from services.worker.context import RoleContext
 from services.worker.engine_loop import exported_bytes
 from services.worker.pool_link import PoolLink
@@ -58,6 +60,10 @@ class Job:
     error: str | None = None
     sent_from: float | None = None  # monotonic time the first layer left
     sent_bytes: int = 0
+    # The direct path (services/engine/tp_direct.py): rank 0's head slice, and the ranks
+    # that each send one per layer; None and 1 when rank 0 sends all heads alone.
+    heads: tuple[int, int, int] | None = None
+    ranks: int = 1
 
 
 class PrefillRole:
@@ -69,7 +75,9 @@ class PrefillRole:
         self.jobs: dict[str, Job] = {}
         self.sent_bytes = 0
         self.backends: collections.Counter[str] = collections.Counter()
+        self.paths: collections.Counter[str] = collections.Counter()  # of a TP engine
         self.done = 0
+        self._slicing: tuple | None = None  # (heads of rank 0, sending ranks), for TP
         self._aio = asyncio.get_running_loop()
         s = ctx.settings
         forced = None if s.transfer_backend == "auto" else s.transfer_backend
@@ -90,7 +98,7 @@ class PrefillRole:
         return dataclasses.replace(
             stats, kv_bytes_sent=self.sent_bytes, prefills_done=self.done,
             prefill_jobs=len(self.jobs), kv_chunks_resent=self.sender.resent,
-            transfer_backends=dict(self.backends))
+            transfer_backends=dict(self.backends), kv_send_paths=dict(self.paths))
 
     def on_output(self, out) -> bool:
         """Claim a finished prefill's output; False if it is not ours."""
@@ -116,7 +124,8 @@ class PrefillRole:
                              f"prompt fills {len(blocks)}")
                 self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, None))
                 continue
-            pending = loop.export_layer_async(layer, blocks[rec.skip_blocks:])
+            pending = (loop.export_layer_async if job.heads is None
+                       else loop.export_local_slice)(layer, blocks[rec.skip_blocks:])
             self._aio.call_soon_threadsafe(job.layers.put_nowait, (layer, pending))
 
     async def drain(self, timeout_s: float) -> int:
@@ -155,14 +164,13 @@ class PrefillRole:
         self.backends[backend] += 1
         ctx.metrics.transfer_backend.labels(backend=backend).inc()
         job = self.jobs[rid] = Job(rec, addr, self._aio.create_future())
+        await self._choose_path(rid, job, backend)
         deadline = self._aio.time() + rec.lease_s  # the decode worker gives up then
         sending = asyncio.create_task(self._send_layers(rid, job))
         try:
             try:
                 await self.pool.with_prefix(
-                    rec.prompt_token_ids, rec.cache_salt, lambda e: e.add_request(
-                        rid, rec.prompt_token_ids, params, cache_salt=rec.cache_salt,
-                        hold_blocks=True))
+                    rec.prompt_token_ids, rec.cache_salt, _start, rid, rec, params, job)
             except ValueError as exc:
                 return Error("bad_request", str(exc))
             out = await job.done
@@ -195,6 +203,23 @@ class PrefillRole:
             self.jobs.pop(rid, None)
             await ctx.loop.run(_drop, rid)
 
+    async def _choose_path(self, rid: str, job: Job, backend: str) -> None:
+        """A tensor-parallel engine's ranks each send their heads' slice straight to a
+        decode worker that takes slices, on tcp or shm; else rank 0 gathers them and
+        sends all heads (``services/engine/tp_direct.py``)."""
+        if self._slicing is None:
+            self._slicing = await self.ctx.loop.run(_slicing)
+        if not self._slicing:
+            return  # one rank: nothing to choose
+        advert = job.rec.kv_advert
+        if advert is not None and advert.slices and backend in DIRECT_BACKENDS:
+            job.heads, job.ranks = self._slicing
+            self.paths["direct"] += 1
+        else:
+            self.paths["gathered"] += 1
+        log.info("tp_kv_path", request_id=rid,
+                  path="direct" if job.heads else "gathered")
+
     def _timing(self, job: Job, span: Span, backend: str, arrived: float, computed: float,
                 queued: float) -> Timing:
         """The stages this worker saw (queue, prefill, the KV sent after the prompt was
@@ -224,15 +249,20 @@ class PrefillRole:
             payload = await exported_bytes(pending)
             start = start or time.perf_counter()
             job.sent_from = job.sent_from or time.monotonic()
-            await self.sender.send(job.addr, rid, layer, dest, payload, token=job.rec.kv_token)
-            self.sent_bytes += payload.nbytes
-            job.sent_bytes += payload.nbytes
-            ctx.metrics.kv_transfer_bytes.inc(payload.nbytes)
-            ctx.metrics.kv_sent_bytes.labels(backend=job.addr.partition("://")[0]).inc(
-                payload.nbytes)
-        await self.sender.finish(job.addr, rid, num_layers, token=job.rec.kv_token)
+            await self.sender.send(job.addr, rid, layer, dest, payload, token=job.rec.kv_token,
+                                   heads=job.heads or WHOLE)
+            # On the direct path the other ranks send slices as large as rank 0's (every
+            # head has the same bytes): the worker's KV that left, all heads once.
+            nbytes = payload.nbytes if job.heads is None else \
+                payload.nbytes // job.heads[1] * job.heads[2]
+            self.sent_bytes += nbytes
+            job.sent_bytes += nbytes
+            ctx.metrics.kv_transfer_bytes.inc(nbytes)
+            ctx.metrics.kv_sent_bytes.labels(backend=job.addr.partition("://")[0]).inc(nbytes)
+        chunks = num_layers * job.ranks  # every sending rank's slice of every layer
+        await self.sender.finish(job.addr, rid, chunks, token=job.rec.kv_token)
         ctx.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
-        return num_layers
+        return chunks
 
     async def abort(self, rid: str) -> None:
         job = self.jobs.get(rid)
@@ -243,7 +273,27 @@ class PrefillRole:
                                                   finish_reason="abort"))
 
 
+def _start(engine, rid: str, rec: Prefill, params: SamplingParams, job: Job):
+    """Engine thread: the prompt's route first, when every rank sends its own slice."""
+    if job.heads is not None:
+        engine.kv_store.route(rid, Route(job.addr, rec.kv_token, rec.skip_blocks,
+                                         tuple(rec.block_ids[rec.skip_blocks:])))
+    return engine.add_request(rid, rec.prompt_token_ids, params, cache_salt=rec.cache_salt,
+                              hold_blocks=True)
+
+
+def _slicing(engine) -> tuple:
+    """Engine thread: (rank 0's head slice, sending ranks) of a TP engine; () for one."""
+    store = engine.kv_store
+    if not hasattr(store, "route"):
+        return ()
+    return tuple(store.heads_by_rank[0]), store.sending_ranks
+
+
 def _drop(engine, rid: str) -> None:
     """Engine thread: end ``rid`` if it still runs, and free the blocks it held."""
     engine.abort(rid)
     engine.release(rid)
+    unroute = getattr(engine.kv_store, "unroute", None)
+    if unroute is not None:
+        unroute(rid)
