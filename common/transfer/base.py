@@ -214,12 +214,11 @@ class KVSender(ABC):
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
     ValueError for a malformed address or argument. Returning from ``send`` means the
-    chunk is on its way (a small one corked with its neighbours and handed to the OS by
-    the event loop's next turn, a large one handed to the OS; posted to UCX; or staged in
-    shared memory with its notice written by the event loop's next turn); its verdict
-    comes back later (so
-    sends pipeline), and ``finish`` returns once every chunk of the request has its final
-    verdict. The receiver's ``Transfer`` is the authority on the outcome. ``resent``
+    chunk is on its way (tcp and shm: one under 1 MiB queued with the request's other
+    chunks sent before the event loop's next turn, which then go as one BATCH,
+    ``coalesce.py``; a larger one handed to the OS or staged in shared memory; ucx:
+    posted to UCX); its verdict comes back later (so sends pipeline), and ``finish``
+    returns once every chunk of the request has its final verdict. The receiver's ``Transfer`` is the authority on the outcome. ``resent``
     counts chunks sent a second time.
     """
 
