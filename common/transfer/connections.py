@@ -332,14 +332,17 @@ def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
     TypeError for anything a single ``send`` would refuse."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
-    checked = []
+    checked, seen, runs = [], None, None
     for item in items:
         if not isinstance(item, tuple | list) or len(item) != 3:
             raise ValueError(f"each chunk must be (layer, block_ids, payload), got {item!r:.80}")
         layer, blocks, payload = item
         if not wire._is_uint(layer):
             raise wire.WireError(f"layer must be an integer >= 0, got {layer!r}")
-        if not isinstance(blocks, list | tuple) or not wire._are_uints(list(blocks)):
-            raise wire.WireError(f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
-        checked.append((layer, list(blocks), byte_view(payload)))
+        if blocks is not seen:  # a request's layers mostly share one list: checked once
+            if not isinstance(blocks, list | tuple) or not wire._are_uints(list(blocks)):
+                raise wire.WireError(
+                    f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
+            seen, runs = blocks, list(blocks)
+        checked.append((layer, runs, byte_view(payload)))
     return checked
