@@ -117,11 +117,12 @@ class Transfer:
         if self.state is not TransferState.DONE:
             raise TransferError(self.error or self.state.value, self.request_id)
 
-    def _accept_chunk(self, nbytes: int) -> None:
+    def _accept_chunk(self, nbytes: int, count: int = 1) -> None:
+        """Count ``count`` chunks of ``nbytes`` bytes in all as verified and taken."""
         if self.state in _LIVE:  # once a chunk: not through two properties
             self.state = TransferState.TRANSFERRING
             self.bytes_received += nbytes
-            self.chunks_received += 1
+            self.chunks_received += count
 
     def _end(self, state: TransferState, error: str | None = None) -> bool:
         """Move to terminal ``state``; False (and no change) if already ended."""
@@ -218,8 +219,9 @@ class KVSender(ABC):
     chunks sent before the event loop's next turn, which then go as one BATCH,
     ``coalesce.py``; a larger one handed to the OS or staged in shared memory; ucx:
     posted to UCX); its verdict comes back later (so sends pipeline), and ``finish``
-    returns once every chunk of the request has its final verdict. The receiver's ``Transfer`` is the authority on the outcome. ``resent``
-    counts chunks sent a second time.
+    returns once every chunk of the request has its final verdict. The receiver's
+    ``Transfer`` is the authority on the outcome. ``resent`` counts chunks sent a second
+    time.
     """
 
     resent: int = 0
