@@ -101,3 +101,13 @@ async def test_a_receiver_that_cannot_be_reached_fails_the_send_itself():
             await tx.send("tcp://127.0.0.1:1", "r", 0, [1], b"x" * 100, token=TOKEN)
     finally:
         await tx.close()
+
+
+async def test_closing_with_chunks_queued_sends_none_of_them_and_raises_nothing(pair):
+    rx, tx, got, messages = pair
+    transfer = rx.expect("r", lease_s=10, token=TOKEN)
+    await send_each(tx, rx.address, plan("r", [1000] * 4))
+    await tx.close()  # before the loop's next turn: the queue is forgotten
+    await asyncio.sleep(0.05)
+    assert got == [] and messages == [] and transfer.chunks_received == 0
+    rx.cancel("r")

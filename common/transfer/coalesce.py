@@ -88,7 +88,8 @@ class Coalescer:
         try:
             await self._run(None, key, queue)
         finally:
-            inline.set_result(None)
+            if not inline.done():  # close() may have cancelled it
+                inline.set_result(None)
             if self._posting.get(key) is inline:
                 del self._posting[key]
 
