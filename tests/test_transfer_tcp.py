@@ -561,8 +561,9 @@ async def test_a_run_of_small_sends_goes_out_in_one_system_call(receiver, sender
     await send_all(sender, receiver.address, plan)
     await transfer.wait()
     assert sink.of("r") == plan
-    # Corked until the FINISH: 30 heads, 30 payloads and the FINISH in one sendmsg.
-    assert (counting.sendmsgs, counting.buffers) == (1, 61)
+    # Queued as one BATCH (coalesce.py), corked until the FINISH: its head, 30
+    # payloads and the FINISH in one sendmsg.
+    assert (counting.sendmsgs, counting.buffers) == (1, 32)
 
 
 async def test_corked_bytes_go_out_at_the_next_turn_without_a_finish(receiver, sender, sink):
@@ -590,8 +591,9 @@ async def test_small_and_large_messages_keep_their_order_on_one_connection(recei
 
 
 async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
-    # Tiny buffers: a 3 MiB chunk leaves bytes in the transport, so the next small send
-    # waits its turn; cancelled there it wrote nothing and the stream stays framed.
+    # Tiny buffers: a 3 MiB chunk leaves bytes in the transport, so the next send (of
+    # 1 MiB: smaller ones are queued, coalesce.py) waits its turn; cancelled there it
+    # wrote nothing and the stream stays framed.
     rx = TcpReceiver(sink=sink, socket_buffer_bytes=16384)
     await rx.start()
     tx = TcpSender(socket_buffer_bytes=16384, write_slice_bytes=8 << 20)
@@ -601,7 +603,7 @@ async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
             tx.send(rx.address, "big", 0, [0], bytes(3 << 20), token=TOKEN))
         await until(lambda: rx.address in tx._conns)
         small = asyncio.ensure_future(
-            tx.send(rx.address, "gone", 0, [1], b"s" * 100, token=TOKEN))
+            tx.send(rx.address, "gone", 0, [1], b"s" * (1 << 20), token=TOKEN))
         await asyncio.sleep(0)
         small.cancel()
         await asyncio.gather(stuck, small, return_exceptions=True)

@@ -128,11 +128,12 @@ class Transfer:
         if self.state is not TransferState.DONE:
             raise TransferError(self.error or self.state.value, self.request_id)
 
-    def _accept_chunk(self, nbytes: int) -> None:
+    def _accept_chunk(self, nbytes: int, count: int = 1) -> None:
+        """Count ``count`` chunks of ``nbytes`` bytes in all as verified and taken."""
         if self.state in _LIVE:  # once a chunk: not through two properties
             self.state = TransferState.TRANSFERRING
             self.bytes_received += nbytes
-            self.chunks_received += 1
+            self.chunks_received += count
 
     def _end(self, state: TransferState, error: str | None = None) -> bool:
         """Move to terminal ``state``; False (and no change) if already ended."""
@@ -225,13 +226,13 @@ class KVSender(ABC):
 
     Raises TransferError when the receiver cannot be reached or the connection breaks,
     ValueError for a malformed address or argument. Returning from ``send`` means the
-    chunk is on its way (a small one corked with its neighbours and handed to the OS by
-    the event loop's next turn, a large one handed to the OS; posted to UCX; or staged in
-    shared memory with its notice written by the event loop's next turn); its verdict
-    comes back later (so
-    sends pipeline), and ``finish`` returns once every chunk of the request has its final
-    verdict. The receiver's ``Transfer`` is the authority on the outcome. ``resent``
-    counts chunks sent a second time.
+    chunk is on its way (tcp and shm: one under 1 MiB queued with the request's other
+    chunks sent before the event loop's next turn, which then go as one BATCH,
+    ``coalesce.py``; a larger one handed to the OS or staged in shared memory; ucx:
+    posted to UCX); its verdict comes back later (so sends pipeline), and ``finish``
+    returns once every chunk of the request has its final verdict. The receiver's
+    ``Transfer`` is the authority on the outcome. ``resent`` counts chunks sent a second
+    time.
     """
 
     resent: int = 0

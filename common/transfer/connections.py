@@ -23,6 +23,7 @@ import structlog
 
 from common.transfer import batch, fault_hook, wire
 from common.transfer.base import KVSender, TransferError
+from common.transfer.coalesce import COALESCE_BYTES, Coalescer
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -117,6 +118,10 @@ class ConnectionSender(KVSender):
         self._requests: dict[str, _Request] = {}
         self._resending: set[asyncio.Task] = set()
         self._corrupt = fault_hook.from_env()  # None unless a test asks for spoiled KV
+        # Small chunks queued per receiver and request, posted as one BATCH at the next
+        # turn (coalesce.py); not under the fault hook, which spoils single chunks.
+        coalesce = self.BATCHES and self._corrupt is None
+        self._coalescer = Coalescer(self._start, self._connection) if coalesce else None
 
     async def _dial(self, address: str) -> Any:
         raise NotImplementedError
@@ -162,6 +167,14 @@ class ConnectionSender(KVSender):
         request = self._request(request_id)  # as _start, without its await: once a chunk
         if request.failed is not None:
             raise TransferError(request.failed, request_id)
+        if self._coalescer is not None:
+            if view.nbytes < COALESCE_BYTES:
+                await self._coalescer.add(address, request_id, layer, chunk.block_ids, view,
+                                          token)
+                return
+            await self._coalescer.flush(address, request_id)  # what came before goes first
+            if request.failed is not None:
+                raise TransferError(request.failed, request_id)
         request.pending += 1
         sent, claimed = (view, None) if self._corrupt is None else \
             self._corrupt.apply(view, 0)
@@ -182,6 +195,8 @@ class ConnectionSender(KVSender):
             for layer, blocks, view in items:
                 await self.send(address, request_id, layer, blocks, view, token=token)
             return
+        if self._coalescer is not None:
+            await self._coalescer.flush(address, request_id)  # what send queued goes first
         for run in batch.groups(items):
             if len(run) == 1:
                 layer, blocks, view = run[0]
@@ -207,6 +222,8 @@ class ConnectionSender(KVSender):
                      token: bytes) -> None:
         message = wire.Finish(request_id, num_chunks, token)
         wire.validate(message)
+        if self._coalescer is not None:
+            await self._coalescer.flush(address, request_id)  # the FINISH comes after them
         request = self._requests.pop(request_id, None)
         if request is not None and request.failed is not None:
             raise TransferError(request.failed, request_id)
@@ -222,6 +239,8 @@ class ConnectionSender(KVSender):
                     token: bytes) -> None:
         message = wire.Abort(request_id, reason, token)
         wire.validate(message)
+        if self._coalescer is not None:  # what send queued goes, as it would have
+            await self._coalescer.flush(address, request_id)
         self._requests.pop(request_id, None)
         await self._write_end(address, message)
 
@@ -256,6 +275,8 @@ class ConnectionSender(KVSender):
                 raise
 
     async def _stop_resending(self) -> None:
+        if self._coalescer is not None:
+            await self._coalescer.close()
         tasks = list(self._resending)
         for task in tasks:
             task.cancel()
@@ -312,14 +333,17 @@ def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
     TypeError for anything a single ``send`` would refuse."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
-    checked = []
+    checked, seen, runs = [], None, None
     for item in items:
         if not isinstance(item, tuple | list) or len(item) != 3:
             raise ValueError(f"each chunk must be (layer, block_ids, payload), got {item!r:.80}")
         layer, blocks, payload = item
         if not wire._is_uint(layer):
             raise wire.WireError(f"layer must be an integer >= 0, got {layer!r}")
-        if not isinstance(blocks, list | tuple) or not wire._are_uints(list(blocks)):
-            raise wire.WireError(f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
-        checked.append((layer, list(blocks), byte_view(payload)))
+        if blocks is not seen:  # a request's layers mostly share one list: checked once
+            if not isinstance(blocks, list | tuple) or not wire._are_uints(list(blocks)):
+                raise wire.WireError(
+                    f"block_ids must be a list of integers >= 0, got {blocks!r:.80}")
+            seen, runs = blocks, list(blocks)
+        checked.append((layer, runs, byte_view(payload)))
     return checked

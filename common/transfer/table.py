@@ -202,15 +202,18 @@ class TransferTable:
             views.append(view)
         else:
             verdict = OK
-            sink, i = self._sink, 0
+            sink, i, taken = self._sink, 0, 0
             try:
                 for i, view in enumerate(views):
                     sink(request_id, batch.layers[i], batch.block_ids[i], view)
-                    transfer._accept_chunk(view.nbytes)
+                    taken += view.nbytes
             except Exception as exc:
+                transfer._accept_chunk(taken, i)  # those it took before raising
                 log.exception("kv_transfer.sink_raised", request_id=request_id,
                               layer=batch.layers[i])
                 verdict = self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
+            else:
+                transfer._accept_chunk(taken, len(views))  # once for the batch
         if batch.attempt:
             self._resent_in(transfer)
         return verdict
