@@ -168,7 +168,8 @@ class ConnectionSender(KVSender):
         if request.failed is not None:
             raise TransferError(request.failed, request_id)
         if self._coalescer is not None:
-            if view.nbytes < COALESCE_BYTES:
+            # A BATCH carries whole chunks only: a head slice goes on its own.
+            if view.nbytes < COALESCE_BYTES and chunk.heads == wire.WHOLE:
                 await self._coalescer.add(address, request_id, layer, chunk.block_ids, view,
                                           token)
                 return
