@@ -10,8 +10,10 @@ services/engine/weights/quantize.py), so the result is the float32 model's.
 Why a kernel of our own: torch's weight-only CPU kernels are fast only with bfloat16
 activations, and with float32 ones they fall to a path slower than the float32 GEMM
 (docs/benchmarks.md). This one is a small C++ loop (AVX-512 where the compiler targets
-it, plain loops otherwise), built with torch's extension loader on first use; each row
-group's dot product reads the codes once for up to ``ROWS`` activation rows. Where no
+it, plain loops otherwise), built with torch's extension loader on first use. Up to 16
+rows it reads the codes once per 4 activation rows; past that it expands 256 output
+rows of the weight at a time into a buffer that stays in cache and runs the float GEMM
+on it, which beats both the loop and a whole dequantized copy at prefill sizes. Where no
 compiler is at hand, :func:`qmatmul` falls back to :func:`qmatmul_reference` (the
 dequantized weight times ``x``), with one log line.
 
@@ -81,6 +83,10 @@ static void rows(const float* x, const float* xsum, const uint8_t* codes, const 
   }
 }
 
+// Up to this many rows the codes are read once per 4 rows in the loop above; past it
+// a GEMM over expanded slices of SLICE output rows is faster.
+static const int64_t GEMV_ROWS = 16, SLICE = 256;
+
 torch::Tensor qmatmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
                       torch::Tensor offset) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: 2-d float32");
@@ -92,8 +98,21 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
               "scale/offset: float32 [N, K / 32]");
   x = x.contiguous();
   codes = codes.contiguous(); scale = scale.contiguous(); offset = offset.contiguous();
-  torch::Tensor xsum = x.view({M, K / 32, 32}).sum(-1).contiguous();
   torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M > GEMV_ROWS) {
+    // Many rows: expand a slice of the weight at a time into a buffer that stays in
+    // cache and hand it to the float GEMM, which reuses it across the rows.
+    const int64_t G = K / 32;
+    for (int64_t n0 = 0; n0 < N; n0 += SLICE) {
+      const int64_t nc = N - n0 < SLICE ? N - n0 : SLICE;
+      torch::Tensor w = codes.narrow(0, n0, nc).view({nc, G, 32}).to(torch::kFloat32)
+          .mul_(scale.narrow(0, n0, nc).unsqueeze(-1))
+          .add_(offset.narrow(0, n0, nc).unsqueeze(-1)).view({nc, K});
+      y.narrow(1, n0, nc).copy_(torch::mm(x, w.t()));
+    }
+    return y;
+  }
+  torch::Tensor xsum = x.view({M, K / 32, 32}).sum(-1).contiguous();
   const float* xp = x.data_ptr<float>();
   const float* xs = xsum.data_ptr<float>();
   const uint8_t* qp = codes.data_ptr<uint8_t>();
@@ -120,7 +139,7 @@ def _module():
         if not _built:
             try:
                 from torch.utils.cpp_extension import load_inline
-                mod = load_inline(name="pdserve_cpu_qmatmul_v1", cpp_sources=_SOURCE,
+                mod = load_inline(name="pdserve_cpu_qmatmul_v2", cpp_sources=_SOURCE,
                                   extra_cflags=["-O3", "-march=native"])
             except Exception as exc:  # no compiler, no headers: the reference still works
                 log.warning("cpu qmatmul kernel unavailable (%s); int8 weights run the "

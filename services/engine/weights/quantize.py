@@ -12,8 +12,9 @@ used) lands on every 17th code, so the default model's weights come back as the 
 stores them, and the float32 activations are never rounded: logits then differ from the
 float32 model's only by summation order. A Q8_0 block (``d * q``) is kept on its own
 grid too; other weights come back within half a step (a 255th of their group's range).
-Weights take 1.25 bytes each instead of 4. Prefill chunks (more than
-``DEQUANTIZE_ROWS`` rows) expand the codes to float for one GEMM.
+Weights take 1.25 bytes each instead of 4. Batches and prefill chunks of more than 16
+rows go through the float GEMM on slices of the weight expanded in cache (the kernel
+decides; the expansion is never a whole float copy).
 
 ``"int4"``: 4-bit weights in groups of 32 along the input, each
 group with its own scale and offset (the layout of GGUF's Q4_1, so a Q4_1 file's
@@ -36,8 +37,6 @@ from kernels import cpu_qmatmul
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
 INT8_GROUP = cpu_qmatmul.GROUP
-# Above this many rows per matmul the weight is expanded to float for the call.
-DEQUANTIZE_ROWS = 16
 
 
 def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -102,12 +101,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > DEQUANTIZE_ROWS:
-            # A prefill chunk: expanding the weight costs one pass over it, which the
-            # float GEMM amortizes over many rows; the 8-bit kernel does not.
-            y = torch.mm(flat, self.dequantized().t())
-        else:
-            y = cpu_qmatmul.qmatmul(flat, self.codes, self.scale, self.offset)
+        y = cpu_qmatmul.qmatmul(flat, self.codes, self.scale, self.offset)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.codes.shape[0])
