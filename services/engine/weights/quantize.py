@@ -193,6 +193,10 @@ def quantize_model(model: nn.Module, method: str) -> None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
     if method == "none":
         return
+    if method == "int8":
+        # Build (or load the cached build of) the kernel now, at load, not inside the
+        # first request's step: a cold build takes a minute or more.
+        cpu_qmatmul.available()
 
     def swap(parent: nn.Module, name: str) -> None:
         old = getattr(parent, name)
