@@ -10,7 +10,7 @@ services/engine/weights/quantize.py), so the result is the float32 model's.
 Why a kernel of our own: torch's weight-only CPU kernels are fast only with bfloat16
 activations, and with float32 ones they fall to a path slower than the float32 GEMM
 (docs/benchmarks.md). This one is a small C++ loop (AVX-512 where the compiler targets
-it, plain loops otherwise), built with torch's extension loader on first use. Up to 16
+it, plain loops otherwise), built with torch's extension loader on first use. Up to 8
 rows it reads the codes once per 4 activation rows; past that it expands 256 output
 rows of the weight at a time into a buffer that stays in cache and runs the float GEMM
 on it, which beats both the loop and a whole dequantized copy at prefill sizes. Where no
@@ -85,7 +85,7 @@ static void rows(const float* x, const float* xsum, const uint8_t* codes, const 
 
 // Up to this many rows the codes are read once per 4 rows in the loop above; past it
 // a GEMM over expanded slices of SLICE output rows is faster.
-static const int64_t GEMV_ROWS = 16, SLICE = 256;
+static const int64_t GEMV_ROWS = 8, SLICE = 256;
 
 torch::Tensor qmatmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
                       torch::Tensor offset) {
@@ -139,7 +139,7 @@ def _module():
         if not _built:
             try:
                 from torch.utils.cpp_extension import load_inline
-                mod = load_inline(name="pdserve_cpu_qmatmul_v2", cpp_sources=_SOURCE,
+                mod = load_inline(name="pdserve_cpu_qmatmul_v3", cpp_sources=_SOURCE,
                                   extra_cflags=["-O3", "-march=native"])
             except Exception as exc:  # no compiler, no headers: the reference still works
                 log.warning("cpu qmatmul kernel unavailable (%s); int8 weights run the "

@@ -12,7 +12,7 @@ used) lands on every 17th code, so the default model's weights come back as the 
 stores them, and the float32 activations are never rounded: logits then differ from the
 float32 model's only by summation order. A Q8_0 block (``d * q``) is kept on its own
 grid too; other weights come back within half a step (a 255th of their group's range).
-Weights take 1.25 bytes each instead of 4. Batches and prefill chunks of more than 16
+Weights take 1.25 bytes each instead of 4. Batches and prefill chunks of more than 8
 rows go through the float GEMM on slices of the weight expanded in cache (the kernel
 decides; the expansion is never a whole float copy).
 
