@@ -57,6 +57,7 @@ def _run(decode, batch):
 @pytest.mark.parametrize("chunk_tokens", [4, 8, 64])
 def test_chunked_decode_matches_the_gather_path(lens, chunk_tokens, monkeypatch):
     monkeypatch.setattr(attention_decode, "CHUNK_TOKENS", chunk_tokens)
+    monkeypatch.setattr(attention_decode, "CHUNK_ROWS", 1)
     batch = _batch(lens)
     torch.testing.assert_close(_run("chunked", batch), _run("gather", batch),
                                rtol=1e-12, atol=1e-12)
@@ -64,6 +65,7 @@ def test_chunked_decode_matches_the_gather_path(lens, chunk_tokens, monkeypatch)
 
 def test_plan_walks_only_the_contexts_that_reach_each_chunk(monkeypatch):
     monkeypatch.setattr(attention_decode, "CHUNK_TOKENS", 8)  # 2 blocks of 4
+    monkeypatch.setattr(attention_decode, "CHUNK_ROWS", 1)
     q, k, v, k_cache, v_cache, meta = _batch([[20, 3], [9, 8]])
     plan = plan_decodes(meta.decode_groups, BS, q.dtype, q.device)
     # Context order 3, 8, 9, 20 is rows 1, 3, 2, 0 of the step.
@@ -75,6 +77,20 @@ def test_plan_walks_only_the_contexts_that_reach_each_chunk(monkeypatch):
     assert plan.chunks[1].mask[:, 0, 0].isinf().tolist() == [
         [False, True, True, True, True, True, True, True], [False] * 8]
     assert plan_decodes([], BS, q.dtype, q.device) is None
+
+
+def test_small_batches_take_longer_chunks(monkeypatch):
+    monkeypatch.setattr(attention_decode, "CHUNK_TOKENS", 8)
+    monkeypatch.setattr(attention_decode, "CHUNK_ROWS", 4)
+    one = _batch([[70]])
+    plan = plan_decodes(one[5].decode_groups, BS, torch.float64, one[0].device)
+    # 4 rows' worth of 8-token chunks for a lone sequence: 32 tokens (8 blocks) a chunk.
+    assert [c.blocks.numel() for c in plan.chunks] == [8, 8, 2]
+    four = _batch([[70, 70, 70, 70]])
+    plan = plan_decodes(four[5].decode_groups, BS, torch.float64, four[0].device)
+    assert len(plan.chunks) == 9  # 70 tokens in 8-token chunks
+    torch.testing.assert_close(_run("chunked", one), _run("gather", one),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_contiguous_decodes_are_a_slice_not_a_copy():
@@ -103,6 +119,7 @@ def test_unknown_decode_path_is_refused():
 
 def test_engine_greedy_tokens_equal_on_both_paths(tiny_dirs, make_engine, monkeypatch):
     monkeypatch.setattr(attention_decode, "CHUNK_TOKENS", 8)  # several chunks per decode
+    monkeypatch.setattr(attention_decode, "CHUNK_ROWS", 1)
     prompts = [[1, 5, 9, 200, 17, 3, 3, 8, 40, 41, 42, 7, 6, 5, 4, 3, 2, 100, 101],
                [1, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -61,3 +61,27 @@ def test_chat_answers_paris(engine):
     text = engine.tokenizer.decode(out.token_ids)
     assert "Paris" in text
     assert out.finish_reason == "stop"
+
+
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "How many legs does a spider have?",
+                "Explain photosynthesis in one sentence.", "Suggest three names for a cat."]
+
+
+def test_int8_weights_answer_as_float32(engine):
+    from services.engine.engine import LLMEngine
+
+    int8 = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
+                                  quantization="int8"))
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+               for p in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    want = engine.generate(prompts, params)
+    got = int8.generate(prompts, params)
+    # The Q4_1 and Q8_0 blocks come back exactly (weights/quantize.py): the same answers,
+    # and log-probabilities equal up to float32 summation order.
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    got_lp = [lp.logprob for o in got for lp in o.logprobs]
+    want_lp = [lp.logprob for o in want for lp in o.logprobs]
+    assert len(got_lp) == 5 * 24
+    assert got_lp == pytest.approx(want_lp, abs=1e-3)

@@ -15,6 +15,7 @@ from services.engine.weights.quantize import (
     quantize_model,
 )
 from services.worker.settings import WorkerSettings
+from tests.tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 99, 3, 42, 7, 64, 11, 250, 8, 1, 77]
 
@@ -23,16 +24,55 @@ def test_int8_linear_is_close_and_keeps_bias():
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 48)
     q = Int8Linear(ref.weight, ref.bias)
-    assert q.weight.dtype == torch.int8
-    for rows in (3, 40):  # the int8 kernel, then the expanded weight of a prefill
+    assert q.codes.dtype == torch.uint8 and q.scale.shape == (48, 2)
+    # Each weight is off by at most half a step of its group's scale.
+    step = q.scale.repeat_interleave(32, dim=1)
+    assert ((q.dequantized() - ref.weight).abs() <= step / 2 + 1e-7).all()
+    for rows in (1, 40):  # the 8-bit loop (5 rows), expanded slices (200 rows)
         x = torch.randn(rows, 5, 64)
         with torch.no_grad():
             want = ref(x)
+            exact = x @ q.dequantized().t() + ref.bias
         got = q(x)
         assert got.shape == want.shape
-        # Per-channel int8: each weight is off by at most half a step of its row's scale.
-        bound = (q.scale / 2)[None, None, :] * x.abs().sum(-1, keepdim=True) + 1e-5
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+        bound = x.abs() @ (step / 2).t() + 1e-5
         assert ((got - want).abs() <= bound).all()
+
+
+def test_int8_recovers_a_q4_1_grid():
+    # A GGUF Q4_1 block is min + d * k, k in 0..15 with 0 and 15 used: on 255 steps
+    # those are codes 17 k, so the file's weights come back (to float32 rounding).
+    g = torch.Generator().manual_seed(1)
+    k = torch.randint(0, 16, (8, 4, 32), generator=g)
+    k[..., 0], k[..., 1] = 0, 15
+    d, m = torch.rand(8, 4, 1, generator=g) / 10, torch.randn(8, 4, 1, generator=g)
+    w = (m + d * k).reshape(8, 128)
+    q = Int8Linear(w, None)
+    assert (q.codes.view(8, 4, 32).long() == 17 * k).all()
+    torch.testing.assert_close(q.dequantized(), w, rtol=0, atol=2e-6)
+
+
+def test_int8_recovers_a_q8_0_grid():
+    # A Q8_0 block is d * q, q in -127..127 with the largest |q| 127: kept on its grid.
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-100, 100, (8, 4, 32), generator=g)
+    q[..., 3] = 127
+    d = torch.rand(8, 4, 1, generator=g) / 100
+    w = (d * q).reshape(8, 128)
+    lin = Int8Linear(w, None)
+    torch.testing.assert_close(lin.dequantized(), w, rtol=0, atol=1e-6)  # float rounding
+    assert (lin.codes.view(8, 4, 32).long() == q - q.amin(-1, keepdim=True)).all()
+
+
+def test_int8_tied_embedding_reads_the_head_codes(tmp_path, make_engine):
+    path = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    engine = make_engine(path, dtype="float32", quantization="int8")
+    model = engine.model
+    ids = torch.tensor([0, 7, 3, 7])
+    assert not list(model.embed_tokens.buffers())  # no second table
+    torch.testing.assert_close(model.embed_tokens(ids),
+                               model.lm_head.dequantized()[ids], rtol=0, atol=0)
 
 
 def test_int8_embedding_rows():
@@ -90,9 +130,9 @@ def test_quantized_logits_stay_close(arch, method, tiny_dirs, make_engine):
             kind = Int8Linear if q == "int8" else Int4Linear
             assert isinstance(engine.model.layers[0].mlp.down_proj, kind)
     ref, got = logits["none"], logits[method]
-    # Stated tolerance: top-5 log-probabilities within 0.1 (int8) or 0.6 (int4: 16
-    # levels per 32 random normal weights, the worst case) of the float model's on the
-    # tiny models; docs/benchmarks.md has SmolLM2-135M's figures.
+    # Stated tolerance: top-5 log-probabilities within 0.1 (int8: 256 levels per 32
+    # weights) or 0.6 (int4: 16 levels per 32 random normal weights, the worst case) of
+    # the float model's on the tiny models; docs/benchmarks.md has SmolLM2-135M's figures.
     tol = {"int8": 0.1, "int4": 0.6}[method]
     want = dict(ref.top)
     shared = [(lp, want[token]) for token, lp in got.top if token in want]

@@ -1,19 +1,22 @@
-"""Int8 weights for the CPU: a loaded model's projections swapped for weight-only int8.
+"""Quantized weights for the CPU: a loaded model's projections swapped for weight-only ones.
 
 ``quantize_model(model, "int8")`` replaces every projection (q/k/v, o, gate/up, down
-and the output head) by an :class:`Int8Linear`: weights int8 with one symmetric scale
-per output channel, activations left in float32, the product run by torch's
-``_weight_int8pack_mm``. A tied embedding becomes an :class:`Int8Embedding` over int8
-rows. The norms, rotary tables and an untied embedding stay float.
+and the output head) by an :class:`Int8Linear`: 8-bit codes in groups of 32 inputs,
+each group with a float32 scale and offset (``_group_codes``), activations left in
+float32, the product run by kernels/cpu_qmatmul.py. A tied embedding reads the head's
+own codes (:class:`Int8HeadEmbedding`, no second table). The norms, rotary tables and
+an untied embedding stay float.
 
-It is a memory setting, not a speed one: weights take a quarter of their float32 bytes,
-but on the CPUs measured (docs/benchmarks.md) torch's weight-only kernels run a batch-1
-projection several times slower than float32, so float32 stays the default. fbgemm's
-dynamic int8 (activations quantized too) is fast but moved this family's logits by
-20+, so it is not used. Logits stay within the bound tests/test_quantize.py states;
-greedy outputs can differ from the float model where two tokens are close.
+Groups of 32 are GGUF's block size: a Q4_1 block (``min + d * k``, k = 0..15, both ends
+used) lands on every 17th code, so the default model's weights come back as the file
+stores them, and the float32 activations are never rounded: logits then differ from the
+float32 model's only by summation order. A Q8_0 block (``d * q``) is kept on its own
+grid too; other weights come back within half a step (a 255th of their group's range).
+Weights take 1.25 bytes each instead of 4. Batches and prefill chunks of more than 8
+rows go through the float GEMM on slices of the weight expanded in cache (the kernel
+decides; the expansion is never a whole float copy).
 
-``"int4"`` is the speed setting: 4-bit weights in groups of 32 along the input, each
+``"int4"``: 4-bit weights in groups of 32 along the input, each
 group with its own scale and offset (the layout of GGUF's Q4_1, so a Q4_1 file's
 weights come back on their own grid), run by ``_weight_int4pack_mm_for_cpu`` on
 bfloat16 activations. That kernel is fast only with bfloat16 activations and scales
@@ -29,10 +32,11 @@ import warnings
 import torch
 from torch import nn
 
+from kernels import cpu_qmatmul
+
 QUANTIZATIONS = ("none", "int8", "int4")
 INT4_GROUP = 32
-# Above this many rows per matmul the weight is expanded to float for the call.
-DEQUANTIZE_ROWS = 16
+INT8_GROUP = cpu_qmatmul.GROUP
 
 
 def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -47,27 +51,76 @@ def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
         return torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
 
 
+def _group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 codes, scales and offsets for groups ``w`` ``[out, groups, 32]``.
+
+    Two grids per group, the one that reproduces it better kept: 255 steps from its
+    minimum to its maximum (exact for a Q4_1 block, whose 16 levels span that range), and
+    steps of ``max|w| / 127`` from zero (exact for a Q8_0 block, ``d * q`` with the
+    largest ``|q|`` 127), so either GGUF type comes back as the file stores it.
+    """
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    # A group of one value (hi == lo) gets scale 0 and offset lo: exact.
+    span = (hi - lo) / 255
+    span_codes = ((w - lo) / span.clamp(min=1e-30)).round_().clamp_(0, 255)
+    span_err = (span_codes * span + lo - w).abs().amax(-1, keepdim=True)
+    step = w.abs().amax(-1, keepdim=True) / 127
+    levels = (w / step.clamp(min=1e-30)).round_().clamp_(-127, 127)
+    base = levels.amin(-1, keepdim=True)
+    sym_offset = base * step
+    sym_codes = levels - base  # 0..254
+    sym_err = ((sym_codes * step + sym_offset) - w).abs().amax(-1, keepdim=True)
+    use_sym = sym_err < span_err
+    codes = torch.where(use_sym, sym_codes, span_codes).to(torch.uint8)
+    scale = torch.where(use_sym, step, span).squeeze(-1).contiguous()
+    offset = torch.where(use_sym, sym_offset, lo).squeeze(-1).contiguous()
+    return codes, scale, offset
+
+
 class Int8Linear(nn.Module):
-    """``y = x @ W.T + b`` with W int8 per output channel, x and y float32."""
+    """``y = x @ W.T + b`` with W as 8-bit codes in groups of ``INT8_GROUP`` inputs, each
+    group with a float32 scale and offset (``W = codes * scale + offset``, the grid
+    ``_group_codes`` picks), x and y float32 (kernels/cpu_qmatmul.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        q = _quantize_rows(weight)
-        self.register_buffer("weight", q.int_repr())
-        self.register_buffer("scale", q.q_per_channel_scales().float())
+        out_features, in_features = weight.shape
+        if in_features % INT8_GROUP:
+            raise ValueError(f"int8 needs input features divisible by {INT8_GROUP}, "
+                             f"got {in_features}")
+        codes, scale, offset = _group_codes(
+            weight.detach().float().reshape(out_features, -1, INT8_GROUP))
+        self.register_buffer("codes", codes.reshape(out_features, in_features))
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone())
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight the kernel multiplies by."""
+        return cpu_qmatmul.dequantize(self.codes, self.scale, self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > DEQUANTIZE_ROWS:
-            # A prefill chunk: expanding the weight costs one pass over it, which the
-            # float GEMM amortizes over many rows; the int8 kernel does not.
-            y = torch.mm(flat, (self.weight.float() * self.scale[:, None]).t())
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scale)
+        y = cpu_qmatmul.qmatmul(flat, self.codes, self.scale, self.offset)
         if self.bias is not None:
             y += self.bias
-        return y.view(*x.shape[:-1], self.weight.shape[0])
+        return y.view(*x.shape[:-1], self.codes.shape[0])
+
+
+class Int8HeadEmbedding(nn.Module):
+    """The tied embedding of an 8-bit head: a token's row is its head column's codes,
+    dequantized (no second table)."""
+
+    def __init__(self, head: Int8Linear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its buffers are not counted twice
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        n = ids.shape[0]
+        codes = head.codes.index_select(0, ids).view(n, -1, INT8_GROUP).float()
+        rows = codes * head.scale.index_select(0, ids)[..., None]
+        return rows.add_(head.offset.index_select(0, ids)[..., None]).view(n, -1)
 
 
 class Int8Embedding(nn.Module):
@@ -140,6 +193,10 @@ def quantize_model(model: nn.Module, method: str) -> None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
     if method == "none":
         return
+    if method == "int8":
+        # Build (or load the cached build of) the kernel now, at load, not inside the
+        # first request's step: a cold build takes a minute or more.
+        cpu_qmatmul.available()
 
     def swap(parent: nn.Module, name: str) -> None:
         old = getattr(parent, name)
@@ -151,6 +208,9 @@ def quantize_model(model: nn.Module, method: str) -> None:
             swap(layer.self_attn, "o_proj")
             swap(layer.mlp, "gate_up_proj")
             swap(layer.mlp, "down_proj")
-        if model.embed_tokens is None:
+        tied = model.embed_tokens is None
+        if tied and method == "int4":
             model.embed_tokens = Int8Embedding(_weight(model.lm_head))
         swap(model, "lm_head")
+        if tied and method == "int8":
+            model.embed_tokens = Int8HeadEmbedding(model.lm_head)

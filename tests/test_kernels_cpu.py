@@ -1,0 +1,50 @@
+"""The CPU 8-bit matmul kernel (kernels/cpu_qmatmul.py) against its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_qmatmul
+
+
+def _weights(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) / 100
+    offset = torch.randn(n, k // 32, generator=g)
+    return codes, scale, offset
+
+
+# Row tiles of 4 and their remainders, then the GEMM over slices (past 8 rows).
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 40])
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (96, 576), (300, 64)])
+def test_kernel_equals_reference(m, n, k):
+    assert cpu_qmatmul.available()  # a compiler is part of the CPU image
+    codes, scale, offset = _weights(n, k, seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    want = cpu_qmatmul.qmatmul_reference(x.double(), codes, scale.double(), offset.double())
+    got = cpu_qmatmul.qmatmul(x, codes, scale, offset)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_reads_non_contiguous_activations():
+    codes, scale, offset = _weights(8, 64, seed=3)
+    x = torch.randn(64, 6)[:, ::2].t()  # [3, 64] with strides (2, 6)
+    torch.testing.assert_close(cpu_qmatmul.qmatmul(x, codes, scale, offset),
+                               cpu_qmatmul.qmatmul_reference(x, codes, scale, offset))
+
+
+@pytest.mark.parametrize("bad", ["dtype", "width", "scale"])
+def test_kernel_refuses_bad_shapes(bad):
+    codes, scale, offset = _weights(8, 64, seed=4)
+    x = torch.randn(2, 64)
+    if bad == "dtype":
+        x = x.double()
+    elif bad == "width":
+        x = torch.randn(2, 32)
+    else:
+        scale = scale[:, :1]
+    with pytest.raises(RuntimeError, match="x:|codes:|scale"):
+        cpu_qmatmul.qmatmul(x, codes, scale, offset)
