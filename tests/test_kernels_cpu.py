@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -20,7 +23,9 @@ def _weights(n: int, k: int, seed: int):
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 40])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (96, 576), (300, 64)])
 def test_kernel_equals_reference(m, n, k):
-    assert cpu_qmatmul.available()  # a compiler is part of the CPU image
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: int8 weights take the reference path")
+    assert cpu_qmatmul.available()  # with a compiler at hand, the kernel must build
     codes, scale, offset = _weights(n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     want = cpu_qmatmul.qmatmul_reference(x.double(), codes, scale.double(), offset.double())
