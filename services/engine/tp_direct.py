@@ -29,10 +29,12 @@ import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
-from services.engine.tp import ShardShape
+if TYPE_CHECKING:  # the prefill role imports this module; sim workers carry no torch
+    from services.engine.tp import ShardShape
 
 log = structlog.get_logger(__name__)
 
