@@ -14,8 +14,9 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
                   + prefill(P - cached(p), cached(p))
                   + pool fetch(pool blocks beyond its own)
                   + KV transfer(P * kv_bytes_per_token over the link)
-                  + the decode worker's queue of local prefills (it forwards the
-                    Prefill only between its engine steps, after those)
+                  + the decode worker's queue of local prefills and the decode step
+                    in progress (it forwards the Prefill only between its engine
+                    steps, after those)
     local  = TTFT on the decode worker itself: its own prefix, its local prefill queue,
              the decode step in progress; no transfer. Allowed when nothing runs there, or
              when its local prefill queue and this prefill stall the running batch for at
@@ -26,10 +27,16 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
     would be prefilled on the decode worker anyway, a lease later: local, on the decode
     worker with room where its TTFT times (1 + the requests its stall holds up) is least.
 
+Every TTFT above is multiplied by the learned factor of its path and worker
+(``ttft_correction.py``: "remote" and the prefill worker, "local" and the decode
+worker; 1.0 until enough first tokens were observed), before the choice.
+
 Admission (prediction-based early rejection, on unless ``admission=False``):
 ``Rejection`` when no decode worker has room for the request's KV, when the predicted
-TBT exceeds ``slo_tbt_s`` or the best predicted TTFT exceeds ``slo_ttft_s``. Nothing is
-accounted for a rejection. With ``admission=False`` the SLOs still shape routing.
+TBT exceeds ``slo_tbt_s`` or the best corrected TTFT times the correction's ``margin``
+exceeds ``slo_ttft_s``. Nothing is accounted for a rejection. With ``admission=False``
+the SLOs still shape routing. A ``Decision`` carries the uncorrected TTFT it predicted,
+for the correction to learn from once the first token is observed.
 
 Load of a decode worker: its running batch, its local prefill queue (``waiting``), the
 remote prefills whose KV it awaits (``waiting_for_kv``: they join the batch when the
@@ -63,6 +70,7 @@ from services.conductor.routing_policy import (
     RoutingPolicy,
     candidates,
 )
+from services.conductor.ttft_correction import TtftCorrection
 
 POOL_PREFIX = "pool:"
 # A decision for a prefill worker whose decode worker has prompts of its own queued stays
@@ -99,6 +107,8 @@ class Estimate(NamedTuple):
     uncached: int
     queue_s: float
     step_s: float  # the decode step in progress there (local only)
+    raw_s: float  # ttft_s before the learned correction
+    factor: float  # the correction: ttft_s = raw_s * factor
 
 
 class _Ledger:
@@ -111,10 +121,12 @@ class _Ledger:
 class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
 
-    def __init__(self, index: PrefixIndex, cost: CostModel, config: PolicyConfig) -> None:
+    def __init__(self, index: PrefixIndex, cost: CostModel, config: PolicyConfig,
+                 correction: TtftCorrection | None = None) -> None:
         self.index = index
         self.cost = cost
         self.config = config
+        self.correction = TtftCorrection() if correction is None else correction
         self._ledgers: dict[str, _Ledger] = {}
 
     def _ledger(self, w: WorkerView) -> _Ledger:
@@ -158,11 +170,13 @@ class CacheAwarePolicy(RoutingPolicy):
         # landing: a remote prefill predicted to outlast it is prefilled here all the
         # same, a lease later, its prefill worker's time wasted.
         lapses = remote is not None and remote.ttft_s > self.config.kv_lease_s
-        if remote is not None and ahead > 0:
-            # The decode worker takes a remote request (its KV blocks, then the Prefill
-            # it sends) only between engine steps: the prompts it prefills itself, queued
-            # before this one, go first.
-            remote = remote._replace(ttft_s=remote.ttft_s + ahead)
+        # The decode worker takes a remote request (its KV blocks, then the Prefill it
+        # sends) only between engine steps: the decode step in progress and the prompts
+        # it prefills itself, queued before this one, go first.
+        wait = max(0.0, ahead) + (local.step_s if decode.running else 0.0)
+        if remote is not None and wait > 0:
+            remote = remote._replace(ttft_s=remote.ttft_s + wait * remote.factor,
+                                     raw_s=remote.raw_s + wait)
         stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
         busy = decode.load
         budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
@@ -185,15 +199,18 @@ class CacheAwarePolicy(RoutingPolicy):
             best, why = local, f"local {local.ttft_s:.3f}s <= remote {remote.ttft_s:.3f}s"
         else:
             best, why = remote, f"remote {remote.ttft_s:.3f}s < local {local.ttft_s:.3f}s"
-        if admission and best.ttft_s > slo_ttft_s:
-            return Rejection(f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo_ttft_s:.3f}s",
-                             max(1.0, best.ttft_s - slo_ttft_s))
+        margin = self.correction.config.margin
+        if admission and best.ttft_s * margin > slo_ttft_s:
+            return Rejection(f"predicted TTFT {best.ttft_s:.3f}s{_times(best.factor, margin)} "
+                             f"> SLO {slo_ttft_s:.3f}s",
+                             max(1.0, best.ttft_s * margin - slo_ttft_s))
         self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead))
         nblocks = len(block_hashes)
         reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
-                  f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s; "
-                  f"decode tbt {tbt * 1e3:.1f}ms")
-        return Decision(decode, None if best.worker is decode else best.worker, reason)
+                  f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s"
+                  f"{_times(best.factor, 1.0)}; decode tbt {tbt * 1e3:.1f}ms")
+        return Decision(decode, None if best.worker is decode else best.worker, reason,
+                        best.raw_s)
 
     def _pick_decode(self, decoders: list[WorkerView], prompt: int,
                      output: int) -> tuple[WorkerView, float, bool, list]:
@@ -245,7 +262,9 @@ class CacheAwarePolicy(RoutingPolicy):
                 step = self.cost.predict_decode(batch, (w.num_blocks - w.free_blocks)
                                                 * w.block_size + led.kv_tokens)
                 queue += step
-        return Estimate(queue + t, w, own + fetch, uncached, queue, step)
+        raw = queue + t
+        f = self.correction.factor("remote" if remote else "local", w.worker_id)
+        return Estimate(raw * f, w, own + fetch, uncached, queue, step, raw, f)
 
     def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
                  ahead_s: float) -> None:
@@ -261,3 +280,10 @@ class CacheAwarePolicy(RoutingPolicy):
                 pre.hold_beats = HOLD_BEATS
         led.kv_blocks += -(-kv_tokens // decode.block_size)
         led.kv_tokens += kv_tokens
+
+
+def _times(factor: float, margin: float) -> str:
+    """How a prediction was scaled, for a reason: the learned factor, the margin."""
+    parts = [f"x{v:.2f} {name}" for name, v in (("learned", factor), ("margin", margin))
+             if v != 1.0]
+    return f" ({', '.join(parts)})" if parts else ""

@@ -27,6 +27,8 @@ class Decision(NamedTuple):
     decode: WorkerView
     prefill: WorkerView | None  # None: the decode worker prefills the prompt itself
     reason: str
+    # The TTFT predicted before any learned correction (NaN: this policy predicts none).
+    predicted_ttft_s: float = math.nan
 
 
 class Rejection(NamedTuple):
