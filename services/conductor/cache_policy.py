@@ -51,7 +51,10 @@ heartbeat, its KV blocks to the decode worker's ledger. The local queue is the d
 worker's waiting prompts plus those routed there since, drained in turn. The queue term
 grows with every request routed to a worker, so a burst sharing one cached prefix piles
 onto the worker holding it only while that stays cheaper than a full prefill elsewhere.
-The ledger is keyed on the view's ``last_seen``: a heartbeat also voids it.
+The ledger is keyed on the view's ``last_seen``: a heartbeat also voids it. A decision
+with a request id (the conductor's) is kept per request instead (``WorkerView.route``):
+on each of its workers until a heartbeat acknowledges it, so a heartbeat sent while
+the request was still on its way does not hide it.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from typing import NamedTuple
 
 from services.conductor.cost_model import CostModel, pool_fetch_time, transfer_time
 from services.conductor.prefix_index import PrefixIndex
-from services.conductor.registry import WorkerView
+from services.conductor.registry import Inflight, WorkerView
 from services.conductor.routing_policy import (
     Decision,
     PolicyRequest,
@@ -135,6 +138,16 @@ class CacheAwarePolicy(RoutingPolicy):
             led = self._ledgers[w.worker_id] = _Ledger(w.last_seen)
         return led
 
+    def _unacked(self, w: WorkerView) -> tuple[int, int, int]:
+        """What was routed to decode worker ``w`` that its heartbeats do not show yet:
+        local prefills, KV blocks, KV tokens (the ledger's anonymous decisions since the
+        last heartbeat, and the in-flight ones by request id until acknowledged)."""
+        led = self._ledger(w)
+        if not w.inflight:
+            return led.local, led.kv_blocks, led.kv_tokens
+        return (led.local + w.inflight_sum("local"), led.kv_blocks + w.inflight_sum("kv_blocks"),
+                led.kv_tokens + w.inflight_sum("kv_tokens"))
+
     def decide(self, workers: list[WorkerView], request: PolicyRequest) -> Decision | Rejection:
         """Route one request and account it; see the module docstring. Raises
         ``NoWorkers`` when no live decode or unified worker is left, ``ValueError`` on
@@ -204,7 +217,7 @@ class CacheAwarePolicy(RoutingPolicy):
             return Rejection(f"predicted TTFT {best.ttft_s:.3f}s{_times(best.factor, margin)} "
                              f"> SLO {slo_ttft_s:.3f}s",
                              max(1.0, best.ttft_s * margin - slo_ttft_s))
-        self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead))
+        self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead), r)
         nblocks = len(block_hashes)
         reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
                   f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s"
@@ -219,13 +232,13 @@ class CacheAwarePolicy(RoutingPolicy):
         best_key, roomiest_key, best, roomiest = None, None, None, None
         roomy = []
         for d in decoders:
-            led = self._ledger(d)
-            free = d.unpromised_blocks - led.kv_blocks
+            local, kv_blocks, kv_tokens = self._unacked(d)
+            free = d.unpromised_blocks - kv_blocks
             need = -(-(prompt + output) // d.block_size)
             batch = d.load + 1  # requests waiting for KV join it when their KV lands
-            context = (d.num_blocks - d.free_blocks) * d.block_size + led.kv_tokens
+            context = (d.num_blocks - d.free_blocks) * d.block_size + kv_tokens
             tbt = self.cost.predict_decode(batch, context + prompt + output // 2)
-            local_s = self.cost.prefill_queue_time(d.waiting + led.local,
+            local_s = self.cost.prefill_queue_time(d.waiting + local,
                                                    d.queued_prefill_tokens + d.pending_tokens)
             tbt += local_s / max(1, output - 1)  # its local prefills will stall this request
             if free >= need:
@@ -254,21 +267,29 @@ class CacheAwarePolicy(RoutingPolicy):
                                                  w.queued_prefill_tokens + w.pending_tokens)
             t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
         else:
-            led = self._ledger(w)
-            queue = self.cost.prefill_queue_time(w.waiting + led.local,
+            local, _, kv_tokens = self._unacked(w)
+            queue = self.cost.prefill_queue_time(w.waiting + local,
                                                  w.queued_prefill_tokens + w.pending_tokens)
             batch = w.load
             if batch:  # the step in progress finishes first
                 step = self.cost.predict_decode(batch, (w.num_blocks - w.free_blocks)
-                                                * w.block_size + led.kv_tokens)
+                                                * w.block_size + kv_tokens)
                 queue += step
         raw = queue + t
         f = self.correction.factor("remote" if remote else "local", w.worker_id)
         return Estimate(raw * f, w, own + fetch, uncached, queue, step, raw, f)
 
     def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
-                 ahead_s: float) -> None:
+                 ahead_s: float, r: PolicyRequest) -> None:
         pre = best.worker
+        kv_blocks = -(-kv_tokens // decode.block_size)
+        if r.request_id:  # counted until the workers acknowledge it, heartbeats or not
+            at, local = r.routed_at, pre is decode
+            pre.route(r.request_id, Inflight(best.uncached, local, kv_blocks if local else 0,
+                                             kv_tokens if local else 0, at))
+            if not local:
+                decode.route(r.request_id, Inflight(0, False, kv_blocks, kv_tokens, at))
+            return
         pre.pending_requests += 1
         pre.pending_tokens += best.uncached
         led = self._ledger(decode)
@@ -278,7 +299,7 @@ class CacheAwarePolicy(RoutingPolicy):
             decode.pending_requests += 1
             if ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
                 pre.hold_beats = HOLD_BEATS
-        led.kv_blocks += -(-kv_tokens // decode.block_size)
+        led.kv_blocks += kv_blocks
         led.kv_tokens += kv_tokens
 
 

@@ -27,6 +27,7 @@ Online fit: ``observe`` feeds the step samples a heartbeat carries into the cost
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -125,7 +126,8 @@ class Router:
             block_size=block_size, model=req.model, exclude=req.exclude,
             slo_ttft_s=cfg.slo_ttft_s if req.slo_ttft_s is None else req.slo_ttft_s,
             slo_tbt_s=cfg.slo_tbt_s if req.slo_tbt_s is None else req.slo_tbt_s,
-            output_tokens=output, admission=cfg.admission))
+            output_tokens=output, admission=cfg.admission, request_id=request_id or "",
+            routed_at=time.monotonic() if request_id else 0.0))
         if request_id and isinstance(decision, Decision):
             self.correction.expect(request_id, Expected(
                 decision.decode.worker_id,

@@ -53,6 +53,10 @@ class PolicyRequest(NamedTuple):
     slo_tbt_s: float = math.inf
     output_tokens: int = 0
     admission: bool = True
+    # With an id, the decision stays counted on its workers until their heartbeats
+    # acknowledge it (``WorkerView.route``); routed_at is when (monotonic seconds).
+    request_id: str = ""
+    routed_at: float = 0.0
 
 
 class RoutingPolicy(ABC):

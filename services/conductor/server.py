@@ -132,7 +132,9 @@ class Conductor:
         self.ctx = make_context(settings.curve_keys_dir, "conductor")
         self.tracer = Tracer("conductor", enabled=settings.tracing,
                              endpoint=settings.tracing_endpoint, file=settings.tracing_file)
-        self.registry = Registry(settings.heartbeat_interval_s)
+        # A decision no heartbeat acknowledges stops counting a KV lease after it: a
+        # Prefill reaches its prefill worker within the lease or not at all.
+        self.registry = Registry(settings.heartbeat_interval_s, settings.kv_lease_s)
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name="conductor",
                              allowed=CONDUCTOR_CONTROL)
         self.sub = Subscriber(self.ctx, settings.heartbeat_addr, bind=True,

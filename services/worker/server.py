@@ -334,7 +334,8 @@ class Worker:
                     prefill_steps=prefill_steps, decode_steps=decode_steps,
                     waiting_for_kv=load.waiting_for_kv, reserved_blocks=load.reserved_blocks,
                     ttft_samples=(self.role.take_ttft_samples()
-                                  if isinstance(self.role, DecodeRole) else [])))
+                                  if isinstance(self.role, DecodeRole) else []),
+                    admitted=self.loop.take_admitted(load)))
                 seq += 1
         finally:
             await pub.close()
