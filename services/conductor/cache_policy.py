@@ -91,6 +91,9 @@ class PolicyConfig:
     # How long a decode worker waits for a remote prefill's KV before prefilling the
     # prompt itself (the workers' ``kv_lease_s``); math.inf: never.
     kv_lease_s: float = 10.0
+    # The profile's step factor with k workers busy on one host (``contention[k-1]``;
+    # (): not measured, 1.0): workers sharing a host's cores slow each other's steps.
+    contention: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
@@ -101,6 +104,8 @@ class PolicyConfig:
             raise ValueError("pool_bandwidth and max_decode_stall_s must be >= 0")
         if not self.kv_lease_s > 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if not all(1.0 <= f < math.inf for f in self.contention):
+            raise ValueError(f"contention factors must be >= 1, got {self.contention}")
 
 
 class Estimate(NamedTuple):
@@ -131,6 +136,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.config = config
         self.correction = TtftCorrection() if correction is None else correction
         self._ledgers: dict[str, _Ledger] = {}
+        self._busy: dict[str, set[str]] = {}  # per host, its busy workers (``decide``)
 
     def _ledger(self, w: WorkerView) -> _Ledger:
         led = self._ledgers.get(w.worker_id)
@@ -160,6 +166,7 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError(f"bad request sizes: prompt {prompt_tokens}, block {block_size}, "
                              f"output {output_tokens}")
         usable, decoders = candidates(workers, request)
+        self._busy = _busy_by_host(workers)
         decode, tbt, fits, roomy = self._pick_decode(decoders, prompt_tokens, output_tokens)
         admit = admission and (math.isfinite(slo_ttft_s) or math.isfinite(slo_tbt_s))
         if admit and not fits:
@@ -265,19 +272,39 @@ class CacheAwarePolicy(RoutingPolicy):
         if remote:
             queue = self.cost.prefill_queue_time(w.waiting + w.pending_requests,
                                                  w.queued_prefill_tokens + w.pending_tokens)
-            t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
         else:
             local, _, kv_tokens = self._unacked(w)
-            queue = self.cost.prefill_queue_time(w.waiting + local,
-                                                 w.queued_prefill_tokens + w.pending_tokens)
+            ahead = w.waiting + local
+            queue = self.cost.prefill_queue_time(ahead, w.queued_prefill_tokens + w.pending_tokens)
             batch = w.load
             if batch:  # the step in progress finishes first
-                step = self.cost.predict_decode(batch, (w.num_blocks - w.free_blocks)
-                                                * w.block_size + kv_tokens)
+                context = (w.num_blocks - w.free_blocks) * w.block_size + kv_tokens
+                step = self.cost.predict_decode(batch, context)
                 queue += step
+                # Every prefill step here, of the prompts ahead and this one, also
+                # advances the requests decoding: their decode rides along in it.
+                decoding = w.running + w.waiting_for_kv
+                if decoding:
+                    ride = self.cost.predict_decode(decoding, context)
+                    queue += ahead * ride
+                    t += ride
+        # Compute on a host other workers keep busy runs slower: the profile's factor
+        # for their number, this worker counted busy. The link transfer is not compute.
+        c = self._contention(w)
+        queue, t, step = queue * c, t * c, step * c
+        if remote:
+            t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
         raw = queue + t
         f = self.correction.factor("remote" if remote else "local", w.worker_id)
         return Estimate(raw * f, w, own + fetch, uncached, queue, step, raw, f)
+
+    def _contention(self, w: WorkerView) -> float:
+        factors = self.config.contention
+        if not factors:
+            return 1.0
+        busy = self._busy.get(w.host_id, set())
+        k = len(busy) + (w.worker_id not in busy)
+        return factors[min(k, len(factors)) - 1]
 
     def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
                  ahead_s: float, r: PolicyRequest) -> None:
@@ -301,6 +328,15 @@ class CacheAwarePolicy(RoutingPolicy):
                 pre.hold_beats = HOLD_BEATS
         led.kv_blocks += kv_blocks
         led.kv_tokens += kv_tokens
+
+
+def _busy_by_host(workers: list[WorkerView]) -> dict[str, set[str]]:
+    """Per host id, the live workers with work: running, queued or routed there."""
+    busy: dict[str, set[str]] = {}
+    for w in workers:
+        if w.alive and (w.load or w.queued_prefill_tokens or w.pending_tokens):
+            busy.setdefault(w.host_id, set()).add(w.worker_id)
+    return busy
 
 
 def _times(factor: float, margin: float) -> str:

@@ -85,7 +85,9 @@ def make_policy(config: RouterConfig, profile: CostProfile, index: PrefixIndex,
     if config.policy == "cache_aware":
         return CacheAwarePolicy(index, cost, PolicyConfig(
             profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
-            config.max_decode_stall_s, config.kv_lease_s), correction)
+            config.max_decode_stall_s, config.kv_lease_s,
+            # Profiles that measured their host carry it (older ones do not).
+            tuple(getattr(profile, "contention", ()))), correction)
     return StaticDisaggregation(make_picker(config.policy), config.disagg_threshold)
 
 
