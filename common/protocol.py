@@ -156,7 +156,7 @@ class Heartbeat:
     waiting_for_kv: int = 0
     reserved_blocks: int = 0
     ttft_samples: list[TtftSample] = field(default_factory=list)
-    admitted: list[str] = field(default_factory=list)
+    admitted: list[str] | None = None
 
 
 @message("route")

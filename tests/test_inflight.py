@@ -31,9 +31,14 @@ def _beat(wid: str, role: str, admitted=(), **load) -> Heartbeat:
 
 
 def _setup(*ws):
+    """A registry of ``ws``, each having sent one heartbeat that acknowledges (none)."""
     reg = Registry(heartbeat_interval_s=1.0, inflight_ttl_s=10.0)
     for w in ws:
         reg.workers[w.worker_id] = w
+        load = dict(running=w.running, waiting=w.waiting,
+                    queued_prefill_tokens=w.queued_prefill_tokens)
+        assert reg.heartbeat(_beat(w.worker_id, w.role, **load), now=T0 - 0.5)
+        assert w.acks
     return reg
 
 
@@ -133,6 +138,10 @@ def test_a_heartbeat_acknowledges_only_what_its_load_snapshot_counts():
             got.append(loop.take_admitted(loop.load))
             release.set()
             await added
+            for _ in range(500):  # the snapshot after the command, before the next step
+                if loop.load.admitted == 2:
+                    break
+                await asyncio.sleep(0.01)
             got.append(loop.take_admitted(loop.load))
             return during, got
         finally:

@@ -11,9 +11,8 @@ import pytest
 from services.conductor.cache_policy import CacheAwarePolicy, Decision
 from services.conductor.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
-from services.conductor.registry import Registry
 from tests.test_cache_policy import CAL, CFG, PROMPT, policy, prefill_s, route, view
-from tests.test_inflight import T0, _beat
+from tests.test_inflight import T0, _beat, _setup
 
 
 def decode_s(batch: int, context: int) -> float:
@@ -37,9 +36,7 @@ def test_the_local_fallback_past_the_kv_lease_counts_what_was_routed_there_meanw
     # The prefill worker is ~17 s behind: past the 10 s lease, so prompts go local.
     d1 = view("d1", "decode", running=4, waiting=2, queued=2 * PROMPT)
     p1 = view("p1", "prefill", waiting=20, queued=20 * PROMPT)
-    reg, pol = Registry(), policy()
-    for w in (d1, p1):
-        reg.workers[w.worker_id] = w
+    reg, pol = _setup(d1, p1), policy()
     first = route(pol, [d1, p1], hashes=[1], slo_ttft_s=60, request_id="a", routed_at=T0)
     assert first.prefill is None and "KV lease" in first.reason
     assert first.predicted_ttft_s == pytest.approx(3 * P + decode_s(6, 0) + 3 * decode_s(4, 0))

@@ -52,9 +52,10 @@ worker's waiting prompts plus those routed there since, drained in turn. The que
 grows with every request routed to a worker, so a burst sharing one cached prefix piles
 onto the worker holding it only while that stays cheaper than a full prefill elsewhere.
 The ledger is keyed on the view's ``last_seen``: a heartbeat also voids it. A decision
-with a request id (the conductor's) is kept per request instead (``WorkerView.route``):
-on each of its workers until a heartbeat acknowledges it, so a heartbeat sent while
-the request was still on its way does not hide it.
+with a request id (the conductor's) on a worker whose heartbeats acknowledge requests
+(``Heartbeat.admitted``) is kept per request instead (``WorkerView.route``): until a
+heartbeat of that worker lists it, so one sent while the request was still on its way
+does not hide it.
 """
 
 from __future__ import annotations
@@ -308,26 +309,33 @@ class CacheAwarePolicy(RoutingPolicy):
 
     def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
                  ahead_s: float, r: PolicyRequest) -> None:
-        pre = best.worker
+        # A worker whose heartbeats acknowledge requests counts this one until it does;
+        # otherwise the anonymous counters and ledger, which its heartbeats reset.
+        pre, rid, at = best.worker, r.request_id, r.routed_at
+        local = pre is decode
         kv_blocks = -(-kv_tokens // decode.block_size)
-        if r.request_id:  # counted until the workers acknowledge it, heartbeats or not
-            at, local = r.routed_at, pre is decode
-            pre.route(r.request_id, Inflight(best.uncached, local, kv_blocks if local else 0,
-                                             kv_tokens if local else 0, at))
-            if not local:
-                decode.route(r.request_id, Inflight(0, False, kv_blocks, kv_tokens, at))
+        if rid and pre.acks:
+            pre.route(rid, Inflight(best.uncached, local, kv_blocks if local else 0,
+                                    kv_tokens if local else 0, at))
+        else:
+            pre.pending_requests += 1
+            pre.pending_tokens += best.uncached
+            if local:
+                led = self._ledger(decode)
+                led.local += 1
+                led.kv_blocks += kv_blocks
+                led.kv_tokens += kv_tokens
+            elif ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
+                pre.hold_beats = HOLD_BEATS
+        if local:
             return
-        pre.pending_requests += 1
-        pre.pending_tokens += best.uncached
-        led = self._ledger(decode)
-        if pre is decode:
-            led.local += 1
+        if rid and decode.acks:
+            decode.route(rid, Inflight(0, False, kv_blocks, kv_tokens, at))
         else:
             decode.pending_requests += 1
-            if ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
-                pre.hold_beats = HOLD_BEATS
-        led.kv_blocks += kv_blocks
-        led.kv_tokens += kv_tokens
+            led = self._ledger(decode)
+            led.kv_blocks += kv_blocks
+            led.kv_tokens += kv_tokens
 
 
 def _busy_by_host(workers: list[WorkerView]) -> dict[str, set[str]]:

@@ -61,6 +61,7 @@ class WorkerView:
     # Decisions routed here by request id, kept until a heartbeat acknowledges them
     # (``Heartbeat.admitted``): they are also in ``pending_requests``/``pending_tokens``.
     inflight: dict[str, Inflight] = field(default_factory=dict)
+    acks: bool = False  # its heartbeats acknowledge requests (carry ``admitted``)
 
     @property
     def load(self) -> int:
@@ -161,7 +162,8 @@ class Registry:
         that many more heartbeats. Counted in heartbeats, not seconds, so that a replay
         of the same heartbeats (the simulator, a test) decides the same.
 
-        Decisions made with a request id (``WorkerView.route``) are exact instead: each
+        Decisions made with a request id on a worker whose heartbeats carry ``admitted``
+        (``WorkerView.route``; the policy's choice) are exact instead: each
         stays counted until a heartbeat lists its id in ``admitted`` (the worker's engine
         took it in, so this heartbeat's own counts include it or it already finished),
         or ``inflight_ttl_s`` after it was routed (it never arrived). A heartbeat sent
@@ -186,7 +188,9 @@ class Registry:
         # the in-flight entries; only they follow the heartbeat-counting rules below.
         requests = view.pending_requests - len(inflight)
         tokens = view.pending_tokens - view.inflight_sum("tokens")
-        for rid in getattr(hb, "admitted", None) or ():
+        admitted = getattr(hb, "admitted", None)
+        view.acks = admitted is not None
+        for rid in admitted or ():
             inflight.pop(rid, None)
         horizon = now - self.inflight_ttl_s
         for rid in [rid for rid, e in inflight.items() if e.at < horizon]:
