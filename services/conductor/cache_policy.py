@@ -284,9 +284,9 @@ class CacheAwarePolicy(RoutingPolicy):
                 queue += step
                 # Every prefill step here, of the prompts ahead and this one, also
                 # advances the requests decoding: their decode rides along in it.
-                decoding = w.running + w.waiting_for_kv
-                if decoding:
-                    ride = self.cost.predict_decode(decoding, context)
+                # (Those awaiting KV decode only once it lands: the step above.)
+                if w.running:
+                    ride = self.cost.predict_decode(w.running, context)
                     queue += ahead * ride
                     t += ride
         # Compute on a host other workers keep busy runs slower: the profile's factor
