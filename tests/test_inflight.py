@@ -7,6 +7,7 @@ the requests its load snapshot counts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -150,3 +151,22 @@ def test_a_heartbeat_acknowledges_only_what_its_load_snapshot_counts():
     during, got = asyncio.run(go())
     assert during.admitted == 1 and during.queued_prefill_tokens == 100
     assert got == [["a"], [], [], ["b"]]
+
+
+def test_a_worker_is_taken_to_acknowledge_until_a_heartbeat_says_otherwise():
+    # The burst may come before a new worker's first heartbeat lands.
+    d1, d2 = view("d1", "decode"), view("d2", "decode")
+    reg, pol = Registry(heartbeat_interval_s=1.0, inflight_ttl_s=10.0), policy()
+    reg.workers.update(d1=d1, d2=d2)
+    for w in (d1, d2):
+        route(pol, [w], hashes=[], slo_ttft_s=60, request_id=f"{w.worker_id}-a", routed_at=T0)
+        assert list(w.inflight) == [f"{w.worker_id}-a"] and w.pending_requests == 1
+    assert reg.heartbeat(_beat("d1", "decode"), now=T0 + 0.05)  # acknowledges: kept
+    assert d1.acks and d1.pending_requests == 1
+    # d2's heartbeats carry no acknowledgements: its count is the anonymous kind now,
+    # which a decode worker's heartbeat clears (it shows its requests itself).
+    legacy = dataclasses.replace(_beat("d2", "decode"), admitted=None)
+    assert reg.heartbeat(legacy, now=T0 + 0.05)
+    assert not d2.acks and not d2.inflight and d2.pending_requests == 0
+    route(pol, [d2], hashes=[], slo_ttft_s=60, request_id="d2-b", routed_at=T0 + 0.1)
+    assert not d2.inflight and d2.pending_requests == 1

@@ -325,10 +325,10 @@ class CacheAwarePolicy(RoutingPolicy):
                 led.local += 1
                 led.kv_blocks += kv_blocks
                 led.kv_tokens += kv_tokens
-            elif ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
-                pre.hold_beats = HOLD_BEATS
         if local:
             return
+        if ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
+            pre.hold_beats = HOLD_BEATS  # (what a heartbeat makes anonymous stays)
         if rid and decode.acks:
             decode.route(rid, Inflight(0, False, kv_blocks, kv_tokens, at))
         else:

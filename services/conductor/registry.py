@@ -61,7 +61,9 @@ class WorkerView:
     # Decisions routed here by request id, kept until a heartbeat acknowledges them
     # (``Heartbeat.admitted``): they are also in ``pending_requests``/``pending_tokens``.
     inflight: dict[str, Inflight] = field(default_factory=dict)
-    acks: bool = False  # its heartbeats acknowledge requests (carry ``admitted``)
+    # Its heartbeats acknowledge requests (carry ``admitted``); assumed until one says
+    # otherwise, so the burst before its first heartbeat lands is counted too.
+    acks: bool = True
 
     @property
     def load(self) -> int:
@@ -184,12 +186,14 @@ class Registry:
         view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
         view.waiting_for_kv, view.reserved_blocks = hb.waiting_for_kv, hb.reserved_blocks
         inflight = view.inflight
+        admitted = getattr(hb, "admitted", None)
+        view.acks = admitted is not None
+        if not view.acks:  # it never will: what it was counted for is anonymous now
+            inflight.clear()
         # The anonymous decisions (no request id) are what the counters hold beyond
         # the in-flight entries; only they follow the heartbeat-counting rules below.
         requests = view.pending_requests - len(inflight)
         tokens = view.pending_tokens - view.inflight_sum("tokens")
-        admitted = getattr(hb, "admitted", None)
-        view.acks = admitted is not None
         for rid in admitted or ():
             inflight.pop(rid, None)
         horizon = now - self.inflight_ttl_s
