@@ -58,6 +58,7 @@ from common.records import (
     Timing,
     TokenLogprob,
     TopLogprob,
+    TtftSample,
     Usage,
     WorkerInfo,
     WorkerPoolCounts,
@@ -72,8 +73,8 @@ __all__ = [
     "records", "registry",
     # nested records
     "CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
-    "Timing", "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts",
-    "WorkerRefusal", "WorkerStatus",
+    "Timing", "TokenLogprob", "TopLogprob", "TtftSample", "Usage", "WorkerInfo",
+    "WorkerPoolCounts", "WorkerRefusal", "WorkerStatus",
     # messages declared beside this module
     "ConductorStats", "GetStats", "HeldBlocks", "KVEvent", "ListWorkers", "Migrate",
     "MigrateDone", "MigrateReady", "PoolBlocks",
@@ -154,6 +155,8 @@ class Heartbeat:
     decode_steps: list[StepSample] = field(default_factory=list)
     waiting_for_kv: int = 0
     reserved_blocks: int = 0
+    ttft_samples: list[TtftSample] = field(default_factory=list)
+    admitted: list[str] | None = None
 
 
 @message("route")

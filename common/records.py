@@ -90,6 +90,18 @@ class StepSample:
     batch: int = 0
     context: int = 0
 
+
+@record
+@dataclass(frozen=True, slots=True)
+class TtftSample:
+    """How long one request a decode worker received took to its first token there: from
+    its arrival to the KV landing (``remote``: prefilled elsewhere) or to the first token
+    this worker computed. The conductor sets it beside the TTFT it predicted."""
+
+    request_id: str
+    seconds: float
+    remote: bool
+
 @record
 @dataclass(frozen=True, slots=True)
 class TopLogprob:

@@ -31,6 +31,11 @@ def prefill_s(n: int, c: int) -> float:
     return 0.01 + 1e-4 * n + 1e-9 * n * (n / 2 + c)
 
 
+# The decode step in progress on a decode worker running 4 (no KV in use): a remote
+# prefill's Prefill leaves it only after that step.
+STEP4 = 0.02 + 1e-3 * 4
+
+
 def view(wid, role, *, running=0, waiting=0, queued=0, free=100_000, blocks=100_000):
     return WorkerView(WorkerInfo(worker_id=wid, role=role, model="m", control_addr="",
                                  kv_addr="", host_id="h", block_size=16, num_blocks=blocks,
@@ -152,8 +157,8 @@ def test_load_wins_when_the_hit_is_small():
 
 def test_rejection_exactly_when_predicted_ttft_misses_the_slo():
     ws = lambda: [view("d1", "decode", running=4), view("p1", "prefill", queued=4096)]  # noqa: E731
-    # queue 4096 tokens + full 8192-token prefill + 8.192 MB over 1 GB/s
-    ttft = prefill_s(4096, 0) + prefill_s(PROMPT, 0) + PROMPT * 1000 / 1e9
+    # queue 4096 tokens + full 8192-token prefill + 8.192 MB over 1 GB/s + d1's step
+    ttft = prefill_s(4096, 0) + prefill_s(PROMPT, 0) + PROMPT * 1000 / 1e9 + STEP4
     ok = route(policy(), ws(), slo_ttft_s=ttft + 1e-9)
     assert isinstance(ok, Decision) and f"ttft {ttft:.3f}s" in ok.reason
     views = ws()
@@ -278,7 +283,7 @@ def test_pool_blocks_beyond_a_workers_own_are_fetched_and_counted():
     ws = [view("d1", "decode", running=4), view("p1", "prefill"), view("p2", "prefill")]
     # p1 fetches 12 blocks, p2 its own 4 and 8 from the pool: p2 is cheaper.
     fetch = lambda blocks: blocks * BS * 1000 / 1e8  # noqa: E731
-    t_p2 = prefill_s(4 * BS, 12 * BS) + fetch(8) + PROMPT * 1000 / 1e9
+    t_p2 = prefill_s(4 * BS, 12 * BS) + fetch(8) + PROMPT * 1000 / 1e9 + STEP4
     d = route(policy(idx), ws, slo_ttft_s=t_p2 + 1e-9)
     assert d.prefill.worker_id == "p2" and "hit 12/16" in d.reason
     assert isinstance(route(policy(idx), ws, slo_ttft_s=t_p2 - 1e-9), Rejection)
@@ -290,8 +295,12 @@ def test_pool_prefix_spread_over_two_instances_counts_whole():
     idx.stored("pool:y", CHAIN[1:12:2])
     ws = [view("d1", "decode", running=4), view("p1", "prefill")]
     fetch = 12 * BS * 1000 / 1e8
-    t_p1 = prefill_s(4 * BS, 12 * BS) + fetch + PROMPT * 1000 / 1e9
-    d = route(policy(idx), ws, slo_ttft_s=t_p1 + 1e-9)
+    t_p1 = prefill_s(4 * BS, 12 * BS) + fetch + PROMPT * 1000 / 1e9 + STEP4
+    # d1 would take ~0.29 s to prefill it: more than its decodes may stall here, so remote
+    stalls = CacheAwarePolicy(idx, CostModel(CAL), PolicyConfig(
+        kv_bytes_per_token=1000, link_bandwidth=1e9, pool_bandwidth=1e8,
+        max_decode_stall_s=0.1))
+    d = route(stalls, ws, slo_ttft_s=t_p1 + 1e-9)
     assert d.prefill.worker_id == "p1" and "hit 12/16" in d.reason
     no_pool = CacheAwarePolicy(idx, CostModel(CAL), PolicyConfig(
         kv_bytes_per_token=1000, link_bandwidth=1e9, pool_bandwidth=0.0))

@@ -32,7 +32,7 @@ STATUS = p.WorkerStatus(info=INFO, alive=True, waiting=1, running=2, free_blocks
 
 NESTED = {"CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
           "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerRefusal",
-          "WorkerStatus", "Timing"}
+          "WorkerStatus", "Timing", "TtftSample"}
 
 SAMPLES = {
     "error": p.Error(code="internal", message="boom"),
@@ -46,6 +46,7 @@ SAMPLES = {
         control_addr="tcp://10.0.0.3:5000",
         prefill_steps=[p.StepSample(seconds=0.25, tokens=[512, 64], cached=[0, 512])],
         decode_steps=[p.StepSample(seconds=0.01, batch=4, context=900)],
+        ttft_samples=[p.TtftSample(request_id="r-1", seconds=1.25, remote=True)],
     ),
     "route": p.Route(model="m", prompt_len=40, block_hashes=[0, 2**64 - 1, 12345],
                      exclude=["decode-1"]),

@@ -14,8 +14,9 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
                   + prefill(P - cached(p), cached(p))
                   + pool fetch(pool blocks beyond its own)
                   + KV transfer(P * kv_bytes_per_token over the link)
-                  + the decode worker's queue of local prefills (it forwards the
-                    Prefill only between its engine steps, after those)
+                  + the decode worker's queue of local prefills and the decode step
+                    in progress (it forwards the Prefill only between its engine
+                    steps, after those)
     local  = TTFT on the decode worker itself: its own prefix, its local prefill queue,
              the decode step in progress; no transfer. Allowed when nothing runs there, or
              when its local prefill queue and this prefill stall the running batch for at
@@ -26,10 +27,16 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
     would be prefilled on the decode worker anyway, a lease later: local, on the decode
     worker with room where its TTFT times (1 + the requests its stall holds up) is least.
 
+Every TTFT above is multiplied by the learned factor of its path and worker
+(``ttft_correction.py``: "remote" and the prefill worker, "local" and the decode
+worker; 1.0 until enough first tokens were observed), before the choice.
+
 Admission (prediction-based early rejection, on unless ``admission=False``):
 ``Rejection`` when no decode worker has room for the request's KV, when the predicted
-TBT exceeds ``slo_tbt_s`` or the best predicted TTFT exceeds ``slo_ttft_s``. Nothing is
-accounted for a rejection. With ``admission=False`` the SLOs still shape routing.
+TBT exceeds ``slo_tbt_s`` or the best corrected TTFT times the correction's ``margin``
+exceeds ``slo_ttft_s``. Nothing is accounted for a rejection. With ``admission=False``
+the SLOs still shape routing. A ``Decision`` carries the uncorrected TTFT it predicted,
+for the correction to learn from once the first token is observed.
 
 Load of a decode worker: its running batch, its local prefill queue (``waiting``), the
 remote prefills whose KV it awaits (``waiting_for_kv``: they join the batch when the
@@ -44,7 +51,11 @@ heartbeat, its KV blocks to the decode worker's ledger. The local queue is the d
 worker's waiting prompts plus those routed there since, drained in turn. The queue term
 grows with every request routed to a worker, so a burst sharing one cached prefix piles
 onto the worker holding it only while that stays cheaper than a full prefill elsewhere.
-The ledger is keyed on the view's ``last_seen``: a heartbeat also voids it.
+The ledger is keyed on the view's ``last_seen``: a heartbeat also voids it. A decision
+with a request id (the conductor's) on a worker whose heartbeats acknowledge requests
+(``Heartbeat.admitted``) is kept per request instead (``WorkerView.route``): until a
+heartbeat of that worker lists it, so one sent while the request was still on its way
+does not hide it.
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ from typing import NamedTuple
 
 from services.conductor.cost_model import CostModel, pool_fetch_time, transfer_time
 from services.conductor.prefix_index import PrefixIndex
-from services.conductor.registry import WorkerView
+from services.conductor.registry import Inflight, WorkerView
 from services.conductor.routing_policy import (
     Decision,
     PolicyRequest,
@@ -63,6 +74,7 @@ from services.conductor.routing_policy import (
     RoutingPolicy,
     candidates,
 )
+from services.conductor.ttft_correction import TtftCorrection
 
 POOL_PREFIX = "pool:"
 # A decision for a prefill worker whose decode worker has prompts of its own queued stays
@@ -80,6 +92,9 @@ class PolicyConfig:
     # How long a decode worker waits for a remote prefill's KV before prefilling the
     # prompt itself (the workers' ``kv_lease_s``); math.inf: never.
     kv_lease_s: float = 10.0
+    # The profile's step factor with k workers busy on one host (``contention[k-1]``;
+    # (): not measured, 1.0): workers sharing a host's cores slow each other's steps.
+    contention: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
@@ -90,6 +105,8 @@ class PolicyConfig:
             raise ValueError("pool_bandwidth and max_decode_stall_s must be >= 0")
         if not self.kv_lease_s > 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if not all(1.0 <= f < math.inf for f in self.contention):
+            raise ValueError(f"contention factors must be >= 1, got {self.contention}")
 
 
 class Estimate(NamedTuple):
@@ -99,6 +116,8 @@ class Estimate(NamedTuple):
     uncached: int
     queue_s: float
     step_s: float  # the decode step in progress there (local only)
+    raw_s: float  # ttft_s before the learned correction
+    factor: float  # the correction: ttft_s = raw_s * factor
 
 
 class _Ledger:
@@ -111,17 +130,30 @@ class _Ledger:
 class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
 
-    def __init__(self, index: PrefixIndex, cost: CostModel, config: PolicyConfig) -> None:
+    def __init__(self, index: PrefixIndex, cost: CostModel, config: PolicyConfig,
+                 correction: TtftCorrection | None = None) -> None:
         self.index = index
         self.cost = cost
         self.config = config
+        self.correction = TtftCorrection() if correction is None else correction
         self._ledgers: dict[str, _Ledger] = {}
+        self._busy: dict[str, set[str]] = {}  # per host, its busy workers (``decide``)
 
     def _ledger(self, w: WorkerView) -> _Ledger:
         led = self._ledgers.get(w.worker_id)
         if led is None or led.stamp != w.last_seen:
             led = self._ledgers[w.worker_id] = _Ledger(w.last_seen)
         return led
+
+    def _unacked(self, w: WorkerView) -> tuple[int, int, int]:
+        """What was routed to decode worker ``w`` that its heartbeats do not show yet:
+        local prefills, KV blocks, KV tokens (the ledger's anonymous decisions since the
+        last heartbeat, and the in-flight ones by request id until acknowledged)."""
+        led = self._ledger(w)
+        if not w.inflight:
+            return led.local, led.kv_blocks, led.kv_tokens
+        return (led.local + w.inflight_sum("local"), led.kv_blocks + w.inflight_sum("kv_blocks"),
+                led.kv_tokens + w.inflight_sum("kv_tokens"))
 
     def decide(self, workers: list[WorkerView], request: PolicyRequest) -> Decision | Rejection:
         """Route one request and account it; see the module docstring. Raises
@@ -135,6 +167,7 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError(f"bad request sizes: prompt {prompt_tokens}, block {block_size}, "
                              f"output {output_tokens}")
         usable, decoders = candidates(workers, request)
+        self._busy = _busy_by_host(workers)
         decode, tbt, fits, roomy = self._pick_decode(decoders, prompt_tokens, output_tokens)
         admit = admission and (math.isfinite(slo_ttft_s) or math.isfinite(slo_tbt_s))
         if admit and not fits:
@@ -158,11 +191,13 @@ class CacheAwarePolicy(RoutingPolicy):
         # landing: a remote prefill predicted to outlast it is prefilled here all the
         # same, a lease later, its prefill worker's time wasted.
         lapses = remote is not None and remote.ttft_s > self.config.kv_lease_s
-        if remote is not None and ahead > 0:
-            # The decode worker takes a remote request (its KV blocks, then the Prefill
-            # it sends) only between engine steps: the prompts it prefills itself, queued
-            # before this one, go first.
-            remote = remote._replace(ttft_s=remote.ttft_s + ahead)
+        # The decode worker takes a remote request (its KV blocks, then the Prefill it
+        # sends) only between engine steps: the decode step in progress and the prompts
+        # it prefills itself, queued before this one, go first.
+        wait = max(0.0, ahead) + (local.step_s if decode.running else 0.0)
+        if remote is not None and wait > 0:
+            remote = remote._replace(ttft_s=remote.ttft_s + wait * remote.factor,
+                                     raw_s=remote.raw_s + wait)
         stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
         busy = decode.load
         budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
@@ -185,15 +220,18 @@ class CacheAwarePolicy(RoutingPolicy):
             best, why = local, f"local {local.ttft_s:.3f}s <= remote {remote.ttft_s:.3f}s"
         else:
             best, why = remote, f"remote {remote.ttft_s:.3f}s < local {local.ttft_s:.3f}s"
-        if admission and best.ttft_s > slo_ttft_s:
-            return Rejection(f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo_ttft_s:.3f}s",
-                             max(1.0, best.ttft_s - slo_ttft_s))
-        self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead))
+        margin = self.correction.config.margin
+        if admission and best.ttft_s * margin > slo_ttft_s:
+            return Rejection(f"predicted TTFT {best.ttft_s:.3f}s{_times(best.factor, margin)} "
+                             f"> SLO {slo_ttft_s:.3f}s",
+                             max(1.0, best.ttft_s * margin - slo_ttft_s))
+        self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead), r)
         nblocks = len(block_hashes)
         reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
-                  f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s; "
-                  f"decode tbt {tbt * 1e3:.1f}ms")
-        return Decision(decode, None if best.worker is decode else best.worker, reason)
+                  f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s"
+                  f"{_times(best.factor, 1.0)}; decode tbt {tbt * 1e3:.1f}ms")
+        return Decision(decode, None if best.worker is decode else best.worker, reason,
+                        best.raw_s)
 
     def _pick_decode(self, decoders: list[WorkerView], prompt: int,
                      output: int) -> tuple[WorkerView, float, bool, list]:
@@ -202,13 +240,13 @@ class CacheAwarePolicy(RoutingPolicy):
         best_key, roomiest_key, best, roomiest = None, None, None, None
         roomy = []
         for d in decoders:
-            led = self._ledger(d)
-            free = d.unpromised_blocks - led.kv_blocks
+            local, kv_blocks, kv_tokens = self._unacked(d)
+            free = d.unpromised_blocks - kv_blocks
             need = -(-(prompt + output) // d.block_size)
             batch = d.load + 1  # requests waiting for KV join it when their KV lands
-            context = (d.num_blocks - d.free_blocks) * d.block_size + led.kv_tokens
+            context = (d.num_blocks - d.free_blocks) * d.block_size + kv_tokens
             tbt = self.cost.predict_decode(batch, context + prompt + output // 2)
-            local_s = self.cost.prefill_queue_time(d.waiting + led.local,
+            local_s = self.cost.prefill_queue_time(d.waiting + local,
                                                    d.queued_prefill_tokens + d.pending_tokens)
             tbt += local_s / max(1, output - 1)  # its local prefills will stall this request
             if free >= need:
@@ -235,29 +273,82 @@ class CacheAwarePolicy(RoutingPolicy):
         if remote:
             queue = self.cost.prefill_queue_time(w.waiting + w.pending_requests,
                                                  w.queued_prefill_tokens + w.pending_tokens)
-            t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
         else:
-            led = self._ledger(w)
-            queue = self.cost.prefill_queue_time(w.waiting + led.local,
-                                                 w.queued_prefill_tokens + w.pending_tokens)
+            local, _, kv_tokens = self._unacked(w)
+            ahead = w.waiting + local
+            queue = self.cost.prefill_queue_time(ahead, w.queued_prefill_tokens + w.pending_tokens)
             batch = w.load
             if batch:  # the step in progress finishes first
-                step = self.cost.predict_decode(batch, (w.num_blocks - w.free_blocks)
-                                                * w.block_size + led.kv_tokens)
+                context = (w.num_blocks - w.free_blocks) * w.block_size + kv_tokens
+                step = self.cost.predict_decode(batch, context)
                 queue += step
-        return Estimate(queue + t, w, own + fetch, uncached, queue, step)
+                # Every prefill step here, of the prompts ahead and this one, also
+                # advances the requests decoding: their decode rides along in it.
+                # (Those awaiting KV decode only once it lands: the step above.)
+                if w.running:
+                    ride = self.cost.predict_decode(w.running, context)
+                    queue += ahead * ride
+                    t += ride
+        # Compute on a host other workers keep busy runs slower: the profile's factor
+        # for their number, this worker counted busy. The link transfer is not compute.
+        c = self._contention(w)
+        queue, t, step = queue * c, t * c, step * c
+        if remote:
+            t += transfer_time(prompt * cfg.kv_bytes_per_token, cfg.link_bandwidth)
+        raw = queue + t
+        f = self.correction.factor("remote" if remote else "local", w.worker_id)
+        return Estimate(raw * f, w, own + fetch, uncached, queue, step, raw, f)
+
+    def _contention(self, w: WorkerView) -> float:
+        factors = self.config.contention
+        if not factors:
+            return 1.0
+        busy = self._busy.get(w.host_id, set())
+        k = len(busy) + (w.worker_id not in busy)
+        return factors[min(k, len(factors)) - 1]
 
     def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
-                 ahead_s: float) -> None:
-        pre = best.worker
-        pre.pending_requests += 1
-        pre.pending_tokens += best.uncached
-        led = self._ledger(decode)
-        if pre is decode:
-            led.local += 1
+                 ahead_s: float, r: PolicyRequest) -> None:
+        # A worker whose heartbeats acknowledge requests counts this one until it does;
+        # otherwise the anonymous counters and ledger, which its heartbeats reset.
+        pre, rid, at = best.worker, r.request_id, r.routed_at
+        local = pre is decode
+        kv_blocks = -(-kv_tokens // decode.block_size)
+        if rid and pre.acks:
+            pre.route(rid, Inflight(best.uncached, local, kv_blocks if local else 0,
+                                    kv_tokens if local else 0, at))
+        else:
+            pre.pending_requests += 1
+            pre.pending_tokens += best.uncached
+            if local:
+                led = self._ledger(decode)
+                led.local += 1
+                led.kv_blocks += kv_blocks
+                led.kv_tokens += kv_tokens
+        if local:
+            return
+        if ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
+            pre.hold_beats = HOLD_BEATS  # (what a heartbeat makes anonymous stays)
+        if rid and decode.acks:
+            decode.route(rid, Inflight(0, False, kv_blocks, kv_tokens, at))
         else:
             decode.pending_requests += 1
-            if ahead_s > 0:  # the Prefill reaches it only after the decode's own prompts
-                pre.hold_beats = HOLD_BEATS
-        led.kv_blocks += -(-kv_tokens // decode.block_size)
-        led.kv_tokens += kv_tokens
+            led = self._ledger(decode)
+            led.kv_blocks += kv_blocks
+            led.kv_tokens += kv_tokens
+
+
+def _busy_by_host(workers: list[WorkerView]) -> dict[str, set[str]]:
+    """Per host id, the live workers with work: running, queued or routed there."""
+    busy: dict[str, set[str]] = {}
+    for w in workers:
+        if w.alive and (w.load or w.queued_prefill_tokens or w.pending_tokens):
+            busy.setdefault(w.host_id, set()).add(w.worker_id)
+    return busy
+
+
+def _times(factor: float, margin: float) -> str:
+    """How a prediction was scaled, for a reason: the learned factor, the margin."""
+    parts = [f"x{v:.2f} {name}" for name, v in (("learned", factor), ("margin", margin))
+             if v != 1.0]
+    return f" ({', '.join(parts)})" if parts else ""

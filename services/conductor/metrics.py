@@ -1,4 +1,5 @@
-"""What the conductor's routing counters are labelled with.
+"""What the conductor's routing counters are labelled with, and its TTFT correction's
+collector.
 
 A decision's reason is a sentence for the log (worker ids, predicted times); a metric
 label must come from a small fixed set, so ``reason_class`` maps each sentence the
@@ -7,6 +8,8 @@ begins. A sentence no prefix matches is counted as "other", never dropped.
 """
 
 from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Longest prefixes first: "local prefill would stall" must win over "local ".
 REASON_CLASSES = (
@@ -29,3 +32,32 @@ def reason_class(reason: str) -> str:
         if reason.startswith(prefix):
             return label
     return "other"
+
+
+class CorrectionMetrics:
+    """A prometheus collector of the TTFT correction (``ttft_correction.py``): each
+    window's factor and sample count, and how many first-token times were used,
+    clamped or unmatched. Read at scrape time, so nothing is kept twice."""
+
+    def __init__(self, correction) -> None:
+        self.correction = correction
+
+    def collect(self):
+        c = self.correction
+        factor = GaugeMetricFamily(
+            "pdserve:ttft_correction_factor", "What predicted TTFTs on a path and worker "
+            "are multiplied by (worker '*': the path's, for workers with few samples)",
+            labels=["path", "worker"])
+        samples = GaugeMetricFamily(
+            "pdserve:ttft_correction_window", "First-token times in the window",
+            labels=["path", "worker"])
+        for f in c.factors():
+            factor.add_metric([f.path, f.worker_id], f.factor)
+            samples.add_metric([f.path, f.worker_id], f.samples)
+        seen = CounterMetricFamily(
+            "pdserve:ttft_samples", "Decode workers' first-token times by what became of "
+            "them (clamped ones are also used)", labels=["outcome"])
+        for outcome, n in (("used", c.used), ("clamped", c.clamped),
+                           ("unmatched", c.unmatched)):
+            seen.add_metric([outcome], n)
+        return [factor, samples, seen]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import structlog
 
@@ -16,6 +17,20 @@ log = structlog.get_logger(__name__)
 
 MISSED_HEARTBEATS_DEAD = 3
 REFUSALS_KEPT = 16  # the latest refusals, one per worker id, for stats and /health
+# How long a decision stays counted when its worker never acknowledges it (the request
+# never reached it: a gateway gone, a refusal upstream); the conductor passes its KV
+# lease, which bounds how late a Prefill may reach its prefill worker.
+INFLIGHT_TTL_S = 10.0
+
+
+class Inflight(NamedTuple):
+    """A decision routed to a worker that its heartbeats do not show yet."""
+
+    tokens: int  # prompt tokens it will prefill there (0: it only decodes there)
+    local: bool  # prefilled on this decode worker
+    kv_blocks: int  # KV blocks it takes on this decode worker (0 on a prefill worker)
+    kv_tokens: int
+    at: float  # when it was routed (monotonic)
 
 
 @dataclass(slots=True)
@@ -43,10 +58,30 @@ class WorkerView:
     # Heartbeats of a prefill worker that keep all its pending decisions: some reach it
     # late, behind prompts their decode worker prefills itself (``Registry.heartbeat``).
     hold_beats: int = 0
+    # Decisions routed here by request id, kept until a heartbeat acknowledges them
+    # (``Heartbeat.admitted``): they are also in ``pending_requests``/``pending_tokens``.
+    inflight: dict[str, Inflight] = field(default_factory=dict)
+    # Its heartbeats acknowledge requests (carry ``admitted``); assumed until one says
+    # otherwise, so the burst before its first heartbeat lands is counted too.
+    acks: bool = True
 
     @property
     def load(self) -> int:
         return self.running + self.waiting + self.waiting_for_kv + self.pending_requests
+
+    def inflight_sum(self, field_name: str) -> int:
+        """One field of the in-flight decisions, summed (``local`` counts them)."""
+        return sum(getattr(e, field_name) for e in self.inflight.values())
+
+    def route(self, request_id: str, entry: Inflight) -> None:
+        """Count a decision for ``request_id`` here until a heartbeat acknowledges it."""
+        old = self.inflight.pop(request_id, None)
+        if old is not None:  # the same id routed again: counted once
+            self.pending_requests -= 1
+            self.pending_tokens -= old.tokens
+        self.inflight[request_id] = entry
+        self.pending_requests += 1
+        self.pending_tokens += entry.tokens
 
     @property
     def unpromised_blocks(self) -> int:
@@ -71,8 +106,10 @@ class WorkerView:
 
 
 class Registry:
-    def __init__(self, heartbeat_interval_s: float = 1.0) -> None:
+    def __init__(self, heartbeat_interval_s: float = 1.0,
+                 inflight_ttl_s: float = INFLIGHT_TTL_S) -> None:
         self.interval = heartbeat_interval_s
+        self.inflight_ttl_s = max(inflight_ttl_s, MISSED_HEARTBEATS_DEAD * heartbeat_interval_s)
         self.workers: dict[str, WorkerView] = {}
         self.refused: OrderedDict[str, WorkerRefusal] = OrderedDict()
 
@@ -125,11 +162,20 @@ class Registry:
         until its step ends, which can be longer than an interval: the policy then sets
         ``hold_beats`` and the prefill worker keeps all its pending decisions through
         that many more heartbeats. Counted in heartbeats, not seconds, so that a replay
-        of the same heartbeats (the simulator, a test) decides the same."""
+        of the same heartbeats (the simulator, a test) decides the same.
+
+        Decisions made with a request id on a worker whose heartbeats carry ``admitted``
+        (``WorkerView.route``; the policy's choice) are exact instead: each
+        stays counted until a heartbeat lists its id in ``admitted`` (the worker's engine
+        took it in, so this heartbeat's own counts include it or it already finished),
+        or ``inflight_ttl_s`` after it was routed (it never arrived). A heartbeat sent
+        before the request reached the worker, however late it lands here, leaves it
+        counted."""
         view = self.workers.get(hb.worker_id)
         if view is None:
             return False
-        view.last_seen = time.monotonic() if now is None else now
+        now = time.monotonic() if now is None else now
+        view.last_seen = now
         if view.leaving:
             return True
         if not view.alive:
@@ -139,16 +185,30 @@ class Registry:
         view.queued_prefill_tokens = hb.queued_prefill_tokens
         view.free_blocks, view.step_time_ms = hb.free_blocks, hb.step_time_ms
         view.waiting_for_kv, view.reserved_blocks = hb.waiting_for_kv, hb.reserved_blocks
+        inflight = view.inflight
+        admitted = getattr(hb, "admitted", None)
+        view.acks = admitted is not None
+        if not view.acks:  # it never will: what it was counted for is anonymous now
+            inflight.clear()
+        # The anonymous decisions (no request id) are what the counters hold beyond
+        # the in-flight entries; only they follow the heartbeat-counting rules below.
+        requests = view.pending_requests - len(inflight)
+        tokens = view.pending_tokens - view.inflight_sum("tokens")
+        for rid in admitted or ():
+            inflight.pop(rid, None)
+        horizon = now - self.inflight_ttl_s
+        for rid in [rid for rid, e in inflight.items() if e.at < horizon]:
+            del inflight[rid]
         carry = view.role == "prefill"
         if carry and view.hold_beats > 0:
             view.hold_beats -= 1
-            view.carried_requests = view.pending_requests
-            view.carried_tokens = view.pending_tokens
-            return True
-        fresh_requests = max(0, view.pending_requests - view.carried_requests) if carry else 0
-        fresh_tokens = max(0, view.pending_tokens - view.carried_tokens) if carry else 0
-        view.pending_requests = view.carried_requests = fresh_requests
-        view.pending_tokens = view.carried_tokens = fresh_tokens
+            view.carried_requests, view.carried_tokens = requests, tokens
+        else:
+            requests = max(0, requests - view.carried_requests) if carry else 0
+            tokens = max(0, tokens - view.carried_tokens) if carry else 0
+            view.carried_requests, view.carried_tokens = requests, tokens
+        view.pending_requests = requests + len(inflight)
+        view.pending_tokens = tokens + view.inflight_sum("tokens")
         return True
 
     def leave(self, worker_id: str) -> bool:

@@ -19,18 +19,21 @@ bound; the policy plans KV and TBT for ``min(max_tokens, planned_output_tokens)`
 The prefix index's block size is the live workers' (the profile's when none is live).
 
 Online fit: ``observe`` feeds the step samples a heartbeat carries into the cost model
-(prefill steps and decode steps; a malformed sample is skipped and counted).
+(prefill steps and decode steps; a malformed sample is skipped and counted), and
+``observe_ttft`` a decode worker's first-token times into the TTFT correction
+(``ttft_correction.py``), against what ``route`` predicted for the same request id.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from common.cost_profile import CostProfile
-from common.protocol import StepSample
+from common.protocol import StepSample, TtftSample
 from common.records import CostCoefficients
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig
 from services.conductor.cost_model import CostModel
@@ -38,6 +41,7 @@ from services.conductor.policy import PICKERS, StaticDisaggregation, make_picker
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import WorkerView
 from services.conductor.routing_policy import Decision, PolicyRequest, Rejection, RoutingPolicy
+from services.conductor.ttft_correction import CorrectionConfig, Expected, TtftCorrection
 
 ROUTING_POLICIES = ("cache_aware", *sorted(PICKERS))
 
@@ -52,6 +56,7 @@ class RouterConfig:
     max_decode_stall_s: float = 0.5
     planned_output_tokens: int = 512
     kv_lease_s: float = 10.0  # the workers' KV lease (cache_aware)
+    correction: CorrectionConfig = CorrectionConfig()  # learned TTFT factor (cache_aware)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -74,12 +79,15 @@ class RouteRequest(NamedTuple):
 
 
 def make_policy(config: RouterConfig, profile: CostProfile, index: PrefixIndex,
-                cost: CostModel) -> RoutingPolicy:
-    """The policy ``config.policy`` names, reading ``index`` and ``cost``."""
+                cost: CostModel, correction: TtftCorrection | None = None) -> RoutingPolicy:
+    """The policy ``config.policy`` names, reading ``index``, ``cost`` and
+    ``correction``."""
     if config.policy == "cache_aware":
         return CacheAwarePolicy(index, cost, PolicyConfig(
             profile.kv_bytes_per_token, profile.link_bandwidth, profile.pool_bandwidth,
-            config.max_decode_stall_s, config.kv_lease_s))
+            config.max_decode_stall_s, config.kv_lease_s,
+            # Profiles that measured their host carry it (older ones do not).
+            tuple(getattr(profile, "contention", ()))), correction)
     return StaticDisaggregation(make_picker(config.policy), config.disagg_threshold)
 
 
@@ -95,15 +103,18 @@ class Router:
         self.index = PrefixIndex() if index is None else index
         self.cost = CostModel(CostCoefficients(*profile.coefficients()))
         self.bad_samples = 0
-        self.policy = (make_policy(config, profile, self.index, self.cost)
+        self.correction = TtftCorrection(config.correction)
+        self.policy = (make_policy(config, profile, self.index, self.cost, self.correction)
                        if policy is None else policy)
 
     @property
     def name(self) -> str:
         return self.policy.name
 
-    def route(self, workers: list[WorkerView], req: RouteRequest) -> Decision | Rejection:
-        """Decide for one request and account it against the chosen workers. Raises
+    def route(self, workers: list[WorkerView], req: RouteRequest,
+              request_id: str | None = None) -> Decision | Rejection:
+        """Decide for one request and account it against the chosen workers; with a
+        ``request_id``, remember the TTFT predicted for it (``observe_ttft``). Raises
         ``NoWorkers`` when no live decode or unified worker serves the model,
         ``ValueError`` for a request with no prompt or negative ``max_tokens``."""
         if req.prompt_len <= 0 or req.max_tokens < 0:
@@ -112,12 +123,24 @@ class Router:
         cfg = self.config
         block_size = next((w.block_size for w in workers if w.alive), self.profile.block_size)
         output = min(req.max_tokens, cfg.planned_output_tokens) if req.max_tokens else 0
-        return self.policy.decide(workers, PolicyRequest(
+        decision = self.policy.decide(workers, PolicyRequest(
             prompt_tokens=req.prompt_len, block_hashes=req.block_hashes,
             block_size=block_size, model=req.model, exclude=req.exclude,
             slo_ttft_s=cfg.slo_ttft_s if req.slo_ttft_s is None else req.slo_ttft_s,
             slo_tbt_s=cfg.slo_tbt_s if req.slo_tbt_s is None else req.slo_tbt_s,
-            output_tokens=output, admission=cfg.admission))
+            output_tokens=output, admission=cfg.admission, request_id=request_id or "",
+            routed_at=time.monotonic() if request_id else 0.0))
+        if request_id and isinstance(decision, Decision):
+            self.correction.expect(request_id, Expected(
+                decision.decode.worker_id,
+                decision.prefill.worker_id if decision.prefill is not None else None,
+                decision.predicted_ttft_s))
+        return decision
+
+    def observe_ttft(self, worker_id: str, samples: Sequence[TtftSample]) -> int:
+        """Learn from decode worker ``worker_id``'s first-token times; returns how many
+        matched a request routed to it (the rest are counted as unmatched)."""
+        return self.correction.observe(worker_id, samples)
 
     def observe(self, prefill_steps: Sequence[StepSample],
                 decode_steps: Sequence[StepSample]) -> int:

@@ -27,6 +27,8 @@ class Decision(NamedTuple):
     decode: WorkerView
     prefill: WorkerView | None  # None: the decode worker prefills the prompt itself
     reason: str
+    # The TTFT predicted before any learned correction (NaN: this policy predicts none).
+    predicted_ttft_s: float = math.nan
 
 
 class Rejection(NamedTuple):
@@ -51,6 +53,10 @@ class PolicyRequest(NamedTuple):
     slo_tbt_s: float = math.inf
     output_tokens: int = 0
     admission: bool = True
+    # With an id, the decision stays counted on its workers until their heartbeats
+    # acknowledge it (``WorkerView.route``); routed_at is when (monotonic seconds).
+    request_id: str = ""
+    routed_at: float = 0.0
 
 
 class RoutingPolicy(ABC):

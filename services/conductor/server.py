@@ -65,11 +65,12 @@ from common.zmq_metrics import ControlMetrics
 from common.zmq_policy import CONDUCTOR_CONTROL, CONDUCTOR_EVENTS
 from common.zmq_rpc import RpcClient, RpcServer
 from services.conductor.cache_policy import Rejection
-from services.conductor.metrics import reason_class
+from services.conductor.metrics import CorrectionMetrics, reason_class
 from services.conductor.policy import NoWorkers
 from services.conductor.pool_watch import PoolWatch
 from services.conductor.registry import Registry, WorkerView
 from services.conductor.router import Router, RouterConfig, RouteRequest
+from services.conductor.ttft_correction import CorrectionConfig
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +90,13 @@ class ConductorSettings:
     max_decode_stall_s: float = 0.5  # cap on a local prefill's stall of running decodes
     planned_output_tokens: int = 512  # output planned for when max_tokens is larger
     kv_lease_s: float = 10.0  # the workers' kv_lease_s: a longer remote prefill falls back
+    # TTFT correction (services/conductor/ttft_correction.py, docs/configuration.md):
+    # predictions scaled by the observed/predicted ratio decode workers report.
+    ttft_correction: bool = True
+    ttft_correction_min_samples: int = 5  # per worker (else its path's) before use
+    ttft_correction_quantile: float = 0.9  # of the last 32 ratios
+    ttft_correction_max_ratio: float = 4.0  # ratios clamped to [1/this, this]
+    ttft_margin: float = 1.0  # admission refuses when corrected TTFT x this > SLO
     # Cache-pool control addresses, comma-separated (as the workers'); "": no pool.
     cache_pools: str = ""
     pool_check_interval_s: float = 1.0  # how often each pool instance is asked for Stats
@@ -110,7 +118,11 @@ class ConductorSettings:
             slo_ttft_s=self.slo_ttft_ms / 1e3 if self.slo_ttft_ms > 0 else math.inf,
             slo_tbt_s=self.slo_tbt_ms / 1e3 if self.slo_tbt_ms > 0 else math.inf,
             admission=self.admission, max_decode_stall_s=self.max_decode_stall_s,
-            planned_output_tokens=self.planned_output_tokens, kv_lease_s=self.kv_lease_s)
+            planned_output_tokens=self.planned_output_tokens, kv_lease_s=self.kv_lease_s,
+            correction=CorrectionConfig(
+                enabled=self.ttft_correction, min_samples=self.ttft_correction_min_samples,
+                quantile=self.ttft_correction_quantile,
+                max_ratio=self.ttft_correction_max_ratio, margin=self.ttft_margin))
 
 
 class Conductor:
@@ -120,7 +132,9 @@ class Conductor:
         self.ctx = make_context(settings.curve_keys_dir, "conductor")
         self.tracer = Tracer("conductor", enabled=settings.tracing,
                              endpoint=settings.tracing_endpoint, file=settings.tracing_file)
-        self.registry = Registry(settings.heartbeat_interval_s)
+        # A decision no heartbeat acknowledges stops counting a KV lease after it: a
+        # Prefill reaches its prefill worker within the lease or not at all.
+        self.registry = Registry(settings.heartbeat_interval_s, settings.kv_lease_s)
         self.rpc = RpcServer(self.ctx, settings.control_addr, self._handle, name="conductor",
                              allowed=CONDUCTOR_CONTROL)
         self.sub = Subscriber(self.ctx, settings.heartbeat_addr, bind=True,
@@ -134,6 +148,7 @@ class Conductor:
             dead_after_s=settings.pool_dead_after_s) if pools else None
         self.metrics = CollectorRegistry()
         self.metrics.register(ControlMetrics(self.ctx))
+        self.metrics.register(CorrectionMetrics(self.router.correction))
         self.decisions = Counter("pdserve:routing_decisions", "Routing decisions",
                                  ["outcome"], registry=self.metrics)
         self.reasons = Counter("pdserve:routing_reasons", "Routing decisions by the kind of "
@@ -245,7 +260,7 @@ class Conductor:
             max_tokens=rec.max_tokens)
         start = time.perf_counter()
         try:
-            decision = self.router.route(list(self.registry.workers.values()), req)
+            decision = self.router.route(list(self.registry.workers.values()), req, rid)
         except NoWorkers as exc:
             return Error("unavailable", str(exc))
         except ValueError as exc:
@@ -277,6 +292,8 @@ class Conductor:
             # The router's fitting reads samples as mappings (it also takes them from
             # the simulator and tests), so the records are handed over as such.
             self.router.observe(hb.prefill_steps, hb.decode_steps)
+            if hb.ttft_samples:
+                self.router.observe_ttft(hb.worker_id, hb.ttft_samples)
             return True
         # A refused worker is not asked again: only a Hello (a new process) can admit it.
         wid = hb.worker_id
@@ -336,6 +353,7 @@ class Conductor:
             await asyncio.sleep(min(0.25, self.settings.heartbeat_interval_s / 2))
             for worker_id in self.registry.reap():
                 self.router.index.drop_location(worker_id)  # its cache died with it
+                self.router.correction.forget(worker_id)
             for role in ("prefill", "decode", "unified"):
                 self.alive_workers.labels(role=role).set(len(self.registry.alive((role,))))
 

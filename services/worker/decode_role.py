@@ -30,6 +30,7 @@ continues it on another worker, which recomputes the KV.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import secrets
@@ -47,6 +48,7 @@ from common.protocol import (
     Prefill,
     Timing,
     Tokens,
+    TtftSample,
     WorkerStats,
 )
 from common.transfer import MultiReceiver, TransferError
@@ -77,6 +79,9 @@ class DecodeRole:
         self.admitting = 0  # Generates between arrival and the engine's queue
         self.leaving = False
         self.aborted = Tombstones()  # aborts that may have overtaken their Generate
+        # First-token times for the conductor's TTFT correction, sent with the next
+        # heartbeat; bounded, so a conductor that stops listening costs nothing.
+        self.ttft_samples: collections.deque[TtftSample] = collections.deque(maxlen=64)
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
@@ -113,6 +118,21 @@ class DecodeRole:
             kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
             kv_messages_refused=self.receiver.refused, kv_advert=self.kv_advert(),
             kv_migrated_in=self.arrivals.adopted, kv_migrated_out=self.departures.moved)
+
+    def take_ttft_samples(self) -> list[TtftSample]:
+        """The first-token times since the last call, oldest first (pops one at a time:
+        nothing appended meanwhile is lost)."""
+        samples, taken = self.ttft_samples, []
+        while samples:
+            taken.append(samples.popleft())
+        return taken
+
+    def _first_token(self, stream: Stream, at: float) -> None:
+        # Only a request's first submission: a resumed one was admitted without an SLO.
+        if stream.start_position == 0:
+            self.ttft_samples.append(TtftSample(
+                request_id=stream.request_id, seconds=max(0.0, at - stream.arrived),
+                remote=stream.asked is not None))
 
     def overloaded(self) -> Error | None:
         """The refusal for one more request when the queue is full, else None."""
@@ -223,6 +243,7 @@ class DecodeRole:
                 return
             if stream is not None:
                 stream.kv_done, stream.measured = time.monotonic(), done_rec.timing
+                self._first_token(stream, stream.kv_done)
             out = await ctx.loop.run(lambda e: e.complete_remote_prefill(rid, first))
             ctx.metrics.kv_transfer_seconds.inc(time.monotonic() - remote.started)
             if out.finished:
@@ -287,6 +308,7 @@ class DecodeRole:
         position = stream.start_position + out.num_output_tokens - len(out.new_token_ids)
         if out.num_output_tokens == len(out.new_token_ids) and out.new_token_ids:
             stream.first, stream.queued = time.monotonic(), out.queue_time_s or 0.0
+            self._first_token(stream, stream.first)  # prefilled here, or fell back here
             # The first token of a prompt computed here (a remote prefill's first token
             # never passes through): its blocks may serve other workers.
             self.pool.computed(stream.prompt_token_ids, stream.cache_salt)

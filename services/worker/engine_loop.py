@@ -75,6 +75,7 @@ async def exported_bytes(pending: Any) -> Any:
 
 OutputHandler = Callable[[list[RequestOutput], float], None]
 MAX_SAMPLES = 32
+MAX_ADMITTED = 1024  # request ids a heartbeat acknowledges; older ones the conductor ages out
 T = TypeVar("T")
 
 
@@ -99,6 +100,7 @@ class LoadSnapshot(NamedTuple):
     num_requests: int = 0
     waiting_for_kv: int = 0  # remote prefills whose KV has not all landed
     reserved_blocks: int = 0  # blocks held requests will still take for their output
+    admitted: int = 0  # requests taken in so far, all counted above (``take_admitted``)
 
 
 class EngineLoop:
@@ -118,6 +120,13 @@ class EngineLoop:
         self._decode_samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_SAMPLES)
         self.prefill_tokens_per_s = 0.0  # smoothed over prefill-only steps; 0: none yet
         self.load = LoadSnapshot()
+        # Request ids in the order snapshots first counted them, numbered: a heartbeat
+        # acknowledges exactly those its snapshot counts (engine thread appends, the
+        # heartbeat pops; deques are thread-safe for that).
+        self._known: set[str] = set()
+        self._admitted: collections.deque[tuple[int, str]] = collections.deque(
+            maxlen=MAX_ADMITTED)
+        self._admitted_n = 0
 
     @property
     def facts(self) -> EngineFacts:
@@ -264,6 +273,13 @@ class EngineLoop:
         queued += sum(s.num_prompt_tokens - s.num_computed_tokens for s in sched.running
                       if s.num_computed_tokens < s.num_prompt_tokens)
         bm = engine.block_manager
+        known = self._known
+        if len(known) != len(engine.requests) or not known.issuperset(engine.requests):
+            for rid in engine.requests:
+                if rid not in known:
+                    self._admitted_n += 1
+                    self._admitted.append((self._admitted_n, rid))
+            self._known = set(engine.requests)
         awaiting = reserved = 0
         # A held request's blocks for its remaining output are spoken for: a conductor
         # reading only the free count would promise them to the next request.
@@ -276,7 +292,15 @@ class EngineLoop:
             reserved += max(0, -(-final // bm.block_size) - len(s.block_table))
         return LoadSnapshot(len(sched.waiting), len(sched.running), queued,
                             bm.num_free_blocks, bm.num_blocks, len(engine.requests),
-                            awaiting, reserved)
+                            awaiting, reserved, self._admitted_n)
+
+    def take_admitted(self, load: LoadSnapshot) -> list[str]:
+        """The request ids first counted by ``load`` or an earlier snapshot, not taken
+        before, oldest first: what a heartbeat carrying ``load`` acknowledges."""
+        taken, pending = [], self._admitted
+        while pending and pending[0][0] <= load.admitted:
+            taken.append(pending.popleft()[1])
+        return taken
 
     def _run(self, build: Callable[[], EngineCore], built: asyncio.Future) -> None:
         try:

@@ -332,7 +332,10 @@ class Worker:
                     free_blocks=load.free_blocks, total_blocks=load.total_blocks,
                     step_time_ms=self.loop.recent_step_ms(), control_addr=self.control_addr,
                     prefill_steps=prefill_steps, decode_steps=decode_steps,
-                    waiting_for_kv=load.waiting_for_kv, reserved_blocks=load.reserved_blocks))
+                    waiting_for_kv=load.waiting_for_kv, reserved_blocks=load.reserved_blocks,
+                    ttft_samples=(self.role.take_ttft_samples()
+                                  if isinstance(self.role, DecodeRole) else []),
+                    admitted=self.loop.take_admitted(load)))
                 seq += 1
         finally:
             await pub.close()
