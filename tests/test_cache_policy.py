@@ -247,6 +247,35 @@ def test_conditional_disaggregation_follows_predicted_costs():
     assert route(policy(), ws).prefill.worker_id == "p1"
 
 
+def test_a_follow_up_prefills_on_the_decode_worker_holding_its_history():
+    idx = PrefixIndex()
+    idx.stored("d2", CHAIN[:15])  # d2 served the previous turn and still holds it
+    # d1 has the lower predicted TBT (1 running against 2), so it is the decode pick;
+    # a full local prefill there would stall its batch 0.86 s (> the 0.5 s budget), so
+    # the rule before went remote: p1, 8,192 tokens 0.863 s + transfer 0.008 s.
+    remote = prefill_s(PROMPT, 0) + PROMPT * 1000 / 1e9
+    # d2 computes only the 512 new tokens after its 15 blocks, behind its decode step of
+    # 2 sequences (0.022 s), and stalls its batch 0.065 s, within the budget.
+    step = 0.02 + 2 * 1e-3
+    local = step + prefill_s(BS, 15 * BS)
+    assert remote == pytest.approx(0.8709, abs=1e-4) and local == pytest.approx(0.0873, abs=1e-4)
+    ws = [view("d1", "decode", running=1), view("d2", "decode", running=2),
+          view("p1", "prefill")]
+    d = route(policy(idx), ws)
+    assert (d.decode.worker_id, d.prefill) == ("d2", None)
+    assert d.reason.startswith(f"local on the prefix's holder {local:.3f}s < {remote:.3f}s")
+    assert "hit 15/16" in d.reason
+    assert (ws[1].pending_requests, ws[1].pending_tokens) == (1, BS)
+    assert ws[0].pending_requests == 0 and ws[2].pending_requests == 0
+    # Over the stall budget there (3 prompts, 6,000 tokens, queued ahead: 0.64 s),
+    # the holder is passed over: remote as before.
+    ws = [view("d1", "decode", running=1),
+          view("d2", "decode", running=2, waiting=3, queued=6000), view("p1", "prefill")]
+    d = route(policy(idx), ws)
+    assert (d.decode.worker_id, d.prefill.worker_id) == ("d1", "p1")
+    assert "stall" in d.reason
+
+
 def test_a_remote_prefill_that_would_outlast_the_kv_lease_is_prefilled_locally():
     # The 8,192-token prefill takes 0.86 s; under a 0.5 s lease the decode worker would
     # give up on its KV and prefill it itself: do that at once, stall or not.

@@ -25,6 +25,9 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
     but a remote prefill predicted to outlast the workers' KV lease (``kv_lease_s``)
     would be prefilled on the decode worker anyway, a lease later: local, on the decode
     worker with room where its TTFT times (1 + the requests its stall holds up) is least.
+    Then a local prefill on another decode worker with room that holds more of the
+    prompt's prefix (the one that served the previous turn) replaces the choice when it
+    is predicted sooner and its stall keeps within that worker's budget.
 
 Admission (prediction-based early rejection, on unless ``admission=False``):
 ``Rejection`` when no decode worker has room for the request's KV, when the predicted
@@ -185,6 +188,9 @@ class CacheAwarePolicy(RoutingPolicy):
             best, why = local, f"local {local.ttft_s:.3f}s <= remote {remote.ttft_s:.3f}s"
         else:
             best, why = remote, f"remote {remote.ttft_s:.3f}s < local {local.ttft_s:.3f}s"
+        if remote is not None and not lapses:
+            best, decode, tbt, why = self._holder(best, decode, tbt, why, roomy, chain,
+                                                  slo_tbt_s, admission)
         if admission and best.ttft_s > slo_ttft_s:
             return Rejection(f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo_ttft_s:.3f}s",
                              max(1.0, best.ttft_s - slo_ttft_s))
@@ -194,6 +200,33 @@ class CacheAwarePolicy(RoutingPolicy):
                   f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s; "
                   f"decode tbt {tbt * 1e3:.1f}ms")
         return Decision(decode, None if best.worker is decode else best.worker, reason)
+
+    def _holder(self, best: Estimate, decode: WorkerView, tbt: float, why: str,
+                roomy: list, chain: tuple, slo_tbt_s: float, admission: bool) -> tuple:
+        """The decision, or a local prefill on another decode worker with room that holds
+        more of the prompt's prefix than ``decode`` when that is predicted sooner and
+        stalls its batch within the budget: a follow-up turn whose history sits on the
+        decode worker that served it computes only its new tokens there."""
+        hits = chain[2]
+        own = hits.get(decode.worker_id, 0)
+        pick = None
+        for d, t in roomy:
+            if (hits.get(d.worker_id, 0) <= own or d.fingerprint != decode.fingerprint
+                    or (admission and t > slo_tbt_s)):
+                continue
+            e = self._estimate(d, chain, remote=False)
+            budget = min(self.config.max_decode_stall_s, slo_tbt_s - e.step_s)
+            if d.load and e.ttft_s - e.step_s > budget:
+                continue
+            if e.ttft_s < best.ttft_s and (pick is None or
+                                           (e.ttft_s, d.worker_id) < (pick[0].ttft_s,
+                                                                      pick[1].worker_id)):
+                pick = (e, d, t)
+        if pick is None:
+            return best, decode, tbt, why
+        e, d, t = pick
+        return e, d, t, (f"local on the prefix's holder {e.ttft_s:.3f}s < "
+                         f"{best.ttft_s:.3f}s ({why})")
 
     def _pick_decode(self, decoders: list[WorkerView], prompt: int,
                      output: int) -> tuple[WorkerView, float, bool, list]:
