@@ -19,8 +19,10 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
     local  = TTFT on the decode worker itself: its own prefix, its local prefill queue,
              the decode step in progress; no transfer. Allowed when nothing runs there, or
              when its local prefill queue and this prefill stall the running batch for at
-             most min(max_decode_stall_s, slo_tbt_s - its step time): the stall then keeps
-             even a running request with two output tokens within its TBT SLO.
+             most min(max_decode_stall_s, (slo_tbt_s - its step time) * (O_mean - 1)),
+             O_mean the mean planned output of the requests accepted so far (2 before
+             any): the stall then keeps a running request of the workload's mean output
+             within its TBT SLO (a shorter one may miss it).
     choose the lower of best remote and local: the crossover moves with measured costs;
     but a remote prefill predicted to outlast the workers' KV lease (``kv_lease_s``)
     would be prefilled on the decode worker anyway, a lease later: local, on the decode
@@ -119,6 +121,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.cost = cost
         self.config = config
         self._ledgers: dict[str, _Ledger] = {}
+        self._outputs = [0, 0]  # accepted requests with a planned output: count, tokens
 
     def _ledger(self, w: WorkerView) -> _Ledger:
         led = self._ledgers.get(w.worker_id)
@@ -168,7 +171,7 @@ class CacheAwarePolicy(RoutingPolicy):
             remote = remote._replace(ttft_s=remote.ttft_s + ahead)
         stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
         busy = decode.load
-        budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
+        budget = self._stall_budget(slo_tbt_s, local.step_s)
         if remote is None:
             best, why = local, ("colocated" if decode.role == "unified" else "no prefill worker")
         elif lapses:
@@ -195,6 +198,9 @@ class CacheAwarePolicy(RoutingPolicy):
             return Rejection(f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo_ttft_s:.3f}s",
                              max(1.0, best.ttft_s - slo_ttft_s))
         self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead))
+        if output_tokens:
+            self._outputs[0] += 1
+            self._outputs[1] += output_tokens
         nblocks = len(block_hashes)
         reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
                   f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s; "
@@ -215,7 +221,7 @@ class CacheAwarePolicy(RoutingPolicy):
                     or (admission and t > slo_tbt_s)):
                 continue
             e = self._estimate(d, chain, remote=False)
-            budget = min(self.config.max_decode_stall_s, slo_tbt_s - e.step_s)
+            budget = self._stall_budget(slo_tbt_s, e.step_s)
             if d.load and e.ttft_s - e.step_s > budget:
                 continue
             if e.ttft_s < best.ttft_s and (pick is None or
@@ -227,6 +233,15 @@ class CacheAwarePolicy(RoutingPolicy):
         e, d, t = pick
         return e, d, t, (f"local on the prefix's holder {e.ttft_s:.3f}s < "
                          f"{best.ttft_s:.3f}s ({why})")
+
+    def _stall_budget(self, slo_tbt_s: float, step_s: float) -> float:
+        """Seconds a local prefill may stall a running batch: what keeps the mean TBT of
+        a running request of the workload's mean planned output (of the requests
+        accepted so far; two tokens before any) within ``slo_tbt_s``, at most
+        ``max_decode_stall_s``."""
+        n, tokens = self._outputs
+        spread = max(1.0, tokens / n - 1) if n else 1.0
+        return min(self.config.max_decode_stall_s, (slo_tbt_s - step_s) * spread)
 
     def _pick_decode(self, decoders: list[WorkerView], prompt: int,
                      output: int) -> tuple[WorkerView, float, bool, list]:
