@@ -252,6 +252,61 @@ def test_conditional_disaggregation_follows_predicted_costs():
     assert route(policy(), ws).prefill.worker_id == "p1"
 
 
+def test_a_follow_up_prefills_on_the_decode_worker_holding_its_history():
+    idx = PrefixIndex()
+    idx.stored("d2", CHAIN[:15])  # d2 served the previous turn and still holds it
+    # d1 has the lower predicted TBT (1 running against 2), so it is the decode pick;
+    # a full local prefill there would stall its batch 0.86 s (> the 0.5 s budget), so
+    # the rule before went remote: p1, 8,192 tokens 0.863 s + transfer 0.008 s.
+    remote = prefill_s(PROMPT, 0) + PROMPT * 1000 / 1e9
+    # d2 computes only the 512 new tokens after its 15 blocks, behind its decode step of
+    # 2 sequences (0.022 s), and stalls its batch 0.065 s, within the budget.
+    step = 0.02 + 2 * 1e-3
+    local = step + prefill_s(BS, 15 * BS)
+    assert remote == pytest.approx(0.8709, abs=1e-4) and local == pytest.approx(0.0873, abs=1e-4)
+    ws = [view("d1", "decode", running=1), view("d2", "decode", running=2),
+          view("p1", "prefill")]
+    d = route(policy(idx), ws)
+    assert (d.decode.worker_id, d.prefill) == ("d2", None)
+    assert d.reason.startswith(f"local on the prefix's holder {local:.3f}s < {remote:.3f}s")
+    assert "hit 15/16" in d.reason
+    assert (ws[1].pending_requests, ws[1].pending_tokens) == (1, BS)
+    assert ws[0].pending_requests == 0 and ws[2].pending_requests == 0
+    # Over the stall budget there (3 prompts, 6,000 tokens, queued ahead: 0.64 s),
+    # the holder is passed over: remote as before.
+    ws = [view("d1", "decode", running=1),
+          view("d2", "decode", running=2, waiting=3, queued=6000), view("p1", "prefill")]
+    d = route(policy(idx), ws)
+    assert (d.decode.worker_id, d.prefill.worker_id) == ("d1", "p1")
+    assert "stall" in d.reason
+
+
+def test_the_stall_budget_spreads_over_the_workloads_mean_output():
+    # A 1,024-token prompt; d1 runs 4 sequences (step 0.024 s), p1 has 3 s of work queued.
+    prompt, hashes = 2 * BS, CHAIN[:2]
+    step = 0.02 + 4 * 1e-3
+    stall = prefill_s(prompt, 0)  # 0.113 s, local TTFT 0.137 s
+    remote = 3 * prefill_s(10_000, 0) + prefill_s(prompt, 0) + prompt * 1000 / 1e9
+    assert stall == pytest.approx(0.1129, abs=1e-4) and remote == pytest.approx(3.294, abs=1e-3)
+    kw = dict(prompt=prompt, hashes=hashes, slo_tbt_s=0.064, output_tokens=100)
+
+    def ws():
+        return [view("d1", "decode", running=4), view("p1", "prefill", waiting=3,
+                                                      queued=30_000)]
+    pol = policy()
+    # No output seen yet: a running request may have two tokens, so the budget is one
+    # TBT's headroom, 0.064 - 0.024 = 0.040 s < 0.113 s: remote, 3.29 s.
+    d = route(pol, ws(), **kw)
+    assert d.prefill.worker_id == "p1" and "stall" in d.reason
+    assert f"ttft {remote:.3f}s" in d.reason
+    # Requests of 100 tokens seen: the headroom spreads over 99 of them, capped at
+    # max_decode_stall_s (0.5 s): local, 0.137 s.
+    d = route(pol, ws(), **kw)
+    assert d.prefill is None and d.reason.startswith(f"local {step + stall:.3f}s <= remote")
+    # Without a TBT SLO the cap alone bounds the stall, as before.
+    assert route(policy(), ws(), prompt=prompt, hashes=hashes).prefill is None
+
+
 def test_a_remote_prefill_that_would_outlast_the_kv_lease_is_prefilled_locally():
     # The 8,192-token prefill takes 0.86 s; under a 0.5 s lease the decode worker would
     # give up on its KV and prefill it itself: do that at once, stall or not.

@@ -20,12 +20,17 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
     local  = TTFT on the decode worker itself: its own prefix, its local prefill queue,
              the decode step in progress; no transfer. Allowed when nothing runs there, or
              when its local prefill queue and this prefill stall the running batch for at
-             most min(max_decode_stall_s, slo_tbt_s - its step time): the stall then keeps
-             even a running request with two output tokens within its TBT SLO.
+             most min(max_decode_stall_s, (slo_tbt_s - its step time) * (O_mean - 1)),
+             O_mean the mean planned output of the requests accepted so far (2 before
+             any): the stall then keeps a running request of the workload's mean output
+             within its TBT SLO (a shorter one may miss it).
     choose the lower of best remote and local: the crossover moves with measured costs;
     but a remote prefill predicted to outlast the workers' KV lease (``kv_lease_s``)
     would be prefilled on the decode worker anyway, a lease later: local, on the decode
     worker with room where its TTFT times (1 + the requests its stall holds up) is least.
+    Then a local prefill on another decode worker with room that holds more of the
+    prompt's prefix (the one that served the previous turn) replaces the choice when it
+    is predicted sooner and its stall keeps within that worker's budget.
 
 Every TTFT above is multiplied by the learned factor of its path and worker
 (``ttft_correction.py``: "remote" and the prefill worker, "local" and the decode
@@ -138,6 +143,7 @@ class CacheAwarePolicy(RoutingPolicy):
         self.correction = TtftCorrection() if correction is None else correction
         self._ledgers: dict[str, _Ledger] = {}
         self._busy: dict[str, set[str]] = {}  # per host, its busy workers (``decide``)
+        self._outputs = [0, 0]  # accepted requests with a planned output: count, tokens
 
     def _ledger(self, w: WorkerView) -> _Ledger:
         led = self._ledgers.get(w.worker_id)
@@ -200,7 +206,7 @@ class CacheAwarePolicy(RoutingPolicy):
                                      raw_s=remote.raw_s + wait)
         stall = local.ttft_s - local.step_s  # its local queue runs first, also stalling
         busy = decode.load
-        budget = min(self.config.max_decode_stall_s, slo_tbt_s - local.step_s)
+        budget = self._stall_budget(slo_tbt_s, local.step_s)
         if remote is None:
             best, why = local, ("colocated" if decode.role == "unified" else "no prefill worker")
         elif lapses:
@@ -220,18 +226,58 @@ class CacheAwarePolicy(RoutingPolicy):
             best, why = local, f"local {local.ttft_s:.3f}s <= remote {remote.ttft_s:.3f}s"
         else:
             best, why = remote, f"remote {remote.ttft_s:.3f}s < local {local.ttft_s:.3f}s"
+        if remote is not None and not lapses:
+            best, decode, tbt, why = self._holder(best, decode, tbt, why, roomy, chain,
+                                                  slo_tbt_s, admission)
         margin = self.correction.config.margin
         if admission and best.ttft_s * margin > slo_ttft_s:
             return Rejection(f"predicted TTFT {best.ttft_s:.3f}s{_times(best.factor, margin)} "
                              f"> SLO {slo_ttft_s:.3f}s",
                              max(1.0, best.ttft_s * margin - slo_ttft_s))
         self._account(best, decode, prompt_tokens + output_tokens, max(0.0, ahead), r)
+        if output_tokens:
+            self._outputs = [self._outputs[0] + 1, self._outputs[1] + output_tokens]
         nblocks = len(block_hashes)
         reason = (f"{why}; prefill on {best.worker.worker_id} hit {best.hit_blocks}/{nblocks} "
                   f"blocks, queue {best.queue_s:.3f}s, ttft {best.ttft_s:.3f}s"
                   f"{_times(best.factor, 1.0)}; decode tbt {tbt * 1e3:.1f}ms")
         return Decision(decode, None if best.worker is decode else best.worker, reason,
                         best.raw_s)
+
+    def _holder(self, best: Estimate, decode: WorkerView, tbt: float, why: str,
+                roomy: list, chain: tuple, slo_tbt_s: float, admission: bool) -> tuple:
+        """The decision, or a local prefill on another decode worker with room that holds
+        more of the prompt's prefix than ``decode`` when that is predicted sooner and
+        stalls its batch within the budget: a follow-up turn whose history sits on the
+        decode worker that served it computes only its new tokens there."""
+        hits = chain[2]
+        own = hits.get(decode.worker_id, 0)
+        pick = None
+        for d, t in roomy:
+            if (hits.get(d.worker_id, 0) <= own or d.fingerprint != decode.fingerprint
+                    or (admission and t > slo_tbt_s)):
+                continue
+            e = self._estimate(d, chain, remote=False)
+            budget = self._stall_budget(slo_tbt_s, e.step_s)
+            if d.load and e.ttft_s - e.step_s > budget:
+                continue
+            key = (e.ttft_s, d.worker_id)
+            if e.ttft_s < best.ttft_s and (pick is None or key < pick[0]):
+                pick = (key, e, d, t)
+        if pick is None:
+            return best, decode, tbt, why
+        _, e, d, t = pick
+        return e, d, t, (f"local on the prefix's holder {e.ttft_s:.3f}s < "
+                         f"{best.ttft_s:.3f}s ({why})")
+
+    def _stall_budget(self, slo_tbt_s: float, step_s: float) -> float:
+        """Seconds a local prefill may stall a running batch: what keeps the mean TBT of
+        a running request of the workload's mean planned output (of the requests
+        accepted so far; two tokens before any) within ``slo_tbt_s``, at most
+        ``max_decode_stall_s``."""
+        n, tokens = self._outputs
+        spread = max(1.0, tokens / n - 1) if n else 1.0
+        return min(self.config.max_decode_stall_s, (slo_tbt_s - step_s) * spread)
 
     def _pick_decode(self, decoders: list[WorkerView], prompt: int,
                      output: int) -> tuple[WorkerView, float, bool, list]:
