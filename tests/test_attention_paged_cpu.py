@@ -69,6 +69,12 @@ def test_large_scores_do_not_overflow():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_ready_starts_the_build_and_reports_it():
+    attention_paged_cpu.ready()
+    assert attention_paged_cpu.available()  # waits for the build ready() started
+    assert attention_paged_cpu.ready()
+
+
 @pytest.mark.parametrize("bad", ["block", "length", "zero"])
 def test_bad_tables_are_refused_before_reading(bad):
     q, k_cache, v_cache, tables, ctx = _cache([20, 3], 16, 1, 2, 16)
@@ -98,7 +104,7 @@ def test_backend_takes_the_kernel_for_float32_and_matches_gather():
     k = torch.randn(5, 2, 16, generator=g)
     v = torch.randn(5, 2, 16, generator=g)
     outs = {}
-    for path in ("auto", "paged", "gather"):
+    for path in ("paged", "auto", "gather"):  # "paged" waits for the build
         meta = AttentionMetadata(torch.tensor(last), groups, [])
         kc, vc = k_cache.clone(), v_cache.clone()
         outs[path] = TorchAttention(path).forward(q, k, v, kc, vc, meta)

@@ -88,11 +88,11 @@ class TorchAttention(AttentionBackend):
     """Paged attention in plain torch; the CPU path.
 
     ``decode="auto"`` reads the cache in place with the compiled kernel
-    (``attention_paged_cpu.py``) where it builds and takes the layer, and walks the
-    cache a chunk of blocks at a time in torch otherwise (``"chunked"``,
-    ``attention_decode.py``); ``"paged"`` asks for the kernel only; ``"gather"`` keeps
-    the earliest path, which copies every context out of the cache first, for
-    comparison (``bench/attention_cpu.py``).
+    (``attention_paged_cpu.py``) once it is built (in the background) where it takes
+    the layer, and walks the cache a chunk of blocks at a time in torch otherwise
+    (``"chunked"``, ``attention_decode.py``); ``"paged"`` asks for the kernel only
+    (waiting for its build); ``"gather"`` keeps the earliest path, which copies every
+    context out of the cache first, for comparison (``bench/attention_cpu.py``).
     """
 
     def __init__(self, decode: str = "auto") -> None:
@@ -110,7 +110,7 @@ class TorchAttention(AttentionBackend):
         decode = self.decode
         if decode == "auto":
             decode = ("paged" if attention_paged_cpu.supports(q, k_cache)
-                      and attention_paged_cpu.available() else "chunked")
+                      and attention_paged_cpu.ready() else "chunked")
         if decode == "paged":
             for group in meta.decode_groups:
                 sl = slice(group.start, group.start + group.size)

@@ -1,9 +1,9 @@
 """Decode attention that reads the paged KV cache in place: a small C++ loop for the CPU.
 
-Each (sequence, KV head) walks its own block table one block at a time, straight out of
-the ``[num_blocks, block_size, kv_heads, head_dim]`` cache, with an online softmax (a
-running maximum and sum, rescaled per block), and writes its query heads' outputs into
-the step's output tensor. Nothing is gathered into a copy and no partial results are
+Each sequence walks its own block table one block at a time, straight out of the
+``[num_blocks, block_size, kv_heads, head_dim]`` cache, with an online softmax (a
+running maximum and sum per query head, rescaled per block), and writes its heads'
+outputs into the step's output tensor. Nothing is gathered into a copy and no partial results are
 merged: the K/V bytes of the step are read once, which is the floor for decode.
 
 Why a kernel of our own: torch has no gather-matmul, so every torch formulation either
@@ -11,10 +11,10 @@ copies each context out of the cache (``attention_decode.py``: a chunk at a time
 merges the chunks) or computes against blocks it does not need; and torch's fused CPU
 attention is tuned for long queries, not the 1-token queries of decode (at batch 64 it
 ran at a fraction of memory bandwidth, docs/benchmarks.md). The loop here is built with
-torch's extension loader on first use (vectorized by the compiler for the host CPU).
-Where no compiler is at hand, or for dtypes and shapes it does not take (float32 only,
-``head_dim`` a multiple of 16), :func:`available`/:func:`supports` say so and the
-caller keeps the torch path, with one log line.
+torch's extension loader (vectorized by the compiler for the host CPU), in a thread
+(:func:`ready`); until it is built, where no compiler is at hand (one log line), or for
+dtypes and shapes it does not take (float32 only, ``head_dim`` a multiple of 16,
+:func:`supports`), the caller keeps the torch path.
 """
 
 from __future__ import annotations
@@ -185,8 +185,25 @@ def _module():
 
 
 def available() -> bool:
-    """Whether the compiled kernel is built (builds it on first call)."""
+    """Whether the compiled kernel is built (builds it on first call, waiting for it)."""
     return _module() is not None
+
+
+_background: list = []  # the build thread, once started
+
+
+def ready() -> bool:
+    """Whether the kernel is built, without waiting: the first call starts the build in
+    a thread (tens of seconds with a cold extension cache), so an engine decodes on the
+    torch path meanwhile instead of stalling its first steps on a compiler."""
+    if _built:
+        return _built[0] is not None
+    with _lock:
+        if not _background:
+            t = threading.Thread(target=_module, name="paged-decode-build", daemon=True)
+            _background.append(t)
+            t.start()
+    return False
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
