@@ -2,7 +2,8 @@
 
     python bench/attention_cpu.py [--model smollm2-135m-instruct] [--batch 64]
                                   [--prompt-min 64] [--prompt-max 512] [--pairs 10]
-                                  [--threads 1] [--out attention_cpu.json]
+                                  [--threads 1] [--paths gather,chunked]
+                                  [--out attention_cpu.json]
 
 One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
 between ``TorchAttention("gather")`` (each decode group's context copied out of the
@@ -33,8 +34,6 @@ from services.engine.attention import AttentionBackend, TorchAttention  # noqa: 
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.engine import LLMEngine  # noqa: E402
 
-PATHS = ("gather", "chunked")
-
 
 class Timed(AttentionBackend):
     """Wraps a backend and adds each call's wall time to ``seconds``."""
@@ -63,8 +62,13 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paths", default="gather,chunked",
+                    help="old,new TorchAttention decode paths (gather, chunked, paged)")
     ap.add_argument("--out", default="attention_cpu.json")
     args = ap.parse_args()
+    paths = tuple(args.paths.split(","))
+    if len(paths) != 2:
+        raise SystemExit("--paths takes two paths: old,new")
     if args.pairs < 3:
         raise SystemExit("--pairs must be at least 3: one pair says nothing about the spread")
     rng = random.Random(args.seed)
@@ -82,12 +86,12 @@ def main() -> None:
     while not all(s.output_token_ids for s in engine.requests.values()):
         engine.step()
     print(f"prefilled {sum(lens)} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
-    engine.model.backend = Timed(TorchAttention("chunked"))
+    engine.model.backend = Timed(TorchAttention(paths[1]))
     engine.step()  # warm: the first decode-only step pays one-time costs
 
-    rows: dict[str, list[dict]] = {p: [] for p in PATHS}
+    rows: dict[str, list[dict]] = {p: [] for p in paths}
     for i in range(args.pairs):
-        for path in (PATHS if i % 2 == 0 else PATHS[::-1]):
+        for path in (paths if i % 2 == 0 else paths[::-1]):
             timed = engine.model.backend = Timed(TorchAttention(path))
             c0, t0 = time.process_time(), time.perf_counter()
             engine.step()
@@ -96,10 +100,10 @@ def main() -> None:
                                "share": timed.seconds / wall, "cpu_ms": cpu * 1e3})
         print(f"pair {i}: " + ", ".join(
             f"{p} step {rows[p][-1]['step_ms']:.0f} ms attention {rows[p][-1]['share']:.0%}"
-            for p in PATHS), flush=True)
-    summary = {p: {m: _stats([r[m] for r in rows[p]]) for m in rows[p][0]} for p in PATHS}
-    summary["chunked_over_gather"] = {
-        m: _stats([n[m] / o[m] for o, n in zip(rows["gather"], rows["chunked"], strict=True)])
+            for p in paths), flush=True)
+    summary = {p: {m: _stats([r[m] for r in rows[p]]) for m in rows[p][0]} for p in paths}
+    summary[f"{paths[1]}_over_{paths[0]}"] = {
+        m: _stats([n[m] / o[m] for o, n in zip(rows[paths[0]], rows[paths[1]], strict=True)])
         for m in ("step_ms", "attention_ms", "cpu_ms")}
     for key, table in summary.items():
         print(f"{key}: " + ", ".join(f"{m} {v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]"

@@ -113,8 +113,8 @@ def test_matmul_fallback_gives_the_fused_kernels_figures():
 
 
 def test_unknown_decode_path_is_refused():
-    with pytest.raises(ValueError, match="chunked or gather"):
-        TorchAttention("paged")
+    with pytest.raises(ValueError, match="auto, paged, chunked or gather"):
+        TorchAttention("flash")
 
 
 def test_engine_greedy_tokens_equal_on_both_paths(tiny_dirs, make_engine, monkeypatch):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine import attention_paged_cpu
 from services.engine.attention_decode import DecodePlan, decode_attention, plan_decodes
 from services.engine.attention_ops import TORCH_OPS, LayerOps
 
@@ -86,14 +87,19 @@ class AttentionBackend(ABC):
 class TorchAttention(AttentionBackend):
     """Paged attention in plain torch; the CPU path.
 
-    Decodes walk the cache a chunk of blocks at a time (``attention_decode.py``);
-    ``decode="gather"`` keeps the earlier path, which copies every context out of the
-    cache first, for comparison (``bench/attention_cpu.py``).
+    ``decode="auto"`` reads the cache in place with the compiled kernel
+    (``attention_paged_cpu.py``) once it is built (in the background) where it takes
+    the layer, and walks the cache a chunk of blocks at a time in torch otherwise
+    (``"chunked"``, ``attention_decode.py``); ``"paged"`` asks for the kernel only
+    (waiting for its build); ``"gather"`` keeps the earliest path, which copies every
+    context out of the cache first, for comparison (``bench/attention_cpu.py``).
     """
 
-    def __init__(self, decode: str = "chunked") -> None:
-        if decode not in ("chunked", "gather"):
-            raise ValueError(f"decode must be chunked or gather, got {decode!r}")
+    def __init__(self, decode: str = "auto") -> None:
+        if decode not in ("auto", "paged", "chunked", "gather"):
+            raise ValueError(f"decode must be auto, paged, chunked or gather, got {decode!r}")
+        if decode == "paged" and not attention_paged_cpu.available():
+            raise ValueError("decode=paged needs the compiled CPU kernel, which did not build")
         self.decode = decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
@@ -101,7 +107,17 @@ class TorchAttention(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        if self.decode == "chunked":
+        decode = self.decode
+        if decode == "auto":
+            decode = ("paged" if attention_paged_cpu.supports(q, k_cache)
+                      and attention_paged_cpu.ready() else "chunked")
+        if decode == "paged":
+            for group in meta.decode_groups:
+                sl = slice(group.start, group.start + group.size)
+                attention_paged_cpu.paged_decode(
+                    q[sl].contiguous(), k_cache, v_cache, group.block_tables.contiguous(),
+                    group.context_lens, out[sl])
+        elif decode == "chunked":
             if not isinstance(meta.prepared, DecodePlan):
                 meta.prepared = plan_decodes(meta.decode_groups, k_cache.shape[1], q.dtype,
                                              q.device)

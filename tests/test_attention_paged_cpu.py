@@ -1,0 +1,132 @@
+"""The compiled CPU decode kernel (attention_paged_cpu.py), which reads the paged cache in
+place, against plain float64 attention over each sequence's gathered context."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from services.engine import attention_paged_cpu
+from services.engine.attention import AttentionMetadata, DecodeGroup, TorchAttention
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                reason="no C++ compiler: decode takes the torch chunked path")
+
+
+def _cache(lens, block_size, kv_heads, heads, dim, seed=0, width_pad=1):
+    """A shuffled float32 cache, each sequence's blocks scattered in it, and its queries."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 5
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(lens), max(need) + width_pad, dtype=torch.long)
+    for i, k in enumerate(need):
+        for j in range(k):
+            tables[i, j] = free.pop()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(lens)
+
+
+def _reference(q, k_cache, v_cache, tables, lens):
+    out = []
+    rep = q.shape[1] // k_cache.shape[2]
+    for i, n in enumerate(lens.tolist()):
+        keys = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(rep, 1)
+        values = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(rep, 1)
+        scores = torch.einsum("hd,thd->ht", q[i].double(), keys) * q.shape[-1] ** -0.5
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("lens,block_size,kv_heads,heads,dim", [
+    ([1], 16, 1, 1, 16),                              # one token: softmax of one score
+    ([5, 16, 17, 1, 300, 33], 16, 3, 9, 64),          # ragged, on and off block edges, GQA 3
+    ([7, 2, 40, 9], 4, 2, 8, 32),                     # small blocks, GQA 4
+    ([64, 63, 65], 32, 4, 4, 128),                    # no GQA, wide heads
+])
+def test_kernel_equals_reference_attention(lens, block_size, kv_heads, heads, dim):
+    q, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim)
+    out = torch.full_like(q, float("nan"))
+    attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, out)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_do_not_overflow():
+    # Scores in the hundreds: without the running maximum exp() would overflow to inf.
+    q, k_cache, v_cache, tables, ctx = _cache([50, 3], 16, 2, 4, 16, seed=4)
+    q *= 40
+    out = torch.empty_like(q)
+    attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, out)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_ready_starts_the_build_and_reports_it():
+    attention_paged_cpu.ready()
+    assert attention_paged_cpu.available()  # waits for the build ready() started
+    assert attention_paged_cpu.ready()
+
+
+@pytest.mark.parametrize("bad", ["block", "length", "zero"])
+def test_bad_tables_are_refused_before_reading(bad):
+    q, k_cache, v_cache, tables, ctx = _cache([20, 3], 16, 1, 2, 16)
+    if bad == "block":
+        tables[0, 1] = k_cache.shape[0]  # one past the cache
+    elif bad == "length":
+        ctx[1] = tables.shape[1] * 16 + 1  # longer than its table
+    else:
+        ctx[0] = 0
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="out of range"):
+        attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, out)
+    assert not out.any()  # nothing written
+
+
+def test_backend_takes_the_kernel_for_float32_and_matches_gather():
+    # Two decode groups, the queries after a prefill-free batch: the backend writes each
+    # group's rows of its output through the kernel and equals the gathering path.
+    q, k_cache, v_cache, tables, ctx = _cache([9, 30, 4, 17, 2], 4, 2, 6, 16, seed=2)
+    assert attention_paged_cpu.supports(q, k_cache)
+    assert not attention_paged_cpu.supports(q.double(), k_cache.double())
+    groups = [DecodeGroup(0, 2, tables[:2], ctx[:2], 30),
+              DecodeGroup(2, 3, tables[2:], ctx[2:], 17)]
+    # Each query's own K/V goes in at its last position, as the model does.
+    last = [tables[i, (n - 1) // 4] * 4 + (n - 1) % 4 for i, n in enumerate(ctx.tolist())]
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(5, 2, 16, generator=g)
+    v = torch.randn(5, 2, 16, generator=g)
+    outs = {}
+    for path in ("paged", "auto", "gather"):  # "paged" waits for the build
+        meta = AttentionMetadata(torch.tensor(last), groups, [])
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs[path] = TorchAttention(path).forward(q, k, v, kc, vc, meta)
+    torch.testing.assert_close(outs["paged"], outs["gather"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs["auto"], outs["paged"])
+    kc = k_cache.clone()
+    kc.view(-1, 2, 16)[torch.tensor(last)] = k
+    vc = v_cache.clone()
+    vc.view(-1, 2, 16)[torch.tensor(last)] = v
+    torch.testing.assert_close(outs["paged"].double(), _reference(q, kc, vc, tables, ctx),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_engine_greedy_tokens_equal_on_kernel_and_gather(tiny_dirs, make_engine):
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 8, 40, 41, 42, 7, 6, 5, 4, 3, 2, 100, 101],
+               [1, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for path in ("gather", "paged"):
+        engine = make_engine(tiny_dirs["llama"], dtype="float32", block_size=4,
+                             num_kv_blocks=64)
+        engine.model.backend = TorchAttention(path)
+        tokens[path] = [c.token_ids for c in engine.generate(prompts, params)]
+    assert tokens["paged"] == tokens["gather"]
+    assert all(len(t) == 12 for t in tokens["paged"])
