@@ -257,13 +257,15 @@ def test_a_follow_up_prefills_on_the_decode_worker_holding_its_history():
     idx.stored("d2", CHAIN[:15])  # d2 served the previous turn and still holds it
     # d1 has the lower predicted TBT (1 running against 2), so it is the decode pick;
     # a full local prefill there would stall its batch 0.86 s (> the 0.5 s budget), so
-    # the rule before went remote: p1, 8,192 tokens 0.863 s + transfer 0.008 s.
-    remote = prefill_s(PROMPT, 0) + PROMPT * 1000 / 1e9
+    # the rule before went remote: p1, 8,192 tokens 0.863 s + transfer 0.008 s, taken
+    # by d1 after its decode step in progress (1 sequence, 0.021 s).
+    remote = prefill_s(PROMPT, 0) + PROMPT * 1000 / 1e9 + 0.02 + 1e-3
     # d2 computes only the 512 new tokens after its 15 blocks, behind its decode step of
-    # 2 sequences (0.022 s), and stalls its batch 0.065 s, within the budget.
+    # 2 sequences (0.022 s), with that batch's decode riding along in the prefill step
+    # (0.022 s), and stalls its batch within the budget.
     step = 0.02 + 2 * 1e-3
-    local = step + prefill_s(BS, 15 * BS)
-    assert remote == pytest.approx(0.8709, abs=1e-4) and local == pytest.approx(0.0873, abs=1e-4)
+    local = 2 * step + prefill_s(BS, 15 * BS)
+    assert remote == pytest.approx(0.8919, abs=1e-4) and local == pytest.approx(0.1093, abs=1e-4)
     ws = [view("d1", "decode", running=1), view("d2", "decode", running=2),
           view("p1", "prefill")]
     d = route(policy(idx), ws)
@@ -286,8 +288,9 @@ def test_the_stall_budget_spreads_over_the_workloads_mean_output():
     prompt, hashes = 2 * BS, CHAIN[:2]
     step = 0.02 + 4 * 1e-3
     stall = prefill_s(prompt, 0)  # 0.113 s, local TTFT 0.137 s
-    remote = 3 * prefill_s(10_000, 0) + prefill_s(prompt, 0) + prompt * 1000 / 1e9
-    assert stall == pytest.approx(0.1129, abs=1e-4) and remote == pytest.approx(3.294, abs=1e-3)
+    # p1's queue and the prompt, its transfer, then d1's decode step in progress.
+    remote = 3 * prefill_s(10_000, 0) + prefill_s(prompt, 0) + prompt * 1000 / 1e9 + step
+    assert stall == pytest.approx(0.1129, abs=1e-4) and remote == pytest.approx(3.318, abs=1e-3)
     kw = dict(prompt=prompt, hashes=hashes, slo_tbt_s=0.064, output_tokens=100)
 
     def ws():
@@ -300,9 +303,10 @@ def test_the_stall_budget_spreads_over_the_workloads_mean_output():
     assert d.prefill.worker_id == "p1" and "stall" in d.reason
     assert f"ttft {remote:.3f}s" in d.reason
     # Requests of 100 tokens seen: the headroom spreads over 99 of them, capped at
-    # max_decode_stall_s (0.5 s): local, 0.137 s.
+    # max_decode_stall_s (0.5 s): local, 0.161 s (its step, the prefill, and the batch's
+    # decode riding along in that prefill step).
     d = route(pol, ws(), **kw)
-    assert d.prefill is None and d.reason.startswith(f"local {step + stall:.3f}s <= remote")
+    assert d.prefill is None and d.reason.startswith(f"local {2 * step + stall:.3f}s <= remote")
     # Without a TBT SLO the cap alone bounds the stall, as before.
     assert route(policy(), ws(), prompt=prompt, hashes=hashes).prefill is None
 
