@@ -83,16 +83,25 @@ def offline(reqs, kv_blocks: int) -> list[SimRequest]:
     cp = load_profile(PROFILE)
     router = Router(ConductorSettings(policy="cache_aware").router_config(), cp)
     true = Profile.from_cost_profile(cp, kv_blocks=kv_blocks)
-    true = dataclasses.replace(  # what the live sim executor sleeps; its KV moves at once
+    # What the live sim executor sleeps; its KV moves at once. Its workers share the
+    # host, so the conductor applies the profile's contention factors to its
+    # predictions (shared_host below), but they sleep rather than compute: the work
+    # itself is not slowed by the others (no contention in the true profile), and the
+    # serving path's per-token overhead is the live processes' own.
+    true = dataclasses.replace(
         true, cost=CostCoefficients(*(c * SCALE for c in cp.coefficients())),
-        link_bandwidth=1e15)
+        link_bandwidth=1e15, contention=(), token_overhead_s=0.0)
     sims = [SimRequest(i, t, len(p), n, chain(p)) for i, (t, p, n) in enumerate(reqs)]
 
     def route(views, req):
+        # With its id, as the live conductor routes: counted per request until a
+        # heartbeat acknowledges it, and its predicted TTFT kept for the correction.
         return router.route(views, RouteRequest("sim", req.prompt, req.hashes,
-                                                max_tokens=req.output))
+                                                max_tokens=req.output),
+                            req.request_id, now=req.arrival)
     Simulator(true, route, prefill=2, decode=1, index=router.index, cost=router.cost,
-              heartbeat_s=HEARTBEAT_S).run(sims)
+              heartbeat_s=HEARTBEAT_S, shared_host=True,
+              correction=router.correction).run(sims)
     return sims
 
 
