@@ -112,9 +112,10 @@ class Router:
         return self.policy.name
 
     def route(self, workers: list[WorkerView], req: RouteRequest,
-              request_id: str | None = None) -> Decision | Rejection:
+              request_id: str | None = None, *, now: float | None = None) -> Decision | Rejection:
         """Decide for one request and account it against the chosen workers; with a
-        ``request_id``, remember the TTFT predicted for it (``observe_ttft``). Raises
+        ``request_id``, remember the TTFT predicted for it (``observe_ttft``); ``now``
+        is the clock its in-flight entry is stamped with (a simulator's). Raises
         ``NoWorkers`` when no live decode or unified worker serves the model,
         ``ValueError`` for a request with no prompt or negative ``max_tokens``."""
         if req.prompt_len <= 0 or req.max_tokens < 0:
@@ -129,7 +130,7 @@ class Router:
             slo_ttft_s=cfg.slo_ttft_s if req.slo_ttft_s is None else req.slo_ttft_s,
             slo_tbt_s=cfg.slo_tbt_s if req.slo_tbt_s is None else req.slo_tbt_s,
             output_tokens=output, admission=cfg.admission, request_id=request_id or "",
-            routed_at=time.monotonic() if request_id else 0.0))
+            routed_at=(time.monotonic() if now is None else now) if request_id else 0.0))
         if request_id and isinstance(decision, Decision):
             self.correction.expect(request_id, Expected(
                 decision.decode.worker_id,

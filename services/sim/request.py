@@ -30,6 +30,11 @@ class SimRequest:
     rejected: str = ""  # "", "arrival", "prefill" or "decode"
 
     @property
+    def request_id(self) -> str:
+        """The id a route gives the conductor and heartbeats acknowledge."""
+        return str(self.rid)
+
+    @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 

@@ -25,10 +25,18 @@ workers follow (services/sim/workers.py):
   ``contention`` factor for the processes busy when it starts (the workers busy, and
   the serving processes -- gateway, conductor, clients -- as one more while any request
   is in flight), and every decode step costs ``token_overhead_s`` more per sequence.
+  The policy then sees every worker on one host (one ``host_id``), as live, so it
+  applies the conductor's profile's contention factors to its predictions (the
+  simulator's own ``profile`` decides what the work really takes: a profile without
+  ``contention`` models workers that do not slow each other, as ``--executor sim``).
 * Caches publish ``stored``/``removed`` to the prefix index at once (KV events); load
   and step timings reach the policy only in heartbeats every ``heartbeat_s`` through
   ``Registry`` and the conductor's sample fitting, so the policy sees stale counters
   plus its own in-flight accounting, and a duration only after the work ran.
+  Heartbeats acknowledge the requests taken in (``Heartbeat.admitted``), so a route
+  that passes the request's id (``SimRequest.request_id``, routed at ``arrival``)
+  gets the conductor's per-request in-flight accounting; decode workers' first-token
+  times reach ``correction`` (the router's ``TtftCorrection``) when one is given.
 * TTFT = arrival to the first token at the decode worker (KV landed, or the local
   prefill done); TBT = (done - first token) / (output - 1), the request's mean.
 * ``stage_reject_wait_s`` turns on per-stage rejection: at a prefill worker whose queue
@@ -50,6 +58,7 @@ from services.conductor.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import Registry, WorkerView
 from services.conductor.router import fit_step_samples
+from services.conductor.ttft_correction import TtftCorrection
 from services.sim.kv_blocks import PoolTier
 from services.sim.profiles import Profile
 from services.sim.request import SimRequest
@@ -84,7 +93,8 @@ class Simulator:
                  index: PrefixIndex | None = None, cost: CostModel | None = None,
                  heartbeat_s: float = 1.0, pool_blocks: int = 0,
                  stage_reject_wait_s: float | None = None, kv_lease_s: float = 10.0,
-                 noise: float = 0.0, seed: int = 0, shared_host: bool = False) -> None:
+                 noise: float = 0.0, seed: int = 0, shared_host: bool = False,
+                 correction: TtftCorrection | None = None) -> None:
         if decode <= 0 or prefill < 0 or heartbeat_s <= 0:
             raise ValueError("need decode >= 1, prefill >= 0 workers and heartbeat_s > 0")
         if pool_blocks and profile.pool_bandwidth <= 0:
@@ -95,7 +105,7 @@ class Simulator:
         self.index = PrefixIndex() if index is None else index
         self.heartbeat_s, self.stage_reject_wait_s = heartbeat_s, stage_reject_wait_s
         self.kv_lease_s, self.noise, self._rng = kv_lease_s, noise, random.Random(seed)
-        self.shared_host = shared_host
+        self.shared_host, self.correction = shared_host, correction
         self.arrived = self.total = 0
         self.token_overhead_s = profile.token_overhead_s if shared_host else 0.0
         self.pool = PoolTier(pool_blocks, self.index) if pool_blocks else None
@@ -108,7 +118,8 @@ class Simulator:
                 self.workers[wid] = cls(self, wid)
                 self.registry.workers[wid] = WorkerView(WorkerInfo(
                     worker_id=wid, role=role, model="sim", control_addr="", kv_addr="",
-                    host_id=wid, block_size=profile.block_size, num_blocks=profile.kv_blocks,
+                    host_id="host" if shared_host else wid, block_size=profile.block_size,
+                    num_blocks=profile.kv_blocks,
                     fingerprint=profile.name), last_seen=0.0, free_blocks=profile.kv_blocks)
         self.views = list(self.registry.workers.values())
         self._heap: list = []
@@ -161,6 +172,8 @@ class Simulator:
             if self.registry.heartbeat(hb, now=now) and self.cost is not None:
                 self.bad_samples += fit_step_samples(self.cost, hb.prefill_steps,
                                                      hb.decode_steps)[1]
+            if hb.ttft_samples and self.correction is not None:
+                self.correction.observe(hb.worker_id, hb.ttft_samples)
         if self.open > 0:
             if not self._heap:
                 raise RuntimeError(f"{self.open} requests can never finish (t={now})")

@@ -20,7 +20,12 @@ times its contention factor for the processes busy when it starts (the simulator
 steps that factor as sampled at each batch change (a run of steps keeps it), plus the
 serving path's overhead per sequence.
 
-Timings reach the conductor only in heartbeats, as step samples of work already done.
+Timings reach the conductor only in heartbeats, as step samples of work already done,
+and a decode worker's first-token times (``TtftSample``: from the request's arrival
+there to its KV landing, or to the end of its local prefill) for the TTFT correction.
+Each heartbeat acknowledges (``Heartbeat.admitted``) every request the worker took in
+since the last one, finished ones included: the live engine's load snapshot, taken
+after every step, has seen it.
 Load reaches it as the live engine's snapshot (services/worker/engine_loop.py) reports
 it: taken between engine steps, so a prompt counts as waiting, with all its tokens
 (cached prefix included: the prefix is matched when the step schedules it), until the
@@ -35,6 +40,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from common.protocol import Heartbeat, StepSample
+from common.records import TtftSample
 from services.sim.kv_blocks import KVBlocks
 
 if TYPE_CHECKING:
@@ -43,10 +49,12 @@ if TYPE_CHECKING:
 MAX_SAMPLES = 32  # per heartbeat and kind, as a live worker sends
 
 
-def take(samples: deque) -> list[StepSample]:
+def take(samples: deque) -> list:
     out = list(samples)
     samples.clear()
     return out
+
+
 
 
 class PrefillWorker:
@@ -59,6 +67,7 @@ class PrefillWorker:
         self.link_free = self.last_s = 0.0
         self.samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.dropped: set[int] = set()  # jobs whose decode worker gave up
+        self.fresh: list[str] = []  # request ids taken in since the last heartbeat
 
     def blocks(self, req: SimRequest) -> int:
         return max(len(req.hashes), -(-req.prompt // self.prof.block_size))
@@ -73,6 +82,7 @@ class PrefillWorker:
                              req.prompt - 1)
         self.queue.append((req, n))
         self.queued_tokens += req.prompt
+        self.fresh.append(req.request_id)
         if self.current is None:
             self._start(now)
 
@@ -138,7 +148,8 @@ class PrefillWorker:
                          waiting=len(self.queue) + (self.current is not None),
                          queued_prefill_tokens=self.queued_tokens + running,
                          free_blocks=self.kv.free, total_blocks=self.kv.capacity,
-                         step_time_ms=self.last_s * 1e3, prefill_steps=take(self.samples))
+                         step_time_ms=self.last_s * 1e3, prefill_steps=take(self.samples),
+                         admitted=take(self.fresh))
 
 
 class DecodeWorker:
@@ -159,6 +170,9 @@ class DecodeWorker:
         self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.decode_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.fallbacks = 0
+        self.ttft_samples: deque[TtftSample] = deque(maxlen=64)  # as live, per heartbeat
+        self.fresh: list[str] = []  # request ids taken in since the last heartbeat
+        self.leased_out: set[int] = set()  # routed remote, prefilled here after the lease
 
     @property
     def busy(self) -> bool:
@@ -174,11 +188,13 @@ class DecodeWorker:
             hit = self.kv.admit(req.rid, req.hashes, self.need(req))
             if hit is not None:
                 req.decode_hit = hit
+                self.fresh.append(req.request_id)
                 self.awaiting[req.rid] = req
                 self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
                 return "remote"
             if self.sim.stage_reject_wait_s is not None:
                 return "reject"
+        self.fresh.append(req.request_id)
         self.queued.append(req)
         self._pump(now)
         return "local"
@@ -188,6 +204,8 @@ class DecodeWorker:
             return  # its lease ran out: it is prefilled here
         self.kv.commit(req.rid, req.hashes)
         req.first_token = now
+        self.ttft_samples.append(TtftSample(request_id=req.request_id,
+                                            seconds=now - req.arrival, remote=True))
         self.joiners.append(req)
         self._schedule(now)
 
@@ -197,6 +215,7 @@ class DecodeWorker:
         self.kv.release(req.rid)
         self.sim.workers[req.prefill_id].drop(req)
         req.prefill_id, req.fell_back = None, True
+        self.leased_out.add(req.rid)
         self.fallbacks += 1
         self.queued.append(req)
         self._pump(now)
@@ -296,6 +315,11 @@ class DecodeWorker:
         req, n, compute = arg
         self.prefill_samples.append(StepSample(seconds=compute, tokens=[n], cached=[req.cached]))
         self.stalled, self.t, req.first_token = False, now, now  # the batch resumes now
+        # Live, a request whose Prefill was forwarded stays "remote" when it falls back.
+        self.ttft_samples.append(TtftSample(request_id=req.request_id,
+                                            seconds=now - req.arrival,
+                                            remote=req.rid in self.leased_out))
+        self.leased_out.discard(req.rid)
         self.prefilling = None
         self.kv.commit(req.rid, req.hashes)
         if self.sim.pool:  # a decode or unified worker writes back what it computed too
@@ -314,4 +338,6 @@ class DecodeWorker:
                          free_blocks=self.kv.free, total_blocks=self.kv.capacity,
                          step_time_ms=self.last_step * 1e3,
                          prefill_steps=take(self.prefill_samples),
-                         decode_steps=take(self.decode_samples))
+                         decode_steps=take(self.decode_samples),
+                         ttft_samples=take(self.ttft_samples),
+                         admitted=take(self.fresh))
