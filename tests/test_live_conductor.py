@@ -68,13 +68,13 @@ class Live:
             fingerprint=fingerprint)), timeout=5)
 
     async def route(self, n: int, hashes=(), *, output: int = 0, ttft_ms=None, tbt_ms=None,
-                    exclude=()) -> tuple:
+                    exclude=(), request_id: str | None = None) -> tuple:
         """(decode id, prefill id or None, reason) or ("rejected", reason, retry after)."""
         try:
             reply = (await self.client.call(Route(
                 model="sim", prompt_len=n, block_hashes=list(hashes), exclude=list(exclude),
                 slo_ttft_ms=ttft_ms, slo_tbt_ms=tbt_ms, max_tokens=output),
-                request_id=f"r{random.random()}", timeout=5)).record
+                request_id=request_id or f"r{random.random()}", timeout=5)).record
         except RemoteError as exc:
             assert exc.code == "overloaded", exc
             return ("rejected", exc.message, exc.retry_after_s)
@@ -162,8 +162,10 @@ async def test_simulator_and_live_conductor_make_the_same_decisions(profile_path
 
     def route(views, req):
         r = RouteRequest("sim", req.prompt, req.hashes, max_tokens=req.output)
-        d = router.route(views, r)
-        events.append(("route", r, outcome(d)))
+        # By id: the simulated heartbeats acknowledge what each worker took in, and the
+        # replay routes under the same ids, so both conductors count alike.
+        d = router.route(views, r, req.request_id, now=req.arrival)
+        events.append(("route", r, outcome(d), req.request_id))
         return d
 
     rng = random.Random(3)
@@ -177,7 +179,7 @@ async def test_simulator_and_live_conductor_make_the_same_decisions(profile_path
         reqs.append(SimRequest(i, t, n, rng.choice([2, 20, 60]), hashes))
     sim = Simulator(SIM_PROFILE, route, prefill=2, decode=2, index=router.index,
                     cost=router.cost,  # fitted on the heartbeats, as the live one is
-                    heartbeat_s=0.5)
+                    heartbeat_s=0.5, correction=router.correction)  # learns as live does
     real_heartbeat = sim.registry.heartbeat
 
     def beat(hb, now=None):
@@ -201,7 +203,7 @@ async def test_simulator_and_live_conductor_make_the_same_decisions(profile_path
             else:
                 r = e[1]
                 replayed.append(await live.route(r.prompt_len, r.block_hashes,
-                                                 output=r.max_tokens))
+                                                 output=r.max_tokens, request_id=e[3]))
     assert replayed == [e[2] for e in routes]
     outcomes = {"rejected" if o[0] == "rejected" else "remote" if o[1] else "local"
                 for o in replayed}
