@@ -22,13 +22,11 @@ dequantized weight times ``x``), with one log line.
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 
+from kernels.cpu_build import CppKernel
+
 GROUP = 32
-log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -128,30 +126,13 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmatmul", &qmatmul); }
 """
 
-_lock = threading.Lock()
-_built: list = []  # [module or None] once tried
-
-
-def _module():
-    if _built:
-        return _built[0]
-    with _lock:
-        if not _built:
-            try:
-                from torch.utils.cpp_extension import load_inline
-                mod = load_inline(name="pdserve_cpu_qmatmul_v3", cpp_sources=_SOURCE,
-                                  extra_cflags=["-O3", "-march=native"])
-            except Exception as exc:  # no compiler, no headers: the reference still works
-                log.warning("cpu qmatmul kernel unavailable (%s); int8 weights run the "
-                            "slow dequantizing path", exc)
-                mod = None
-            _built.append(mod)
-    return _built[0]
+_KERNEL = CppKernel("pdserve_cpu_qmatmul_v3", _SOURCE,
+                    "int8 weights run the slow dequantizing path")
 
 
 def available() -> bool:
     """Whether the compiled kernel is built (builds it on first call)."""
-    return _module() is not None
+    return _KERNEL.available()
 
 
 def qmatmul_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -170,7 +151,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
 def qmatmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
             offset: torch.Tensor) -> torch.Tensor:
     """``x`` float32 ``[M, K]`` times the 8-bit weight: ``[M, N]`` float32."""
-    mod = _module()
+    mod = _KERNEL.module()
     if mod is None:
         return qmatmul_reference(x, codes, scale, offset)
     return mod.qmatmul(x, codes, scale, offset)

@@ -53,3 +53,20 @@ def test_kernel_refuses_bad_shapes(bad):
         scale = scale[:, :1]
     with pytest.raises(RuntimeError, match="x:|codes:|scale"):
         cpu_qmatmul.qmatmul(x, codes, scale, offset)
+
+
+def test_a_kernel_that_cannot_build_is_tried_once_and_leaves_the_torch_path(monkeypatch):
+    from kernels.cpu_build import CppKernel
+
+    calls = []
+
+    def no_compiler(**kw):
+        calls.append(kw["name"])
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
+    kernel = CppKernel("pdserve_test_missing", "int f();", "the torch path")
+    assert kernel.ready() is False  # the first call starts the build in a thread
+    kernel._background.join(timeout=10)
+    assert kernel.module() is None and kernel.available() is False
+    assert kernel.ready() is False
+    assert calls == ["pdserve_test_missing"]  # tried once, not on every call

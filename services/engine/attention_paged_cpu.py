@@ -19,12 +19,9 @@ dtypes and shapes it does not take (float32 only, ``head_dim`` a multiple of 16,
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.cpu_build import CppKernel
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -163,47 +160,19 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
 """
 
-_lock = threading.Lock()
-_built: list = []  # [module or None] once tried
-
-
-def _module():
-    if _built:
-        return _built[0]
-    with _lock:
-        if not _built:
-            try:
-                from torch.utils.cpp_extension import load_inline
-                mod = load_inline(name="pdserve_paged_decode_v3", cpp_sources=_SOURCE,
-                                  extra_cflags=["-O3", "-march=native"])
-            except Exception as exc:  # no compiler, no headers: the torch path still works
-                log.warning("paged CPU decode kernel unavailable (%s); decode attention "
-                            "gathers K/V chunks in torch instead", exc)
-                mod = None
-            _built.append(mod)
-    return _built[0]
+_KERNEL = CppKernel("pdserve_paged_decode_v3", _SOURCE,
+                    "decode attention gathers K/V chunks in torch instead")
 
 
 def available() -> bool:
     """Whether the compiled kernel is built (builds it on first call, waiting for it)."""
-    return _module() is not None
-
-
-_background: list = []  # the build thread, once started
+    return _KERNEL.available()
 
 
 def ready() -> bool:
-    """Whether the kernel is built, without waiting: the first call starts the build in
-    a thread (tens of seconds with a cold extension cache), so an engine decodes on the
-    torch path meanwhile instead of stalling its first steps on a compiler."""
-    if _built:
-        return _built[0] is not None
-    with _lock:
-        if not _background:
-            t = threading.Thread(target=_module, name="paged-decode-build", daemon=True)
-            _background.append(t)
-            t.start()
-    return False
+    """Whether the kernel is built, without waiting (the first call starts the build in
+    a thread): an engine decodes on the torch path meanwhile."""
+    return _KERNEL.ready()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -222,5 +191,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (one query per sequence) over each sequence's first ``context_lens[i]`` cached
     tokens, found through ``block_tables`` ``[n, width]``. Block ids and lengths are
     checked against the cache first (``RuntimeError``)."""
-    _module().paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
+    _KERNEL.module().paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
                            q.shape[-1] ** -0.5)
