@@ -40,6 +40,7 @@ from common.transfer import (
 )
 from common.transfer.shm_sender import ShmSender
 from common.transfer.ucx import load_ucxx
+from tests.ucx_probe import UCX_MISSING
 
 # Every transfer is expected with a token and every message presents it; one drawn per run
 # serves these tests (tests/test_transfer_tokens.py checks that the wrong one is refused).
@@ -47,13 +48,6 @@ TOKEN = secrets.token_bytes(16)
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_VALUES = 16 * 3 * 64  # tokens x KV heads x head dim: one block's K (or V), one layer
-
-
-try:
-    load_ucxx()
-    UCX_MISSING = None
-except BackendUnavailable as exc:
-    UCX_MISSING = str(exc)  # the reason ucx tests are skipped
 
 
 def shm_entries() -> set[str]:

@@ -9,11 +9,11 @@ import secrets
 import pytest
 
 from common.address import parse_address
-from common.transfer import BackendUnavailable, TransferError, TransferState
+from common.transfer import TransferError, TransferState
 from common.transfer.backends import backend_receiver, backend_sender
 from common.transfer.table import TransferTable
 from common.transfer.table_receiver import TableReceiver
-from common.transfer.ucx import load_ucxx
+from tests.ucx_probe import UCX_MISSING
 
 # Every transfer is expected with a token and every message presents it; one drawn per run
 # serves these tests (tests/test_transfer_tokens.py checks that the wrong one is refused).
@@ -21,11 +21,6 @@ TOKEN = secrets.token_bytes(16)
 
 pytestmark = pytest.mark.timeout(60)
 
-try:
-    load_ucxx()
-    UCX_MISSING = None
-except BackendUnavailable as exc:
-    UCX_MISSING = str(exc)
 
 
 @pytest.fixture(params=["tcp", "shm", "ucx"])

@@ -11,20 +11,15 @@ import secrets
 
 import pytest
 
-from common.transfer import BackendUnavailable, TransferError, TransferState, make_sender, wire
+from common.transfer import TransferError, TransferState, make_sender, wire
 from common.transfer.backends import backend_receiver
 from common.transfer.slices import SliceLedger
 from common.transfer.table import TransferTable
-from common.transfer.ucx import load_ucxx
 from tests.kv_sink import Sink
+from tests.ucx_probe import UCX_MISSING
 
 pytestmark = pytest.mark.timeout(60)
 
-try:
-    load_ucxx()
-    UCX_MISSING = None
-except BackendUnavailable as exc:
-    UCX_MISSING = str(exc)
 
 HEADS, BLOCKS, LAYERS = 4, [3, 5], 2
 

@@ -11,7 +11,6 @@ import secrets
 import pytest
 
 from common.transfer import (
-    BackendUnavailable,
     MultiReceiver,
     MultiSender,
     TransferState,
@@ -20,16 +19,11 @@ from common.transfer import (
     wire,
 )
 from common.transfer.table import TransferTable
-from common.transfer.ucx import load_ucxx
 from tests.kv_sink import Sink
+from tests.ucx_probe import UCX_MISSING
 
 pytestmark = pytest.mark.timeout(60)
 
-try:
-    load_ucxx()
-    UCX_MISSING = None
-except BackendUnavailable as exc:
-    UCX_MISSING = str(exc)
 
 
 @pytest.fixture(params=["tcp", "shm", "ucx"])

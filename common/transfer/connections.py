@@ -161,8 +161,7 @@ class ConnectionSender(KVSender):
         view = byte_view(payload)
         if not isinstance(block_ids, list | tuple):
             raise ValueError(f"block_ids must be a list of integers, got {block_ids!r}")
-        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token,
-                           wire.WHOLE if heads == wire.WHOLE else tuple(heads))
+        chunk = wire.Chunk(request_id, layer, list(block_ids), 0, 0, token, tuple(heads))
         wire.validate(chunk)
         request = self._request(request_id)  # as _start, without its await: once a chunk
         if request.failed is not None:
