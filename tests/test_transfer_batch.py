@@ -1,5 +1,5 @@
-"""Batches (wire version 5, shm version 4): several chunks of one request in one message,
-with the same guarantees as chunks one by one: token checked, every checksum verified, a
+"""Batches (wire version 7, shm version 6): several chunks of one request in one message,
+with the same guarantees as chunks one by one: token checked, every byte checksummed, a
 bad batch sent once more and then a clean failure, malformed or forged batches refused
 without touching a live transfer."""
 
@@ -90,16 +90,16 @@ async def test_shm_batch_staged_wrong_once_is_resent_and_then_exact(monkeypatch)
     await rx.start()
     tx = make_sender("shm")
     chunks = layers_for(5, 3000, seed=2)
-    real_stage, flipped = shm_sender.stage, []
+    real_stage, flipped = shm_sender.stage_many, []
 
-    def stage(destination, source) -> int:  # one bit flipped in the segment, once
-        value = real_stage(destination, source)
-        if bytes(source) == chunks[2][2] and not flipped:
+    def stage_many(destination, sources) -> int:  # one bit flipped in the segment, once
+        value = real_stage(destination, sources)
+        if not flipped:
             flipped.append(True)
-            destination[17] ^= 0x08
+            destination[sum(s.nbytes for s in sources[:2]) + 17] ^= 0x08  # in chunk 2
         return value
 
-    monkeypatch.setattr(shm_sender, "stage", stage)
+    monkeypatch.setattr(shm_sender, "stage_many", stage_many)
     try:
         transfer = rx.expect("flaky", lease_s=10, token=TOKEN)
         await tx.send_many(rx.address, "flaky", chunks, token=TOKEN)
@@ -127,7 +127,7 @@ async def test_tcp_batch_corrupted_in_flight_is_asked_for_again_then_exact():
         writer.write(bytes(bad))
         verdict = await read_verdict(reader)
         assert verdict.status is wire.Status.RESEND
-        assert verdict.reason.startswith("checksum mismatch on layer 2 blocks [9, 7]")
+        assert verdict.reason.startswith("checksum mismatch on layers 0..2 (3 chunks)")
         assert got == [] and rx.retried == 1 and transfer.state is TransferState.PENDING
         writer.write(wire.encode(wire.Finish("flaky", 3, token=TOKEN)))  # before the resend
         writer.write(batch_message("flaky", chunks, attempt=1))
@@ -145,17 +145,13 @@ async def test_a_batch_corrupted_twice_fails_cleanly_and_nothing_reached_the_sin
     rx, tx, got, batches = pair
     bad = rx.expect("bad", lease_s=10, token=TOKEN)
     chunks = layers_for(4, 2000, seed=3)
-    real_checksum, real_stage = wire.checksum, shm_sender.stage
-    claim = {bytes(c[2]): real_checksum(c[2]) ^ (i == 1) for i, c in enumerate(chunks)}
-
-    def claimed(payload) -> int:
-        return claim.get(bytes(payload), real_checksum(payload))
-
-    monkeypatch.setattr(wire, "checksum", claimed)
-    monkeypatch.setattr(shm_sender, "stage", lambda d, s: (real_stage(d, s), claimed(s))[1])
-    monkeypatch.setattr("common.transfer.table.checksum", real_checksum)
+    real_checksum, real_stage = batch.checksum, shm_sender.stage_many
+    # Every claim one bit off: the payload never matches what the sender says it is.
+    monkeypatch.setattr(batch, "checksum", lambda views: real_checksum(views) ^ 1)
+    monkeypatch.setattr(shm_sender, "stage_many", lambda d, s: real_stage(d, s) ^ 1)
     await tx.send_many(rx.address, "bad", chunks, token=TOKEN)
-    with pytest.raises(TransferError, match=r"checksum mismatch on layer 1 blocks \[8, 4\]") as e:
+    mismatch = r"checksum mismatch on layers 0\.\.3 \(4 chunks\)"
+    with pytest.raises(TransferError, match=mismatch) as e:
         await tx.finish(rx.address, "bad", 4, token=TOKEN)
     assert e.value.reason.endswith("(attempt 2 of 2)")
     with pytest.raises(TransferError, match="checksum mismatch"):
@@ -203,12 +199,11 @@ async def read_verdict(reader) -> wire.Verdict:
     return wire.decode_header(kind, await reader.readexactly(header_len))
 
 
-def batch_message(rid, chunks, token=TOKEN, attempt=0, payload_len=None, checksums=None):
-    message = batch.Batch(rid, [c[0] for c in chunks], [c[1] for c in chunks], (),
+def batch_message(rid, chunks, token=TOKEN, attempt=0, payload_len=None):
+    message = batch.Batch(rid, [c[0] for c in chunks], [c[1] for c in chunks], 0,
                           [len(c[2]) for c in chunks], attempt, token)
     payload = b"".join(c[2] for c in chunks)
-    sums = checksums or [wire.checksum(c[2]) for c in chunks]
-    head = batch.encode(message, sums, len(payload))
+    head = batch.encode(message, wire.checksum(payload), len(payload))
     size = len(payload) if payload_len is None else payload_len
     return (wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.BATCH, 0, len(head), size)
             + head + payload + bytes(max(0, size - len(payload))))
@@ -246,9 +241,11 @@ async def test_forged_and_malformed_batches_are_refused_and_leave_the_transfer_a
 
 def test_batch_header_round_trips_and_rejects_what_breaks_the_spec():
     chunks = layers_for(3, 10)
-    message = batch.Batch("r", [0, 1, 2], [c[1] for c in chunks], (), [10, 11, 12], 1, TOKEN)
-    head = batch.encode(message, [5, 6, 7], 33)
-    assert batch.decode(head, 33) == message._replace(checksums=(5, 6, 7))
+    message = batch.Batch("r", [0, 1, 2], [c[1] for c in chunks], 0, [10, 11, 12], 1, TOKEN)
+    head = batch.encode(message, 5, 33)
+    assert batch.decode(head, 33) == message._replace(checksum=5)
+    views = [memoryview(c[2]) for c in chunks]  # the checksum of the bytes back to back
+    assert batch.checksum(views) == wire.checksum(b"".join(c[2] for c in chunks))
     for raw, size, error in (
         (head[:-1], 33, "its lengths say"),
         (head, 34, "BATCH chunks of 33 bytes in a 34-byte payload"),
@@ -258,7 +255,7 @@ def test_batch_header_round_trips_and_rejects_what_breaks_the_spec():
     ):
         with pytest.raises(wire.WireError, match=error):
             batch.decode(raw, size)
-    frame = shm_wire.chunk_frame(message._replace(attempt=0), 3, 1, 8192, 33, [5, 6, 7])
+    frame = shm_wire.chunk_frame(message._replace(attempt=0), 3, 1, 8192, 33, 5)
     placed = shm_wire.read_chunk(frame[4:])
     assert (placed.slot, placed.offset, placed.length, placed.chunk.layers) == (3, 8192, 33,
                                                                                 [0, 1, 2])

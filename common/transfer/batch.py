@@ -1,30 +1,38 @@
-"""A BATCH: several chunks of one request as one message (wire version 5; ``wire.py``
+"""A BATCH: several chunks of one request as one message (wire version 7; ``wire.py``
 has the prefix and the other kinds, ``shm.py`` the shm frame that carries it).
 
 Per-message costs (a header built and read, a token compared, a verdict written and
 read, a wake-up) bound small payloads, so a sender that has several chunks of a request
 at hand (``KVSender.send_many``) sends them as one message: one header, one token check,
-one verdict, one receiver wake-up; each chunk keeps its own checksum, its own sink call
-and counts as one chunk towards FINISH. Header, little-endian::
+one checksum, one verdict, one receiver wake-up; each chunk keeps its own sink call and
+counts as one chunk towards FINISH. Header, little-endian::
 
-    "<BBHI"   attempt u8 | token length u8 | request_id length u16 | chunk count u32
+    "<BBHIQ"  attempt u8 | token length u8 | request_id length u16 | chunk count u32 |
+              checksum u64 (xxh3_64, seed 0, of the whole payload)
     request_id (UTF-8) | token
-    per chunk "<QQQQ"  layer | checksum (xxh3_64 of its bytes) | byte length | block count
+    per chunk "<QQQ"  layer | byte length | block count
     block_ids          u64 each, every chunk's in turn
     and nothing after them
 
 The payload is the chunks' bytes back to back, in that order; its length (the prefix's
-payload length, or the shm frame's) must be the sum of the byte lengths. The verdict
-covers the whole batch: "ok" once every chunk is verified and handed to the sink (all
-checksums are checked before the first sink call, so a "resend" has changed nothing);
-"resend" asks for the whole batch again (attempt 1, same checksums); "failed" as for a
-chunk. A batch holds 1 to ``MAX_CHUNKS`` chunks.
+payload length, or the shm frame's) must be the sum of the byte lengths. One checksum
+covers every byte of it: the sender hashes each chunk as it goes out (xxh3 streams, so
+that is the hash of the payload), the receiver hashes the payload in one call where it
+lies. The verdict covers the whole batch: "ok" once the payload is verified and every
+chunk handed to the sink (the checksum is checked before the first sink call, so a
+"resend" has changed nothing); "resend" asks for the whole batch again (attempt 1, same
+checksum); "failed" as for a chunk. A batch holds 1 to ``MAX_CHUNKS`` chunks.
+
+Version 5 had a checksum per chunk: 30 hash calls on each side for a request's layers,
+where one covers the same bytes.
 """
 
 from __future__ import annotations
 
 import struct
 from typing import NamedTuple
+
+import xxhash
 
 from common.transfer.wire import (
     MAX_ATTEMPTS,
@@ -33,36 +41,35 @@ from common.transfer.wire import (
     _blocks_struct,
 )
 
-HEAD = struct.Struct("<BBHI")
+HEAD = struct.Struct("<BBHIQ")
 MAX_CHUNKS = 128  # a request's layers and more, well under a sendmsg's IOV_MAX
 MAX_BYTES = 4 << 20  # send_many groups chunks up to this; a larger chunk goes alone
-_ENTRY = 4  # u64 fields per chunk
+_ENTRY = 3  # u64 fields per chunk
 
 
 class Batch(NamedTuple):
     request_id: str
     layers: list[int]
     block_ids: list[list[int]]
-    checksums: tuple[int, ...] | list[int]
+    checksum: int  # of the whole payload; 0 until the sender computes it
     sizes: list[int]
     attempt: int = 0
     token: bytes = b""
 
 
-def encode(batch: Batch, checksums, payload_len: int) -> bytes:
-    """The BATCH header alone, with ``checksums`` (one per chunk) in place of its own."""
+def encode(batch: Batch, checksum: int, payload_len: int) -> bytes:
+    """The BATCH header alone, with ``checksum`` (of the whole payload) in place of its own."""
     rid, token, count = batch.request_id.encode(), batch.token, len(batch.layers)
     if not (rid and len(rid) <= 0xFFFF and len(token) <= MAX_TOKEN_BYTES
             and 0 < count <= MAX_CHUNKS and sum(batch.sizes) == payload_len):
         raise WireError("BATCH request_id, token, chunk count or sizes out of range",
                         batch.request_id)
     entries = []
-    for layer, blocks, check, size in zip(batch.layers, batch.block_ids, checksums,
-                                          batch.sizes, strict=True):
-        entries += (layer, check, size, len(blocks))
+    for layer, blocks, size in zip(batch.layers, batch.block_ids, batch.sizes, strict=True):
+        entries += (layer, size, len(blocks))
     blocks = [b for run in batch.block_ids for b in run]
     try:
-        return (HEAD.pack(batch.attempt, len(token), len(rid), count) + rid + token
+        return (HEAD.pack(batch.attempt, len(token), len(rid), count, checksum) + rid + token
                 + _blocks_struct(len(entries)).pack(*entries)
                 + _blocks_struct(len(blocks)).pack(*blocks))
     except struct.error as exc:
@@ -75,7 +82,7 @@ def decode(raw: bytes | bytearray | memoryview, payload_len: int, start: int = 0
     size = len(raw) - start
     if size < HEAD.size:
         raise WireError(f"BATCH header of {size} bytes, shorter than its fixed {HEAD.size}")
-    attempt, token_len, rid_len, count = HEAD.unpack_from(raw, start)
+    attempt, token_len, rid_len, count, checksum = HEAD.unpack_from(raw, start)
     at = start + HEAD.size
     entries_at = at + rid_len + token_len
     try:
@@ -94,12 +101,12 @@ def decode(raw: bytes | bytearray | memoryview, payload_len: int, start: int = 0
     if blocks_at > len(raw):
         raise WireError(f"BATCH header of {size} bytes, too short for {count} chunks", rid)
     entries = _blocks_struct(_ENTRY * count).unpack_from(raw, entries_at)
-    counts = entries[3::_ENTRY]
+    counts = entries[2::_ENTRY]
     total_blocks = sum(counts)
     if blocks_at + 8 * total_blocks != len(raw):
         raise WireError(f"BATCH header of {size} bytes, its lengths say "
                         f"{blocks_at + 8 * total_blocks - start}", rid)
-    sizes = list(entries[2::_ENTRY])
+    sizes = list(entries[1::_ENTRY])
     if sum(sizes) != payload_len:
         raise WireError(f"BATCH chunks of {sum(sizes)} bytes in a {payload_len}-byte payload",
                         rid)
@@ -108,8 +115,17 @@ def decode(raw: bytes | bytearray | memoryview, payload_len: int, start: int = 0
     for n in counts:
         runs.append(list(flat[begin : begin + n]))
         begin += n
-    return Batch(rid, list(entries[0::_ENTRY]), runs, entries[1::_ENTRY], sizes, attempt,
+    return Batch(rid, list(entries[0::_ENTRY]), runs, checksum, sizes, attempt,
                  bytes(raw[at + rid_len : entries_at]))
+
+
+def checksum(views: list[memoryview]) -> int:
+    """The BATCH checksum of a payload given as its chunks: ``wire.checksum`` of their
+    bytes back to back, without joining them."""
+    hasher = xxhash.xxh3_64()  # seed 0, as wire.checksum
+    for view in views:
+        hasher.update(view)
+    return hasher.intdigest()
 
 
 def groups(items: list, max_bytes: int = MAX_BYTES) -> list[list]:

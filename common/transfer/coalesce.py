@@ -126,7 +126,7 @@ class Coalescer:
                                  wire.Chunk(request_id, layer, blocks, 0, 0, token), view)
             else:
                 message = batch.Batch(request_id, [i[0] for i in items],
-                                      [i[1] for i in items], (),
+                                      [i[1] for i in items], 0,
                                       [i[2].nbytes for i in items], 0, token)
                 await self._post(address, request_id, message, [i[2] for i in items])
         except Exception:  # noqa: S110 - the request holds the failure (InFlight.lost)

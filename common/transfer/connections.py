@@ -72,7 +72,7 @@ class InFlight:
                  source=None) -> None:
         self.sender, self.address, self.request = sender, address, request
         self.chunk: wire.Chunk | batch.Batch = chunk
-        # A batch's payloads are a list of views, its claimed checksums a tuple.
+        # A batch's payloads are a list of views, its claimed checksum their whole one.
         self.view: memoryview | list[memoryview] = view
         self.nbytes = view.nbytes if type(view) is memoryview else sum(v.nbytes for v in view)
         # What the caller gave: the same as view, except under a test-only fault hook.
@@ -202,7 +202,7 @@ class ConnectionSender(KVSender):
                 layer, blocks, view = run[0]
                 await self.send(address, request_id, layer, blocks, view, token=token)
                 continue
-            message = batch.Batch(request_id, [i[0] for i in run], [i[1] for i in run], (),
+            message = batch.Batch(request_id, [i[0] for i in run], [i[1] for i in run], 0,
                                   [i[2].nbytes for i in run], 0, token)
             await self._start(address, request_id, message, [i[2] for i in run])
 
@@ -313,7 +313,7 @@ class StreamSender(ConnectionSender):
         view = attempt.view
         if type(view) is list:  # a Batch
             if attempt.claimed is None:
-                attempt.claimed = tuple(map(wire.checksum, view))
+                attempt.claimed = batch.checksum(view)
             head = batch.encode(attempt.chunk, attempt.claimed, attempt.nbytes)
             head = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.BATCH, 0, len(head),
                                     attempt.nbytes) + head

@@ -8,7 +8,7 @@ by default; IPv6 hosts in brackets). Payload bytes never cross it.
 Control frames (``control.py``: u32 length | body)::
 
     sender -> receiver
-      hello    msgpack {t: "hello", v: 3, prefix}
+      hello    msgpack {t: "hello", v: 6, prefix}
                                        first frame; this connection's segments are
                                        <prefix>-<slot>-<generation> in the shm directory
       chunk    binary: "<BBHIQQ"  0xc1 | slot u8 | what u16 | generation u32 |
@@ -29,6 +29,8 @@ Control frames (``control.py``: u32 length | body)::
 Version 3 made the chunk frame binary (version 2 sent it as a msgpack map with the
 segment's name): it is the one frame sent per chunk. Version 4 adds the batch (what = 1),
 which ``send_many`` sends: one frame, one wake-up and one verdict for a request's layers.
+Version 5 carries head slices in the CHUNK header; version 6 gives a batch one checksum
+for its whole payload (``batch.py``).
 
 The receiver answers chunks in the order they came, in one write for all the frames
 that one read brought.
@@ -65,7 +67,8 @@ from typing import NamedTuple
 from common.transfer import batch, control, wire
 
 SCHEME = "shm"
-VERSION = 5  # 3: the chunk frame is binary; 4: batches; 5: head slices in the CHUNK header
+VERSION = 6  # 3: the chunk frame is binary; 4: batches; 5: head slices in the CHUNK header;
+# 6: one checksum for a batch (batch.py)
 MAX_SLOTS = 64
 CHUNK_PLACE = struct.Struct("<BBHIQQ")  # BINARY, slot, what, generation, offset, length
 BATCHED = 1  # "what" of a batch frame
@@ -81,7 +84,7 @@ class Placed(NamedTuple):
     length: int
 
 
-def chunk_frame(chunk: wire.Chunk, slot: int, generation: int, offset: int,
+def chunk_frame(chunk: wire.Chunk | batch.Batch, slot: int, generation: int, offset: int,
                 length: int, checksum: int | None = None) -> bytes:
     """The whole frame of a chunk placed at ``offset`` of segment ``slot``/``generation``
     (``chunk`` validated by the caller; ``checksum`` in place of its own when given)."""

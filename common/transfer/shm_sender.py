@@ -56,19 +56,34 @@ _WARM_BYTES = 4 << 20
 
 
 def stage(destination: memoryview, source: memoryview) -> int:
-    """Copy ``source`` to the start of ``destination``; return its ``wire.checksum``.
-
-    In cache-sized pieces, each hashed right after it is copied, while it is still in
-    cache: the end-to-end check then costs little on top of the copy.
-    """
+    """Copy ``source`` to the start of ``destination``; return its ``wire.checksum``."""
     if source.nbytes <= _PIECE:
         destination[: source.nbytes] = source
-        return wire.checksum(source)
-    hasher = xxhash.xxh3_64()  # seed 0, as wire.checksum
-    for start in range(0, source.nbytes, _PIECE):
-        piece = source[start : start + _PIECE]
-        destination[start : start + piece.nbytes] = piece
-        hasher.update(piece)
+        return xxhash.xxh3_64_intdigest(source)
+    return stage_many(destination, (source,))
+
+
+def stage_many(destination: memoryview, sources) -> int:
+    """Copy ``sources`` back to back to the start of ``destination``; return the
+    checksum of them all (``batch.checksum``).
+
+    In cache-sized pieces, each hashed right after it is copied, while it is still in
+    cache: the end-to-end check then costs little on top of the copy. One hasher for
+    all of them, and no call per piece beyond the copy and the update.
+    """
+    hasher, at = xxhash.xxh3_64(), 0  # seed 0, as wire.checksum
+    update = hasher.update
+    for source in sources:
+        nbytes = source.nbytes
+        if nbytes <= _PIECE:
+            destination[at : at + nbytes] = source
+            update(source)
+        else:
+            for start in range(0, nbytes, _PIECE):
+                piece = source[start : start + _PIECE]
+                destination[at + start : at + start + piece.nbytes] = piece
+                update(piece)
+        at += nbytes
     return hasher.intdigest()
 
 
@@ -202,12 +217,8 @@ class ShmSender(ConnectionSender):
             raise TransferError(
                 f"cannot stage {nbytes} bytes in shared memory: {exc}", request_id
             ) from exc
-        if type(view) is list:  # a batch: its chunks back to back, each hashed
-            staged, at = [], offset
-            for part in view:
-                staged.append(stage(segment.view[at:], part))
-                at += part.nbytes
-            staged = tuple(staged)
+        if type(view) is list:  # a batch: its chunks back to back, one checksum
+            staged = stage_many(segment.view[offset:], view)
         else:
             staged = stage(segment.view[offset:], view)
         if attempt.claimed is None:

@@ -179,7 +179,7 @@ class TransferTable:
 
     def on_batch(self, batch: Batch, payload: memoryview) -> Verdict:
         """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
-        ``payload`` (their bytes back to back) is borrowed for the call. Every checksum
+        ``payload`` (their bytes back to back) is borrowed for the call. Its one checksum
         is checked before the first sink call: a mismatch asks for the whole batch again
         (or fails the transfer on the last attempt) having changed nothing."""
         request_id = batch.request_id
@@ -190,30 +190,26 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
-        views, start = [], 0
-        for size, expected in zip(batch.sizes, batch.checksums, strict=True):
-            view = payload[start : start + size]
-            start += size
-            if checksum(view) != expected:
-                i = len(views)
-                verdict = self._mismatch(transfer, batch.layers[i], batch.block_ids[i],
-                                         expected, checksum(view), batch.attempt)
-                break
-            views.append(view)
+        actual = checksum(payload)  # one pass over every byte the batch holds
+        if actual != batch.checksum:
+            layers = batch.layers
+            verdict = self._mismatch(transfer, layers[0], batch.block_ids[0], batch.checksum,
+                                     actual, batch.attempt,
+                                     f"layers {layers[0]}..{layers[-1]} ({len(layers)} chunks)")
         else:
             verdict = OK
-            sink, i, taken = self._sink, 0, 0
+            sink, layers, blocks, i, start = self._sink, batch.layers, batch.block_ids, 0, 0
             try:
-                for i, view in enumerate(views):
-                    sink(request_id, batch.layers[i], batch.block_ids[i], view)
-                    taken += view.nbytes
+                for i, size in enumerate(batch.sizes):
+                    sink(request_id, layers[i], blocks[i], payload[start : start + size])
+                    start += size
             except Exception as exc:
-                transfer._accept_chunk(taken, i)  # those it took before raising
+                transfer._accept_chunk(start, i)  # those it took before raising
                 log.exception("kv_transfer.sink_raised", request_id=request_id,
-                              layer=batch.layers[i])
+                              layer=layers[i])
                 verdict = self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
             else:
-                transfer._accept_chunk(taken, len(views))  # once for the batch
+                transfer._accept_chunk(start, len(layers))  # once for the batch
         if batch.attempt:
             self._resent_in(transfer)
         return verdict
@@ -252,9 +248,10 @@ class TransferTable:
         return OK
 
     def _mismatch(self, transfer: Transfer, layer: int, block_ids: list[int], expected: int,
-                  actual: int, attempt: int) -> Verdict:
+                  actual: int, attempt: int, where: str | None = None) -> Verdict:
         request_id = transfer.request_id
-        reason = (f"checksum mismatch on layer {layer} blocks {block_ids}: "
+        where = where or f"layer {layer} blocks {block_ids}"
+        reason = (f"checksum mismatch on {where}: "
                   f"expected {expected:#018x}, got {actual:#018x}")
         if attempt + 1 < MAX_ATTEMPTS:
             self.retried += 1

@@ -63,8 +63,8 @@ import msgpack
 import xxhash
 
 MAGIC = b"PDKV"
-VERSION = 6  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary; 5: BATCH;
-# 6: head slices in CHUNK
+VERSION = 7  # 3: token in CHUNK, FINISH and ABORT; 4: CHUNK header in binary; 5: BATCH;
+# 6: head slices in CHUNK; 7: one checksum for a BATCH's whole payload
 PREFIX = struct.Struct("<4sBBHIQ")
 CHUNK_HEAD = struct.Struct("<QQBBHIHHH")
 WHOLE = (0, 0, 0)  # Chunk.heads of a payload with every KV head
