@@ -64,9 +64,8 @@ def encode(batch: Batch, checksum: int, payload_len: int) -> bytes:
             and 0 < count <= MAX_CHUNKS and sum(batch.sizes) == payload_len):
         raise WireError("BATCH request_id, token, chunk count or sizes out of range",
                         batch.request_id)
-    entries = []
-    for layer, blocks, size in zip(batch.layers, batch.block_ids, batch.sizes, strict=True):
-        entries += (layer, size, len(blocks))
+    entries = [field for entry in zip(batch.layers, batch.sizes, map(len, batch.block_ids),
+                                      strict=True) for field in entry]
     blocks = [b for run in batch.block_ids for b in run]
     try:
         return (HEAD.pack(batch.attempt, len(token), len(rid), count, checksum) + rid + token

@@ -330,9 +330,20 @@ class StreamSender(ConnectionSender):
 
 def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
     """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
-    TypeError for anything a single ``send`` would refuse."""
+    TypeError for anything a single ``send`` would refuse.
+
+    Checked for the whole list at once where it can be (a request's layers: 30 chunks of
+    plain ints sharing one block list), one by one otherwise, with the same errors."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
+    if set(map(type, items)) <= _TUPLE and set(map(len, items)) == _THREE:
+        layers, blocks, payloads = zip(*items, strict=True)
+        shared = blocks[0]
+        if (wire._are_uints(list(layers)) and all(b is shared for b in blocks)
+                and isinstance(shared, list | tuple) and wire._are_uints(list(shared))):
+            shared = list(shared)
+            return [(layer, shared, _flat(payload)) for layer, payload in
+                    zip(layers, payloads, strict=True)]
     checked, seen, runs = [], None, None
     for item in items:
         if not isinstance(item, tuple | list) or len(item) != 3:
@@ -347,3 +358,14 @@ def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
             seen, runs = blocks, list(blocks)
         checked.append((layer, runs, byte_view(payload)))
     return checked
+
+
+_TUPLE, _THREE = frozenset({tuple}), frozenset({3})
+
+
+def _flat(payload) -> memoryview:
+    """``byte_view``, without a new view for one that is already flat bytes."""
+    if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 \
+            and payload.c_contiguous:
+        return payload
+    return byte_view(payload)
