@@ -55,6 +55,9 @@ class TransferTable:
         # count of a FINISH that arrived before them (it is settled once they are in).
         self._resends_due: dict[str, int] = {}
         self._finish_due: dict[str, int] = {}
+        # Called at each expect: a backend whose receives wait less eagerly while no
+        # transfer is expected (ucx.py's Pacer) hurries them.
+        self.on_expect: list = []
 
     def expect(self, request_id: str, lease_s: float, token: bytes) -> Transfer:
         if request_id in self._live:
@@ -65,6 +68,8 @@ class TransferTable:
         self._live[request_id] = transfer
         self._tokens[request_id] = transfer.token = token
         self._ended.pop(request_id, None)
+        for hook in self.on_expect:
+            hook()
         return transfer
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:

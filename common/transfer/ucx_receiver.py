@@ -25,6 +25,7 @@ from common.transfer.ucx import (
     BATCH_LENGTH,
     RUN_BUFFER_BYTES,
     SCHEME,
+    Pacer,
     load_ucxx,
     receive,
     split_run,
@@ -45,6 +46,8 @@ class UcxReceiver(TableReceiver):
         self._ucxx = load_ucxx()
         self._listener = None
         self._answering: set[asyncio.Future] = set()  # verdict batches being sent
+        self._pacer = Pacer(lambda: self.table.live() > 0)
+        self.table.on_expect.append(self._pacer.wake)
 
     async def _listen(self) -> int:
         create = self._ucxx.create_listener
@@ -144,11 +147,11 @@ class UcxReceiver(TableReceiver):
                 waiting.append(exc)
                 return
             run_turn ^= 1
-            next_run = asyncio.ensure_future(receive(ep, runs[run_turn]))
+            next_run = asyncio.ensure_future(receive(ep, runs[run_turn], self._pacer))
 
         # What came and is not applied yet, in order; an error is raised when reached.
         waiting: collections.deque[_Incoming | Exception] = collections.deque()
-        next_run = asyncio.ensure_future(receive(ep, runs[0]))
+        next_run = asyncio.ensure_future(receive(ep, runs[0], self._pacer))
         item = None
         try:
             while True:

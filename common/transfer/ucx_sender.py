@@ -36,6 +36,7 @@ from common.transfer.ucx import (
     INLINE_BYTES,
     RUN_BYTES,
     SCHEME,
+    Pacer,
     load_ucxx,
     receive,
 )
@@ -54,6 +55,7 @@ class _Connection:
         "posting",
         "sending",
         "sent",
+        "pacer",
     )
 
     def __init__(self, ep) -> None:
@@ -66,6 +68,7 @@ class _Connection:
         self.posting: asyncio.Handle | None = None  # the run's posting at the next turn
         self.sending = 0  # bytes posted and not sent yet
         self.sent = asyncio.Event()  # set when a send ends
+        self.pacer = Pacer(lambda: bool(self.verdicts))  # verdicts due: read them soon
 
     def usable(self) -> bool:
         return not (self.broken or self.ep.closed)
@@ -132,6 +135,7 @@ class UcxSender(StreamSender):
                 continue
             if attempt is not None:
                 conn.verdicts.append(attempt)
+                conn.pacer.wake()
             size = len(head) + (nbytes if inline else 0)
             if conn.run and conn.run_bytes + size > RUN_BYTES:
                 self._post_run(address, conn)
@@ -179,7 +183,7 @@ class UcxSender(StreamSender):
         buffer = bytearray(BATCH_LENGTH.size + VERDICT_BATCH * wire.MAX_VERDICT_BYTES)
         try:
             while True:
-                await receive(conn.ep, buffer)
+                await receive(conn.ep, buffer, conn.pacer)
                 if conn.broken:
                     return
                 (length,) = BATCH_LENGTH.unpack_from(buffer)
