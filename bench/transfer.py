@@ -345,7 +345,10 @@ def main() -> None:
     if args.serve:
         structlog.configure(  # stdout carries this process's lines to the measuring one
             logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+            # As a service configures it (common/logging.py): a log call that is filtered
+            # out costs a method call, not a logger built anew each time.
+            cache_logger_on_first_use=True)
         mode, kind, *rest = args.serve
         if mode == "backend" or kind == "ucx":
             serving = serve_backend(kind, *rest) if mode == "backend" else serve_raw_ucx(*rest)
