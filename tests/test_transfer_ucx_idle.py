@@ -68,3 +68,4 @@ async def test_an_idle_ucx_pair_leaves_the_core_alone_and_wakes_for_the_next_tra
     finally:
         await tx.close()
         await rx.close()
+    assert rx.table.on_expect == []  # a table shared with other receivers keeps no hook

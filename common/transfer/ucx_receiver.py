@@ -62,6 +62,8 @@ class UcxReceiver(TableReceiver):
         return self._listener.port
 
     async def _stop(self) -> None:
+        if self._pacer.wake in self.table.on_expect:  # a shared table outlives us
+            self.table.on_expect.remove(self._pacer.wake)
         if self._answering:  # verdicts given deserve to arrive (a sender's finish waits)
             await asyncio.wait(self._answering, timeout=1.0)
         for ep in list(self._connections):
