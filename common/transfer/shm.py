@@ -15,7 +15,8 @@ Control frames (``control.py``: u32 length | body)::
                                   offset u64 | length u64
                then, for what = 0, wire.py's CHUNK header (checksum, layer, attempt,
                request_id, token, block_ids); for what = 1, batch.py's BATCH header
-               (several chunks of one request, their bytes back to back, one verdict):
+               (several chunks of one request, their bytes back to back, one checksum and
+               one verdict):
                where the payload lies, in segment <prefix>-<slot>-<generation>
       finish   msgpack {t: "finish", request_id, num_chunks, token}
       abort    msgpack {t: "abort", request_id, reason, token}
