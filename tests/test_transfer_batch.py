@@ -278,3 +278,25 @@ async def test_backends_without_batches_send_one_by_one():
     chunks = layers_for(3, 5)
     await OneByOne().send_many("x://h:1", "r", chunks, token=TOKEN)
     assert calls == [("r", c[0], c[1], c[2]) for c in chunks]
+
+
+def test_a_requests_layers_sharing_one_block_list_are_checked_as_one_and_alike():
+    from common.transfer.connections import _items
+
+    blocks, data = [4, 9, 2], [bytes([i]) * (10 + i) for i in range(4)]
+    shared = [(i, blocks, d) for i, d in enumerate(data)]  # the fast path
+    apart = [(i, list(blocks), d) for i, d in enumerate(data)]  # one by one
+    for checked in (_items(shared), _items(apart)):
+        assert [(layer, runs, bytes(view)) for layer, runs, view in checked] == \
+            [(i, blocks, d) for i, d in enumerate(data)]
+        assert all(type(view) is memoryview and view.format == "B" for _, _, view in checked)
+    view = memoryview(bytearray(8)).cast("I")  # not bytes: made flat, as send would
+    assert _items([(0, blocks, view)])[0][2].nbytes == 8
+    for bad, error in (((True, blocks, b"x"), "layer must be"),
+                       ((-1, blocks, b"x"), "layer must be"),
+                       ((0, [1, -2], b"x"), "block_ids must be"),
+                       ((0, [1, True], b"x"), "block_ids must be")):
+        with pytest.raises(wire.WireError, match=error):
+            _items([(1, blocks, b"y"), bad])
+    with pytest.raises(TypeError, match="bytes-like"):
+        _items([(0, blocks, 5), (1, blocks, b"y")])
