@@ -12,8 +12,9 @@ clients.
   without pause; ``contention[k-1]`` is ``contention[0]`` times the median ratio busy
   to alone (k = 2 .. ``--workers``), and ``contention[0]`` the median ratio of the
   engine alone to the profile's fitted steps (the host now against the one the steps
-  were fitted on; at least 1). The simulator counts a deployment's workers and, while a
-  request is in flight, its serving processes (gateway, conductor, clients) as one more:
+  were fitted on; at least 1). The simulator counts a deployment's busy workers and its
+  serving processes (gateway, conductor, clients) as the share of a core their token
+  streaming takes (tokens a second x ``token_overhead_s``), linear between the factors:
   a pair of workers needs ``--workers 3``.
 * token overhead: one unified worker behind the real gateway and conductor
   (tests/cluster.py), streams of ``--output-len`` tokens, 1 and then 4 at once; the
@@ -195,7 +196,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=3,
-                    help="most busy processes at once (workers, plus one for serving)")
+                    help="most busy processes at once (workers, plus one for serving's share)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--profile", default=str(ROOT / "deploy" / "profiles" / "smollm2-cpu.json"))
@@ -207,7 +208,7 @@ def main() -> None:
     overhead, serving = token_overhead(args.model, args.output_len, cp)
     host["serving"] = serving
     # One busy process: the engine alone against the profile's steps; k: that times k
-    # engines' busy/alone. (The simulator counts the serving processes as one more.)
+    # engines' busy/alone. (The simulator adds the serving processes' share of a core.)
     factors = [max(1.0, relative[0])]
     for r in relative[1:]:
         factors.append(max(factors[-1], factors[0] * r))  # never falls as k grows
