@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -147,6 +148,7 @@ def live(specs: list, plan: Plan, dep: Deployment) -> dict:
             results = asyncio.run(serve.run_benchmark(
                 cluster.base_url, specs, model=DEFAULT_MODEL, endpoint="completions",
                 progress=False))
+            routing = routed(cluster, roles, len(specs))
         finally:
             load_after = os.getloadavg()[0]
             cluster.stop()
@@ -157,7 +159,20 @@ def live(specs: list, plan: Plan, dep: Deployment) -> dict:
             "mean_ttft_ms": s["mean_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "duration_s": s["duration_s"],
             "loadavg_before": load_before, "loadavg_after": load_after,
-            "requests": _per_request(results)}
+            **routing, "requests": _per_request(results)}
+
+
+def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
+    """Where the live prompts were prefilled (the prefill workers' finished jobs; the
+    rest on their decode worker) and the step costs the conductor refitted from the
+    workers' reports: what the simulator's routing and costs are compared with."""
+    try:
+        remote = sum(cluster.worker_stats(f"{role}-{i}").prefills_done
+                     for i, role in enumerate(roles) if role == "prefill")
+        fitted = dataclasses.astuple(cluster.conductor_stats().cost_model)
+    except (OSError, TimeoutError, RuntimeError) as exc:
+        return {"local_prefills": None, "conductor_cost_model": None, "stats_error": str(exc)}
+    return {"local_prefills": sent - remote, "conductor_cost_model": fitted}
 
 
 def ranking(side: dict[str, dict]) -> list[str]:
