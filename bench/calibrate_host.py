@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.calibrate import time_decode, time_prefill  # noqa: E402
 from common.cost_profile import load_profile, profile_from_dict, save_profile  # noqa: E402
+from services.sim.profiles import Profile as SimProfile  # noqa: E402
 
 DECODE = [(1, 128), (4, 128), (16, 128)]
 PREFILL = [(128, 0), (512, 0)]
@@ -83,6 +84,18 @@ def point_times(engine, point: tuple[int, int], decode: bool, repeats: int, rng)
     return time_prefill(engine, *point, max(1, repeats // 2), rng)
 
 
+def alone_ratio(cp, point: tuple[int, int], decode: bool, seconds: float) -> float:
+    """``seconds`` of one engine alone against what the simulator takes the step to
+    cost: a decode step (B, L tokens each) at the calibration's measured point where it
+    has one (the fit shaped by ``decode_shape``), a prefill (n, c) at the fit, so that
+    ``contention[0]`` is the host alone and not also the fit's error at that batch."""
+    if decode:
+        batch, length = point
+        return seconds / SimProfile.from_cost_profile(cp, kv_blocks=1).decode_step_s(
+            batch, batch * length)
+    return seconds / cp.prefill_s(*point)
+
+
 def contention(model: str, threads: int, workers: int, repeats: int,
                cp) -> tuple[list, dict]:
     """Factors for 1 .. ``workers`` busy workers. The loaders stay started; each point
@@ -106,8 +119,7 @@ def contention(model: str, threads: int, workers: int, repeats: int,
         points = [(p, True) for p in DECODE] + [(p, False) for p in PREFILL]
         # One busy worker: this engine alone against the profile's fitted steps.
         alone = [(point_times(engine, pt, dec, repeats, rng), pt, dec) for pt, dec in points]
-        ratios = [t / (cp.decode_step_s(*pt[:1], pt[0] * pt[1]) if dec else cp.prefill_s(*pt))
-                  for t, pt, dec in alone]
+        ratios = [alone_ratio(cp, pt, dec, t) for t, pt, dec in alone]
         factors.append(statistics.median(ratios))
         rows += [[1, *pt, t, t] for t, pt, _ in alone]
         print(f"1 worker alone: {factors[0]:.2f} x the profile "

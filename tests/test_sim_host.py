@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.calibrate_host import overhead_fit
+from bench.calibrate_host import alone_ratio, overhead_fit
 from common.cost_profile import CostProfile, load_profile, profile_from_dict, save_profile
 from common.records import CostCoefficients
 from services.advisor import search
@@ -188,3 +188,12 @@ def test_the_advisor_routes_each_request_by_its_id_as_the_gateway_does(monkeypat
     # Each with its id, stamped with its arrival: the conductor's in-flight entry per
     # request, dropped when a heartbeat acknowledges it, and its TTFT correction.
     assert seen == [("0", 0.0), ("1", 0.5), ("2", 1.0)]
+
+
+def test_calibration_compares_one_engine_alone_with_the_steps_the_simulator_runs():
+    # The engine measured 20 % over the fit at B = 4 when the profile was made; alone on
+    # the host now it takes 1.3 x that measured step: the host factor is 1.3, not 1.56.
+    cp = cost_profile(fit={"decode": [[4, 100, 1.2 * 0.015, 0.0]]})
+    step = 1.3 * 1.2 * cp.decode_step_s(4, 400)
+    assert alone_ratio(cp, (4, 100), True, step) == pytest.approx(1.3)
+    assert alone_ratio(cp, (128, 0), False, 2 * cp.prefill_s(128, 0)) == pytest.approx(2.0)
