@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -45,7 +46,7 @@ from services.sim.profiles import Profile  # noqa: E402
 from services.sim.request import SimRequest  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
-PROFILE = "smollm2-cpu"
+PROFILE = "smollm2-cpu-quiet"  # smollm2-cpu's steps, the host factors of a quiet machine
 KV_CACHE_MIB = 256
 # (input tokens, output tokens, requests/s, TTFT SLO, TPOT SLO), the SLOs as multiples
 # of what the profile says serving costs on this host with both workers busy (slo_for):
@@ -89,23 +90,46 @@ def slo_for(name: str, cp: CostProfile) -> Slo:
     return Slo(ttft_x * prefill, tpot_x * step)
 
 
-def plan_for(name: str) -> Plan:
-    cp = load_profile(PROFILE)
+def plan_for(name: str, profile: str = PROFILE) -> Plan:
+    cp = load_profile(profile)
     blocks = (KV_CACHE_MIB << 20) // (cp.kv_bytes_per_token * cp.block_size)
-    return Plan(PROFILE, Profile.from_cost_profile(cp, kv_blocks=blocks),
+    return Plan(profile, Profile.from_cost_profile(cp, kv_blocks=blocks),
                 slo_for(name, cp), KV_CACHE_MIB, shared_host=True)
 
 
 def predict(specs: list, plan: Plan) -> dict[str, dict]:
     out = {}
     for label, dep in DEPLOYMENTS.items():
-        o = evaluate(dep, sim_requests(specs, plan.profile.block_size), plan)
+        reqs = sim_requests(specs, plan.profile.block_size)
+        o = evaluate(dep, reqs, plan)
         out[label] = {"goodput": o.goodput_rps, "good": o.good, "completed": o.completed,
                       "mean_ttft_ms": o.ttft_s["mean"] * 1e3,
                       "p90_ttft_ms": o.ttft_s["p90"] * 1e3,
                       "mean_tpot_ms": o.tpot_s["mean"] * 1e3,
-                      "local_prefills": o.local_prefills}
+                      "local_prefills": o.local_prefills,
+                      # per request: [arrival s, prompt, output, TTFT ms, TPOT ms, local]
+                      "requests": [[round(r.arrival, 3), r.prompt, r.output,
+                                    _ms(r.ttft if r.done is not None else None),
+                                    _ms(r.tbt if r.done is not None and r.output > 1
+                                        else None), r.prefill_id is None] for r in reqs]}
     return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
+def _per_request(results: list) -> list:
+    """[arrival s, prompt, output tokens, TTFT ms, TPOT ms, median and max gap between
+    tokens ms] per request, in the order sent: what the mean figures hide (a decode
+    stalled by a prefill shows as one long gap, a slow step as a high median)."""
+    rows = []
+    for r in sorted(results, key=lambda r: r.index):
+        gaps = sorted(r.itl_s)
+        rows.append([round(r.arrival_s, 3), r.prompt_len, r.output_tokens, _ms(r.ttft_s),
+                     _ms(r.tpot_s), _ms(gaps[len(gaps) // 2] if gaps else None),
+                     _ms(gaps[-1] if gaps else None)])
+    return rows
 
 
 def live(specs: list, plan: Plan, dep: Deployment) -> dict:
@@ -124,6 +148,7 @@ def live(specs: list, plan: Plan, dep: Deployment) -> dict:
             results = asyncio.run(serve.run_benchmark(
                 cluster.base_url, specs, model=DEFAULT_MODEL, endpoint="completions",
                 progress=False))
+            routing = routed(cluster, roles, len(specs))
         finally:
             load_after = os.getloadavg()[0]
             cluster.stop()
@@ -133,7 +158,21 @@ def live(specs: list, plan: Plan, dep: Deployment) -> dict:
             "completed": s["completed"], "failed": s["failed"],
             "mean_ttft_ms": s["mean_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "duration_s": s["duration_s"],
-            "loadavg_before": load_before, "loadavg_after": load_after}
+            "loadavg_before": load_before, "loadavg_after": load_after,
+            **routing, "requests": _per_request(results)}
+
+
+def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
+    """Where the live prompts were prefilled (the prefill workers' finished jobs; the
+    rest on their decode worker) and the step costs the conductor refitted from the
+    workers' reports: what the simulator's routing and costs are compared with."""
+    try:
+        remote = sum(cluster.worker_stats(f"{role}-{i}").prefills_done
+                     for i, role in enumerate(roles) if role == "prefill")
+        fitted = dataclasses.astuple(cluster.conductor_stats().cost_model)
+    except (OSError, TimeoutError, RuntimeError) as exc:
+        return {"local_prefills": None, "conductor_cost_model": None, "stats_error": str(exc)}
+    return {"local_prefills": sent - remote, "conductor_cost_model": fitted}
 
 
 def ranking(side: dict[str, dict]) -> list[str]:
@@ -147,14 +186,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=sorted(WORKLOADS))
     ap.add_argument("--predict-only", action="store_true")
+    ap.add_argument("--profile", default=PROFILE,
+                    help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
     args = ap.parse_args()
-    report = {"profile": PROFILE, "contention": load_profile(PROFILE).contention,
-              "token_overhead_s": load_profile(PROFILE).token_overhead_s,
+    report = {"profile": args.profile, "contention": load_profile(args.profile).contention,
+              "token_overhead_s": load_profile(args.profile).token_overhead_s,
               "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,
               "cores": os.cpu_count(), "workloads": {}}
     for name in [args.only] if args.only else list(WORKLOADS):
-        specs, plan = specs_for(name, args.requests, args.seed), plan_for(name)
+        specs, plan = specs_for(name, args.requests, args.seed), plan_for(name, args.profile)
         row = {"spec": {**dict(zip(("input_len", "output_len", "rate", "ttft_x", "tpot_x"),
                                    WORKLOADS[name], strict=True)),
                         "slo_ttft_ms": plan.slo.ttft_s * 1e3,

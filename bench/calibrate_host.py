@@ -12,8 +12,9 @@ clients.
   without pause; ``contention[k-1]`` is ``contention[0]`` times the median ratio busy
   to alone (k = 2 .. ``--workers``), and ``contention[0]`` the median ratio of the
   engine alone to the profile's fitted steps (the host now against the one the steps
-  were fitted on; at least 1). The simulator counts a deployment's workers and, while a
-  request is in flight, its serving processes (gateway, conductor, clients) as one more:
+  were fitted on; at least 1). The simulator counts a deployment's busy workers and its
+  serving processes (gateway, conductor, clients) as the share of a core their token
+  streaming takes (tokens a second x ``token_overhead_s``), linear between the factors:
   a pair of workers needs ``--workers 3``.
 * token overhead: one unified worker behind the real gateway and conductor
   (tests/cluster.py), streams of ``--output-len`` tokens, 1 and then 4 at once; the
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.calibrate import time_decode, time_prefill  # noqa: E402
 from common.cost_profile import load_profile, profile_from_dict, save_profile  # noqa: E402
+from services.sim.profiles import Profile as SimProfile  # noqa: E402
 
 DECODE = [(1, 128), (4, 128), (16, 128)]
 PREFILL = [(128, 0), (512, 0)]
@@ -82,6 +84,18 @@ def point_times(engine, point: tuple[int, int], decode: bool, repeats: int, rng)
     return time_prefill(engine, *point, max(1, repeats // 2), rng)
 
 
+def alone_ratio(cp, point: tuple[int, int], decode: bool, seconds: float) -> float:
+    """``seconds`` of one engine alone against what the simulator takes the step to
+    cost: a decode step (B, L tokens each) at the calibration's measured point where it
+    has one (the fit shaped by ``decode_shape``), a prefill (n, c) at the fit, so that
+    ``contention[0]`` is the host alone and not also the fit's error at that batch."""
+    if decode:
+        batch, length = point
+        return seconds / SimProfile.from_cost_profile(cp, kv_blocks=1).decode_step_s(
+            batch, batch * length)
+    return seconds / cp.prefill_s(*point)
+
+
 def contention(model: str, threads: int, workers: int, repeats: int,
                cp) -> tuple[list, dict]:
     """Factors for 1 .. ``workers`` busy workers. The loaders stay started; each point
@@ -105,8 +119,7 @@ def contention(model: str, threads: int, workers: int, repeats: int,
         points = [(p, True) for p in DECODE] + [(p, False) for p in PREFILL]
         # One busy worker: this engine alone against the profile's fitted steps.
         alone = [(point_times(engine, pt, dec, repeats, rng), pt, dec) for pt, dec in points]
-        ratios = [t / (cp.decode_step_s(*pt[:1], pt[0] * pt[1]) if dec else cp.prefill_s(*pt))
-                  for t, pt, dec in alone]
+        ratios = [alone_ratio(cp, pt, dec, t) for t, pt, dec in alone]
         factors.append(statistics.median(ratios))
         rows += [[1, *pt, t, t] for t, pt, _ in alone]
         print(f"1 worker alone: {factors[0]:.2f} x the profile "
@@ -195,7 +208,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=3,
-                    help="most busy processes at once (workers, plus one for serving)")
+                    help="most busy processes at once (workers, plus one for serving's share)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--profile", default=str(ROOT / "deploy" / "profiles" / "smollm2-cpu.json"))
@@ -207,7 +220,7 @@ def main() -> None:
     overhead, serving = token_overhead(args.model, args.output_len, cp)
     host["serving"] = serving
     # One busy process: the engine alone against the profile's steps; k: that times k
-    # engines' busy/alone. (The simulator counts the serving processes as one more.)
+    # engines' busy/alone. (The simulator adds the serving processes' share of a core.)
     factors = [max(1.0, relative[0])]
     for r in relative[1:]:
         factors.append(max(factors[-1], factors[0] * r))  # never falls as k grows

@@ -17,7 +17,8 @@ policy's cost model learns step times from heartbeats (bench/sim/simulator.py).
 Policies: random, round-robin and least-loaded (``services/conductor/policy.py``, cached
 tokens unknown to them), cache-aware (longest cached prefix in the index, ties broken at
 random, decode least-loaded: no load term) and ours (``CacheAwarePolicy``: predicted
-TTFT/TBT from the online cost model, in-flight accounting, conditional disaggregation).
+TTFT/TBT from the online cost model, in-flight accounting per request id as the live
+conductor keeps it, conditional disaggregation).
 ``output_tokens`` given to ours is the trace's output length, standing for max_tokens.
 
 Chosen from the workload's own statistics (``derive``; the profile's idle costs, no
@@ -129,7 +130,7 @@ def ours(profile: Profile, index: PrefixIndex, cost: CostModel, setup: Setup, *,
         return policy.decide(views, PolicyRequest(
             prompt_tokens=req.prompt, block_hashes=req.hashes, block_size=profile.block_size,
             slo_ttft_s=setup.slo_ttft_s, slo_tbt_s=setup.slo_tbt_s, output_tokens=req.output,
-            admission=admission))
+            admission=admission, request_id=req.request_id, routed_at=req.arrival))
     return route
 
 

@@ -17,7 +17,7 @@ read. An engine step that prefills several chunks pays ``a`` once.
 Two optional fields say what serving on a host costs beyond the engine's own steps,
 for a simulator that runs a deployment's workers on one host (they share its cores):
 ``contention[k-1]`` multiplies a step run while ``k`` processes on the host are busy at
-once (a simulator counts the workers busy, and the serving processes as one more;
+once (a simulator counts the workers busy, and the serving processes' share of a core;
 ``[]``: not measured, 1.0; ``contention[0]``, one busy process against the fitted
 steps, is near 1 on the machine and load they were fitted on), and
 ``token_overhead_s`` is added to a decode step per sequence in it (the serving path's

@@ -51,8 +51,10 @@ def test_one_request_scores_exactly_its_simulated_times():
     for o in outcomes:
         assert (o.good, o.completed, o.local_prefills) == (1, 1, 1)
         assert o.ttft_s["p50"] == pytest.approx(prefill, rel=1e-9)
-        # Four steps over a context of 100, 101, 102, 103 tokens.
-        step = CP.decode_step_s(1, 100) + CP.decode_per_ctx_token_s * 1.5
+        # Four steps over a context of 100, 101, 102, 103 tokens, at what the calibration
+        # measured for one sequence against the fit (the simulator runs the measured).
+        step = (CP.decode_step_s(1, 100) + CP.decode_per_ctx_token_s * 1.5) * \
+            Profile.from_cost_profile(CP, kv_blocks=1).shape(1)
         assert o.tpot_s["p50"] == pytest.approx(step, rel=1e-9)
         assert o.goodput_rps == pytest.approx(1 / (prefill + 4 * o.tpot_s["p50"]), rel=1e-6)
     # A TTFT SLO just under the prefill time: nothing is good anywhere.

@@ -98,10 +98,11 @@ def offline(reqs, kv_blocks: int) -> list[SimRequest]:
     # host, so the conductor applies the profile's contention factors to its
     # predictions (shared_host below), but they sleep rather than compute: the work
     # itself is not slowed by the others (no contention in the true profile), and the
-    # serving path's per-token overhead is the live processes' own.
+    # serving path's per-token overhead is the live processes' own; it sleeps the
+    # fitted decode step, not the calibration's measured points (decode_shape).
     true = dataclasses.replace(
         true, cost=CostCoefficients(*(c * SCALE for c in cp.coefficients())),
-        link_bandwidth=1e15, contention=(), token_overhead_s=0.0)
+        link_bandwidth=1e15, contention=(), token_overhead_s=0.0, decode_shape=())
     sims = [SimRequest(i, t, len(p), n, chain(p)) for i, (t, p, n) in enumerate(reqs)]
 
     def route(views, req):

@@ -78,10 +78,11 @@ def test_kv_lease_runs_out_and_the_decode_worker_prefills_itself():
     assert (first["decode-0"].waiting_for_kv, first["decode-0"].waiting) == (2, 0)
     assert first["decode-0"].free_blocks == 100 - 2 * 2  # 1003 tokens each
     # A's KV would land at 2.6 and B's prefill end at 3.2: at 2.0 both leases run out,
-    # and both prompts are prefilled on decode-0, one after the other (1.6 s each).
+    # and both prompts are prefilled on decode-0, in one step as they fit its token
+    # budget (the fixed cost once: 0.1 + 2 x 1.5 s).
     assert [(r.routed_prefill, r.prefill_id, r.fell_back) for r in reqs] == \
         [("prefill-0", None, True)] * 2
-    assert sorted(r.first_token for r in reqs) == pytest.approx([3.6, 5.2])
+    assert sorted(r.first_token for r in reqs) == pytest.approx([5.1, 5.1])
     assert sim.workers["decode-0"].fallbacks == 2
     pre = sim.workers["prefill-0"]
     assert pre.kv.used == 0 and not pre.queue and pre.current is None

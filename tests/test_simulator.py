@@ -54,18 +54,31 @@ def test_two_requests_one_worker_each_hand_checked():
     assert cost.observations == (2, 2)
 
 
-def test_local_prefill_stalls_the_running_batch():
+def test_local_prefill_is_one_step_with_the_running_batch():
     a = SimRequest(0, 0.0, 1000, 3, [0, 1])
     b = SimRequest(1, 1.61, 1000, 2, [0, 2])
     Simulator(TINY, fixed(None), prefill=0, decode=1).run([a, b])
-    # a: local prefill 1.6 s, first step ends at 1.621; b arrives meanwhile and prefills
-    # at that boundary with block 0 cached by a (0.956928 s), stalling a.
+    # a: local prefill 1.6 s, first step ends at 1.621; b arrives meanwhile. As the live
+    # scheduler does, the next step holds a's decode and b's prefill (block 0 cached by
+    # a: 0.956928 s) in one forward: a's decode step (B=1, K=1001) is added to it, and a
+    # gets its last token at its end instead of waiting for a step of its own after it.
+    mixed = 1.621 + 0.956928 + (0.01 + 0.001 + 0.01001)
     assert a.ttft == pytest.approx(1.6)
-    assert b.ttft == pytest.approx(1.621 + 0.956928 - 1.61)
-    # then one step of both (B=2, K=1001+1000): 0.01 + 0.002 + 0.02001
-    end = 1.621 + 0.956928 + 0.03201
-    assert a.done == pytest.approx(end) and b.done == pytest.approx(end)
-    assert a.tbt == pytest.approx((end - 1.6) / 2)  # 0.505: the stall is in a's TBT
+    assert b.ttft == pytest.approx(mixed - 1.61)
+    assert a.done == pytest.approx(mixed)
+    assert a.tbt == pytest.approx((mixed - 1.6) / 2)  # the prefill is in a's TBT
+    # then b alone: one step of B=1, K=1000.
+    assert b.done == pytest.approx(mixed + 0.021)
+
+
+def test_local_prompts_that_fit_one_step_are_prefilled_together():
+    # Three local prompts at once: the first two (2 x 1000 tokens) fit the step's 2048
+    # and share its fixed cost (0.1 + 2 x 1.5 s); the third takes the next step, which
+    # also decodes the first two (B=2, K=2000: 0.01 + 0.002 + 0.02).
+    reqs = [SimRequest(i, 0.0, 1000, 3, [2 * i, 2 * i + 1]) for i in range(3)]
+    Simulator(TINY, fixed(None), prefill=0, decode=1).run(reqs)
+    assert reqs[0].ttft == pytest.approx(3.1) and reqs[1].ttft == pytest.approx(3.1)
+    assert reqs[2].ttft == pytest.approx(3.1 + 1.6 + 0.032)
 
 
 def test_decode_kv_capacity_queues_or_rejects_per_stage():

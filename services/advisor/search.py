@@ -125,13 +125,17 @@ def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan) -> Outcome:
     router = Router(settings.router_config(), load_profile(plan.profile_spec))
 
     def route(views, req):
+        # With its id, as the gateway asks the live conductor: counted in flight until a
+        # heartbeat acknowledges it, its predicted TTFT kept for the TTFT correction.
         return router.route(views, RouteRequest("sim", req.prompt, req.hashes,
-                                                max_tokens=req.output))
+                                                max_tokens=req.output),
+                            req.request_id, now=req.arrival)
     Simulator(plan.profile, route, prefill=dep.prefill, decode=dep.decode,
               index=router.index, cost=router.cost,
               pool_blocks=plan.pool_blocks() if dep.pool else 0,
               kv_lease_s=plan.kv_lease_s, noise=plan.noise, seed=plan.seed,
-              shared_host=plan.shared_host).run(reqs)
+              shared_host=plan.shared_host,
+              correction=router.correction if settings.ttft_correction else None).run(reqs)
     done = [r for r in reqs if r.done is not None]
     good = sum(1 for r in done if r.ttft <= plan.slo.ttft_s and r.tbt <= plan.slo.tpot_s)
     start = min(r.arrival for r in reqs)

@@ -33,9 +33,18 @@ with 2048 blocks of 16 tokens.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
-from common.cost_profile import CostProfile, cost, decode_terms, load_profile, prefill_terms
+from common.cost_profile import (
+    CostProfile,
+    cost,
+    decode_terms,
+    load_profile,
+    prefill_step_terms,
+    prefill_terms,
+)
 from common.records import CostCoefficients
 
 
@@ -52,6 +61,10 @@ class Profile:
     # busy, and the serving path's seconds per sequence per decode step (cost_profile.py).
     contention: tuple[float, ...] = ()
     token_overhead_s: float = 0.0
+    # (batch, measured / fitted step) from the calibration's decode points, by batch:
+    # the three-term fit is a compromise over batches 1-64 (on smollm2-cpu 10 % high at
+    # B = 1, 10-15 % low at B = 4-16), and the simulator runs what the engine measured.
+    decode_shape: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("kv_bytes_per_token", "block_size", "kv_blocks", "link_bandwidth"):
@@ -75,7 +88,7 @@ class Profile:
                    kv_bytes_per_token=cp.kv_bytes_per_token, block_size=bs,
                    kv_blocks=blocks, link_bandwidth=cp.link_bandwidth,
                    pool_bandwidth=cp.pool_bandwidth, contention=cp.contention,
-                   token_overhead_s=cp.token_overhead_s)
+                   token_overhead_s=cp.token_overhead_s, decode_shape=decode_shape(cp))
 
     @classmethod
     def load(cls, spec: str, **kw) -> Profile:
@@ -94,11 +107,23 @@ class Profile:
         return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
                     prefill_terms(n, c))
 
-    def contended(self, busy: int) -> float:
-        """The step factor with ``busy`` workers busy on one host (cost_profile.py)."""
+    def prefill_step_s(self, chunks: list[tuple[int, int]]) -> float:
+        """True seconds of one step prefilling ``chunks`` ``(n, c)``: the fixed cost once."""
+        if not any(n > 0 for n, _ in chunks):
+            return 0.0
+        k = self.cost
+        return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
+                    prefill_step_terms(chunks))
+
+    def contended(self, busy: float) -> float:
+        """The step factor with ``busy`` processes busy on one host (cost_profile.py),
+        linear between whole numbers: the serving processes are a fraction of one
+        (``Simulator.contention``); the last factor beyond the list."""
         if not self.contention:
             return 1.0
-        return self.contention[min(max(busy, 1), len(self.contention)) - 1]
+        c, k = self.contention, min(max(busy, 1.0), float(len(self.contention)))
+        lo = int(k)
+        return c[lo - 1] if lo == len(c) else c[lo - 1] + (k - lo) * (c[lo] - c[lo - 1])
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """True seconds of one decode step."""
@@ -106,7 +131,35 @@ class Profile:
             return 0.0
         k = self.cost
         return cost((k.decode_fixed_s, k.decode_per_seq_s, k.decode_per_ctx_token_s),
-                    decode_terms(batch, context_tokens))
+                    decode_terms(batch, context_tokens)) * self.shape(batch)
+
+    def shape(self, batch: int) -> float:
+        """Measured over fitted decode step at ``batch``: linear in log(batch) between
+        the calibrated batches, the nearest one's beyond them; 1.0 without points."""
+        pts = self.decode_shape
+        if not pts:
+            return 1.0
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        for (b0, r0), (b1, r1) in zip(pts, pts[1:], strict=False):
+            if batch <= b1:
+                return r0 + (r1 - r0) * math.log(batch / b0) / math.log(b1 / b0)
+        return pts[-1][1]
+
+
+def decode_shape(cp: CostProfile) -> tuple[tuple[int, float], ...]:
+    """Per calibrated batch, the median of measured / fitted step over its context
+    lengths (``fit.decode`` rows [B, K, seconds, error]); () without such rows."""
+    rows = cp.fit.get("decode", []) if isinstance(cp.fit, dict) else []
+    by_batch: dict[int, list[float]] = {}
+    for row in rows:
+        if not (isinstance(row, list | tuple) and len(row) >= 3):
+            continue
+        b, k, seconds = row[:3]
+        fitted = cp.decode_step_s(int(b), int(k))
+        if int(b) >= 1 and fitted > 0 and isinstance(seconds, int | float) and seconds > 0:
+            by_batch.setdefault(int(b), []).append(seconds / fitted)
+    return tuple((b, statistics.median(r)) for b, r in sorted(by_batch.items()))
 
 
 LLAMA70B_H100X4 = Profile.load("llama70b-h100x4", block_size=512)

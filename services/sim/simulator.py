@@ -7,8 +7,9 @@ workers follow (services/sim/workers.py):
       remote: decode reserves the blocks (else prefills locally) --> prefill FIFO
               --prefill--> link FIFO --KV of the blocks decode lacks--> joins the batch
               (the KV lease runs out first: blocks freed, prefilled locally)
-      local:  decode queue (until its blocks fit) --> prefill on the decode worker,
-              stalling its batch --> joins the batch
+      local:  decode queue (until its blocks fit) --> prefill on the decode worker, in
+              one step with its batch's decode (the prompts that fit the step's token
+              budget together) --> joins the batch
       batch: output-1 steps --> done; its blocks freed and still cached
 
 * Every worker's prefix cache is its own KV blocks (``kv_blocks``, services/sim/kv_blocks.py),
@@ -16,15 +17,19 @@ workers follow (services/sim/workers.py):
   them; no other cache. ``pool_blocks`` > 0 adds the pool's DRAM tier, a separate
   location that prefill writes back to and any worker fetches from at ``pool_bandwidth``.
 * Decode workers batch continuously; a step of B sequences holding K tokens takes
-  ``profile.decode_step_s(B, K)``. Between batch changes step times form an arithmetic
+  ``profile.decode_step_s(B, K)`` (the calibration's measured steps where it has
+  them: ``Profile.decode_shape``). Between batch changes step times form an arithmetic
   series (K grows by B a step), so the simulator jumps between changes in closed form.
 * Costs are a profile file's (``Profile.load``), times a lognormal factor of
   ``noise`` (sigma; mean 1) per prefill and per run of decode steps.
 * ``shared_host``: every worker runs on one host and shares its cores, as on a small
   machine: each prefill and each run of decode steps is slowed by the profile's
-  ``contention`` factor for the processes busy when it starts (the workers busy, and
-  the serving processes -- gateway, conductor, clients -- as one more while any request
-  is in flight), and every decode step costs ``token_overhead_s`` more per sequence.
+  ``contention`` factor for the processes busy when it starts, and every decode step
+  costs ``token_overhead_s`` more per sequence. Busy: the workers busy, and the serving
+  processes (gateway, conductor, clients) as the share of a core their streaming takes
+  (``serving_load``): they wait on sockets but for the tokens they pass on, so they are
+  no whole busy process (counted as one, a prefill beside them took the three-process
+  factor that live prefills do not pay); the factor is linear between whole numbers.
   The policy then sees every worker on one host (one ``host_id``), as live, so it
   applies the conductor's profile's contention factors to its predictions (the
   simulator's own ``profile`` decides what the work really takes: a profile without
@@ -137,9 +142,20 @@ class Simulator:
         share one host, else the profile's for it and the others busy at this moment."""
         if not self.shared_host:
             return 1.0
-        serving = self.arrived > self.total - self.open  # a request in flight
         return self.profile.contended(
-            1 + serving + sum(1 for w in self.workers.values() if w is not worker and w.busy))
+            1 + sum(1 for w in self.workers.values() if w is not worker and w.busy)
+            + self.serving_load())
+
+    def serving_load(self) -> float:
+        """The share of a core the serving processes (gateway, conductor, clients) take
+        now: they wait on sockets but for the tokens they pass on, each costing about
+        the ``token_overhead_s`` the profile measured on a free core, at the rate the
+        decode batches stream them (at most one core)."""
+        if not self.token_overhead_s:
+            return 0.0
+        rate = sum(w.B / w.step_s() for w in self.workers.values()
+                   if isinstance(w, DecodeWorker) and w.B)
+        return min(1.0, rate * self.token_overhead_s)
 
     def prefill_s(self, n: int, c: int) -> float:
         return self.profile.prefill_s(n, c) * self.jitter()

@@ -7,7 +7,9 @@ if the blocks are not free, prefill it here instead (per-stage rejection on: rej
 it). KV that lands in time joins the batch at the next step boundary; a lease that
 runs out frees the blocks, tells the prefill worker to drop the job, and queues the
 prompt here. A local prompt waits in the engine's queue until its blocks are free and
-then prefills between decode steps, stalling the batch.
+then prefills in one step with the running batch's decode, as the live scheduler mixes
+them: the prompts that fit ``STEP_TOKENS`` together, the step lasting their prefill
+plus the batch's decode step, each running sequence gaining a token at its end.
 
 Prefill: one prompt at a time, in arrival order, once its blocks fit; cached prefix
 from its own KV blocks, then the pool tier's blocks beyond it (fetched); the KV of the
@@ -18,7 +20,7 @@ On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile
 times its contention factor for the processes busy when it starts (the simulator's
 ``contention``), and a decode worker's
 steps that factor as sampled at each batch change (a run of steps keeps it), plus the
-serving path's overhead per sequence.
+serving path's overhead per sequence; a mixed step takes the factor when it starts.
 
 Timings reach the conductor only in heartbeats, as step samples of work already done,
 and a decode worker's first-token times (``TtftSample``: from the request's arrival
@@ -47,6 +49,9 @@ if TYPE_CHECKING:
     from services.sim.request import SimContext, SimRequest
 
 MAX_SAMPLES = 32  # per heartbeat and kind, as a live worker sends
+# Prompt tokens one engine step takes at most (services/engine/scheduler.py's default
+# max_num_batched_tokens); a longer prompt goes alone, as one prefill.
+STEP_TOKENS = 2048
 
 
 def take(samples: deque) -> list:
@@ -164,7 +169,7 @@ class DecodeWorker:
         self.awaiting: dict[int, SimRequest] = {}  # reserved, KV not landed
         self.queued: deque[SimRequest] = deque()  # local prompts waiting for blocks
         self.local: deque[SimRequest] = deque()  # local prompts holding blocks
-        self.prefilling: SimRequest | None = None  # the local prompt being prefilled
+        self.prefilling: list[SimRequest] = []  # the local prompts in the step running
         self.joiners: list[SimRequest] = []
         self.stalled, self.version = False, 0
         self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
@@ -234,15 +239,24 @@ class DecodeWorker:
             self.local.append(req)
         self._schedule(now)
 
+    def step_s(self) -> float:
+        """Seconds of a step at the last batch change (the context grows slowly)."""
+        return self._first_step()
+
     def _first_step(self) -> float:
         """The next step's seconds: the engine's, times noise and contention, plus the
         serving path's per-token overhead on a shared host."""
         return self.factor * self.prof.decode_step_s(self.B, self.K) + \
             self.B * self.sim.token_overhead_s
 
+    def _half_slope(self) -> float:
+        """Half what each step adds to the next (its context grows by B tokens)."""
+        return self.factor * self.prof.cost.decode_per_ctx_token_s * self.B / 2 * \
+            self.prof.shape(self.B)
+
     def _time_at(self, m: int) -> float:
         """Time of the boundary ``m`` steps after the last one, the batch unchanged."""
-        half_slope = self.factor * self.prof.cost.decode_per_ctx_token_s * self.B / 2
+        half_slope = self._half_slope()
         return self.t + m * self._first_step() + half_slope * m * (m - 1)
 
     def _schedule(self, now: float) -> None:
@@ -258,7 +272,7 @@ class DecodeWorker:
             return
         m = self.finish[0][0] - self.steps
         if self.joiners or self.local:
-            h = self.factor * self.prof.cost.decode_per_ctx_token_s * self.B / 2
+            h = self._half_slope()
             s0, dt = self._first_step(), now - self.t
             root = dt / s0 if h == 0 else \
                 (-(s0 - h) + math.sqrt((s0 - h) ** 2 + 4 * h * dt)) / (2 * h)
@@ -280,8 +294,6 @@ class DecodeWorker:
         self.t = now
         while self.finish and self.finish[0][0] <= self.steps:
             self._retire(heapq.heappop(self.finish)[2], now, joined=True)
-        if self.local:
-            return self._start_local(now)
         for req in self.joiners:
             if req.output <= 1:
                 self._retire(req, now, joined=False)
@@ -291,6 +303,8 @@ class DecodeWorker:
             self.B += 1
             self.K += req.prompt
         self.joiners.clear()
+        if self.local:
+            return self._start_local(now)
         self.factor = self.sim.jitter() * self.sim.contention(self)
         self._pump(now)
 
@@ -302,34 +316,55 @@ class DecodeWorker:
         self.sim.finish(req, "", now)
 
     def _start_local(self, now: float) -> None:
-        req = self.prefilling = self.local.popleft()
-        n = req.prompt - req.cached
-        compute = self.sim.prefill_s(n, req.cached) * self.sim.contention(self)
-        fetch_s = req.fetch * self.prof.block_bytes / self.prof.pool_bandwidth \
-            if req.fetch else 0.0
+        """One engine step, as the live scheduler builds it: the running batch's decode
+        tokens and the local prompts that fit in the step's token budget (at least
+        one), in one forward: the profile's prefill step of those prompts plus the
+        decode step of the batch, as the sim executor (services/engine/sim.py) counts
+        a mixed step. The batch gains one token at its end; no decode-only step runs
+        while local prompts wait."""
+        group, tokens = [], 0
+        while self.local and (not group or tokens + self.local[0].prompt
+                              - self.local[0].cached <= STEP_TOKENS):
+            req = self.local.popleft()
+            group.append(req)
+            tokens += req.prompt - req.cached
+        self.prefilling = group
+        chunks = [(r.prompt - r.cached, r.cached) for r in group]
+        factor = self.sim.contention(self)
+        prefill = self.prof.prefill_step_s(chunks) * self.sim.jitter() * factor
+        decode = self.prof.decode_step_s(self.B, self.K) * factor + \
+            self.B * self.sim.token_overhead_s
+        fetch_s = sum(r.fetch for r in group) * self.prof.block_bytes / \
+            self.prof.pool_bandwidth if any(r.fetch for r in group) else 0.0
         self.stalled = True
         self.version += 1
-        self.sim.push(now + fetch_s + compute, self._end_local, (req, n, compute))
+        self.sim.push(now + fetch_s + prefill + decode, self._end_local, (chunks, prefill))
 
-    def _end_local(self, now: float, arg: tuple[SimRequest, int, float]) -> None:
-        req, n, compute = arg
-        self.prefill_samples.append(StepSample(seconds=compute, tokens=[n], cached=[req.cached]))
-        self.stalled, self.t, req.first_token = False, now, now  # the batch resumes now
-        # Live, a request whose Prefill was forwarded stays "remote" when it falls back.
-        self.ttft_samples.append(TtftSample(request_id=req.request_id,
-                                            seconds=now - req.arrival,
-                                            remote=req.rid in self.leased_out))
-        self.leased_out.discard(req.rid)
-        self.prefilling = None
-        self.kv.commit(req.rid, req.hashes)
-        if self.sim.pool:  # a decode or unified worker writes back what it computed too
-            self.sim.pool.insert(req.hashes)
-        self.joiners.append(req)
+    def _end_local(self, now: float, arg: tuple[list, float]) -> None:
+        chunks, prefill = arg
+        self.prefill_samples.append(StepSample(seconds=prefill, tokens=[n for n, _ in chunks],
+                                               cached=[c for _, c in chunks]))
+        self.stalled, self.t = False, now  # the batch resumes now
+        if self.B:  # the step's decode token for every running sequence
+            self.K += self.B
+            self.steps += 1
+        for req in self.prefilling:
+            req.first_token = now
+            # Live, a request whose Prefill was forwarded stays "remote" when it falls back.
+            self.ttft_samples.append(TtftSample(request_id=req.request_id,
+                                                seconds=now - req.arrival,
+                                                remote=req.rid in self.leased_out))
+            self.leased_out.discard(req.rid)
+            self.kv.commit(req.rid, req.hashes)
+            if self.sim.pool:  # a decode or unified worker writes back what it computed
+                self.sim.pool.insert(req.hashes)
+            self.joiners.append(req)
+        self.prefilling = []
         self._boundary(now, (self.version, 0))
 
     def heartbeat(self, seq: int, now: float) -> Heartbeat:
         # Local prompts count whole until their prefill step ends, as live.
-        prompts = [*self.queued, *self.local] + ([self.prefilling] if self.prefilling else [])
+        prompts = [*self.queued, *self.local, *self.prefilling]
         local = sum(r.prompt for r in prompts)
         return Heartbeat(worker_id=self.id, role="decode", seq=seq,
                          running=self.B + len(self.joiners),
