@@ -355,6 +355,12 @@ def main() -> None:
             return asyncio.run(serving)
         return serve_raw_tcp() if kind == "tcp" else serve_raw_shm(*rest)
     from common.transfer import BackendUnavailable, available_backends
+
+    with contextlib.suppress(ImportError):  # a sender is a model worker, torch loaded:
+        import torch  # noqa: F401  the shm sender stages with its copy-and-checksum kernel
+
+        from kernels import cpu_copysum
+        cpu_copysum.kernel(wait=True)  # built (or loaded) before the first transfer
     from common.transfer.ucx import load_ucxx
 
     kinds = args.backends.split(",") if args.backends else list(available_backends())

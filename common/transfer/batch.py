@@ -17,7 +17,8 @@ counts as one chunk towards FINISH. Header, little-endian::
 The payload is the chunks' bytes back to back, in that order; its length (the prefix's
 payload length, or the shm frame's) must be the sum of the byte lengths. One checksum
 covers every byte of it: the sender hashes each chunk as it goes out (xxh3 streams, so
-that is the hash of the payload), the receiver hashes the payload in one call where it
+that is the hash of the payload; the shm sender's kernel folds each stripe in as it copies
+it, ``kernels/cpu_copysum.py``), the receiver hashes the payload in one call where it
 lies. The verdict covers the whole batch: "ok" once the payload is verified and every
 chunk handed to the sink (the checksum is checked before the first sink call, so a
 "resend" has changed nothing); "resend" asks for the whole batch again (attempt 1, same

@@ -47,6 +47,7 @@ from common.transfer.shm import (
 )
 from common.transfer.shm_ring import Ring
 from common.transfer.shm_segment import SHM_DIR
+from kernels import cpu_copysum as copysum
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -57,7 +58,7 @@ _WARM_BYTES = 4 << 20
 
 def stage(destination: memoryview, source: memoryview) -> int:
     """Copy ``source`` to the start of ``destination``; return its ``wire.checksum``."""
-    if source.nbytes <= _PIECE:
+    if source.nbytes <= _PIECE and (source.nbytes <= copysum.SHORT or copysum.kernel() is None):
         destination[: source.nbytes] = source
         return xxhash.xxh3_64_intdigest(source)
     return stage_many(destination, (source,))
@@ -67,10 +68,15 @@ def stage_many(destination: memoryview, sources) -> int:
     """Copy ``sources`` back to back to the start of ``destination``; return the
     checksum of them all (``batch.checksum``).
 
-    In cache-sized pieces, each hashed right after it is copied, while it is still in
-    cache: the end-to-end check then costs little on top of the copy. One hasher for
-    all of them, and no call per piece beyond the copy and the update.
+    In one pass where the copy-and-checksum kernel is at hand (kernels/cpu_copysum.py:
+    each stripe loaded once, stored and hashed from the same register). Otherwise in
+    cache-sized pieces, each hashed right after it is copied, while it is still in
+    cache; one hasher for all of them, and no call per piece beyond the copy and the
+    update.
     """
+    mod = copysum.kernel()
+    if mod is not None and sum(source.nbytes for source in sources) > copysum.SHORT:
+        return copysum.copy_sum(mod, destination, sources)
     hasher, at = xxhash.xxh3_64(), 0  # seed 0, as wire.checksum
     update = hasher.update
     for source in sources:

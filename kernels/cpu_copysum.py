@@ -1,0 +1,213 @@
+"""Copy and checksum in one pass over the bytes: the shm sender's staging of a payload
+into its ring (common/transfer/shm_sender.py).
+
+The checksum is the data plane's own, XXH3-64 with seed 0 (``wire.checksum``, the BATCH
+checksum of ``batch.py``): nothing on the wire changes, and the receiver checks it as
+before. What changes is the sender's work: staging used to copy a piece into the ring and
+then hash it back out of the cache; here each 64-byte stripe is loaded once, stored to
+the ring and folded into XXH3's accumulators from the same register (AVX-512 where the
+compiler targets it; a copy followed by a hash of the copy in cache otherwise).
+
+XXH3 processes a long input in 64-byte stripes, 16 to a 1 KiB block (its accumulators
+scrambled after each block), except that the stripe holding the input's last byte is
+taken as the last 64 bytes of the input, with its own key. So a stripe ``[s, s + 64)``
+is folded in as it goes by exactly when ``s + 64 < total``: the sender knows the whole
+payload's length before it copies the first byte, and the last stripe is read back from
+the destination at the end. A stripe that straddles two sources (chunk lengths that are
+not multiples of 64) is read back from the destination once both halves are there.
+
+Inputs of at most 240 bytes take XXH3's short paths: the caller hashes those with the
+xxhash package (the copy is nothing then). tests/test_transfer_copysum.py holds the
+kernel to the xxhash package's digests.
+
+The kernel is built with torch's extension loader (kernels/cpu_build.py), so it is used
+only in a process that has imported torch already (a model worker); a light process (the
+cache pool) and a machine without a compiler keep the xxhash path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kernels.cpu_build import CppKernel
+
+SHORT = 240  # XXH3's short-input paths end here
+STATE_BYTES = 72  # eight accumulators and the count of bytes folded in
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace py = pybind11;
+
+static const uint8_t SECRET[192] = {
+  0xb8,0xfe,0x6c,0x39,0x23,0xa4,0x4b,0xbe,0x7c,0x01,0x81,0x2c,0xf7,0x21,0xad,0x1c,
+  0xde,0xd4,0x6d,0xe9,0x83,0x90,0x97,0xdb,0x72,0x40,0xa4,0xa4,0xb7,0xb3,0x67,0x1f,
+  0xcb,0x79,0xe6,0x4e,0xcc,0xc0,0xe5,0x78,0x82,0x5a,0xd0,0x7d,0xcc,0xff,0x72,0x21,
+  0xb8,0x08,0x46,0x74,0xf7,0x43,0x24,0x8e,0xe0,0x35,0x90,0xe6,0x81,0x3a,0x26,0x4c,
+  0x3c,0x28,0x52,0xbb,0x91,0xc3,0x00,0xcb,0x88,0xd0,0x65,0x8b,0x1b,0x53,0x2e,0xa3,
+  0x71,0x64,0x48,0x97,0xa2,0x0d,0xf9,0x4e,0x38,0x19,0xef,0x46,0xa9,0xde,0xac,0xd8,
+  0xa8,0xfa,0x76,0x3f,0xe3,0x9c,0x34,0x3f,0xf9,0xdc,0xbb,0xc7,0xc7,0x0b,0x4f,0x1d,
+  0x8a,0x51,0xe0,0x4b,0xcd,0xb4,0x59,0x31,0xc8,0x9f,0x7e,0xc9,0xd9,0x78,0x73,0x64,
+  0xea,0xc5,0xac,0x83,0x34,0xd3,0xeb,0xc3,0xc5,0x81,0xa0,0xff,0xfa,0x13,0x63,0xeb,
+  0x17,0x0d,0xdd,0x51,0xb7,0xf0,0xda,0x49,0xd3,0x16,0x55,0x26,0x29,0xd4,0x68,0x9e,
+  0x2b,0x16,0xbe,0x58,0x7d,0x47,0xa1,0xfc,0x8f,0xf8,0xb8,0xd1,0x7a,0xd0,0x31,0xce,
+  0x45,0xcb,0x3a,0x8f,0x95,0x16,0x04,0x28,0xaf,0xd7,0xfb,0xca,0xbb,0x4b,0x40,0x7e};
+
+static const uint64_t P32_1 = 0x9E3779B1ULL, P32_2 = 0x85EBCA77ULL, P32_3 = 0xC2B2AE3DULL;
+static const uint64_t P64_1 = 0x9E3779B185EBCA87ULL, P64_2 = 0xC2B2AE3D27D4EB4FULL,
+    P64_3 = 0x165667B19E3779F9ULL, P64_4 = 0x85EBCA77C2B2AE63ULL,
+    P64_5 = 0x27D4EB2F165667C5ULL;
+static const int STRIPE = 64, PER_BLOCK = 16;  // (192 - 64) / 8 stripes a block
+
+struct State { uint64_t acc[8]; uint64_t folded; };
+
+static inline uint64_t rd64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
+
+static inline void fold(uint64_t* acc, const uint8_t* in, const uint8_t* key) {
+  for (int i = 0; i < 8; ++i) {
+    const uint64_t v = rd64(in + 8 * i), k = v ^ rd64(key + 8 * i);
+    acc[i ^ 1] += v;
+    acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+  }
+}
+
+static inline void scramble(uint64_t* acc) {
+  const uint8_t* key = SECRET + 192 - STRIPE;
+  for (int i = 0; i < 8; ++i) {
+    uint64_t a = acc[i];
+    a ^= a >> 47;
+    a ^= rd64(key + 8 * i);
+    acc[i] = a * P32_1;
+  }
+}
+
+// Fold the stripe at byte `s` of the payload (lying at `in`), scrambling after a block.
+static inline void stripe(uint64_t* acc, const uint8_t* in, uint64_t s) {
+  const uint64_t n = (s / STRIPE) % PER_BLOCK;
+  fold(acc, in, SECRET + 8 * n);
+  if (n == PER_BLOCK - 1) scramble(acc);
+}
+
+static State* state_of(py::buffer& buf) {
+  py::buffer_info info = buf.request(true);
+  if (info.size * info.itemsize < (py::ssize_t)sizeof(State))
+    throw std::invalid_argument("copysum state too small");
+  return reinterpret_cast<State*>(info.ptr);
+}
+
+static void start(py::buffer st) {
+  State* s = state_of(st);
+  const uint64_t init[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+  std::memcpy(s->acc, init, sizeof(init));
+  s->folded = 0;
+}
+
+// Copy `src` to `dst[at:]`, folding in every stripe [s, s + 64) with s + 64 < total that
+// is now wholly in `dst`.
+static void copy(py::buffer dst, int64_t at, py::buffer src, py::buffer st, int64_t total) {
+  py::buffer_info d = dst.request(true), r = src.request(false);
+  State* s = state_of(st);
+  const int64_t n = r.size * r.itemsize;
+  if (at < 0 || at + n > d.size * d.itemsize || at + n > total || (int64_t)s->folded > at)
+    throw std::invalid_argument("copysum: bytes out of range");
+  uint8_t* base = static_cast<uint8_t*>(d.ptr);
+  const uint8_t* in = static_cast<const uint8_t*>(r.ptr);
+  const int64_t end = at + n, limit = end < total - 1 ? end : total - 1;
+  int64_t done = 0;  // bytes of src copied so far
+  if ((int64_t)s->folded == at) {
+    uint64_t pos = s->folded;
+#if defined(__AVX512F__)
+    __m512i acc = _mm512_loadu_si512(s->acc);
+    const __m512i prime = _mm512_set1_epi64(P32_1);
+    const __m512i skey = _mm512_loadu_si512(SECRET + 192 - STRIPE);
+    for (; (int64_t)pos + STRIPE <= limit; pos += STRIPE, done += STRIPE) {
+      const uint64_t k = (pos / STRIPE) % PER_BLOCK;
+      const __m512i v = _mm512_loadu_si512(in + done);
+      _mm512_storeu_si512(base + pos, v);
+      const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
+      const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+      const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+      acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
+      if (k == PER_BLOCK - 1) {
+        __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+        a = _mm512_xor_si512(a, skey);
+        const __m512i lo = _mm512_mul_epu32(a, prime);
+        const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+        acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+      }
+    }
+    _mm512_storeu_si512(s->acc, acc);
+#else
+    for (; (int64_t)pos + STRIPE <= limit; pos += STRIPE, done += STRIPE) {
+      std::memcpy(base + pos, in + done, STRIPE);
+      stripe(s->acc, base + pos, pos);
+    }
+#endif
+    s->folded = pos;
+  }
+  std::memcpy(base + at + done, in + done, n - done);
+  // Stripes that straddle sources, or all of them when this one did not start on one.
+  for (uint64_t pos = s->folded; (int64_t)pos + STRIPE <= limit; pos += STRIPE) {
+    stripe(s->acc, base + pos, pos);
+    s->folded = pos + STRIPE;
+  }
+}
+
+static uint64_t fold128(uint64_t a, uint64_t b) {
+  const unsigned __int128 p = (unsigned __int128)a * b;
+  return (uint64_t)p ^ (uint64_t)(p >> 64);
+}
+
+// The digest of the `total` bytes at the start of `dst`, all copied by now.
+static uint64_t digest(py::buffer dst, py::buffer st, int64_t total) {
+  py::buffer_info d = dst.request(false);
+  State* s = state_of(st);
+  if (total <= 240 || total > d.size * d.itemsize || (int64_t)s->folded + STRIPE <= total - 1)
+    throw std::invalid_argument("copysum: digest before every stripe is in");
+  uint64_t acc[8];
+  std::memcpy(acc, s->acc, sizeof(acc));
+  fold(acc, static_cast<const uint8_t*>(d.ptr) + total - STRIPE, SECRET + 192 - STRIPE - 7);
+  uint64_t h = (uint64_t)total * P64_1;
+  for (int i = 0; i < 4; ++i)
+    h += fold128(acc[2 * i] ^ rd64(SECRET + 11 + 16 * i),
+                 acc[2 * i + 1] ^ rd64(SECRET + 19 + 16 * i));
+  h ^= h >> 37;
+  h *= 0x165667919E3779F9ULL;
+  return h ^ (h >> 32);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("start", &start);
+  m.def("copy", &copy);
+  m.def("digest", &digest);
+}
+"""
+
+_KERNEL = CppKernel("pdserve_cpu_copysum", _SOURCE, "shm staging copies, then hashes")
+
+
+def kernel(wait: bool = False):
+    """The built module, or None: where torch is not imported (a light process), where it
+    cannot be built, and, unless ``wait``, while its first build runs in the background."""
+    if "torch" not in sys.modules:
+        return None
+    if wait:
+        return _KERNEL.module()
+    return _KERNEL.module() if _KERNEL.ready() else None
+
+
+def copy_sum(mod, destination: memoryview, sources) -> int:
+    """Copy ``sources`` back to back to the start of ``destination`` with ``mod`` (from
+    :func:`kernel`); return XXH3-64 (seed 0) of them all. Their total must pass ``SHORT``."""
+    sizes = [source.nbytes for source in sources]
+    total, state, at = sum(sizes), bytearray(STATE_BYTES), 0
+    mod.start(state)
+    copy = mod.copy
+    for source, nbytes in zip(sources, sizes, strict=True):
+        copy(destination, at, source, state, total)
+        at += nbytes
+    return mod.digest(destination, state, total)
