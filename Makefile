@@ -30,7 +30,7 @@ CPU_KERNELS := from kernels import cpu_qmatmul as q, cpu_copysum as c; \
 
 test: install
 	$(PY) -c "$(CPU_KERNELS)"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Gateway, conductor, one prefill and one decode worker and a cache pool under supervisord.
 run-local: install

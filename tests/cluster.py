@@ -308,16 +308,26 @@ class Cluster:
         self.procs[name].popen.send_signal(sig)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGCONT)
-                proc.popen.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+        """Workers first, then the conductor and gateway: a worker stopping tells the
+        conductor it leaves, and with the conductor already gone it would wait out that
+        call's timeout (2 s) before exiting."""
+        front = ("conductor", "gateway")
+        _terminate([p for n, p in self.procs.items() if n not in front])
+        _terminate([p for n, p in self.procs.items() if n in front])
+
+
+def _terminate(procs: list[Proc]) -> None:
+    """SIGTERM each process (resumed first, if stopped) and wait; killed after 10 s."""
+    for proc in procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGCONT)
+            proc.popen.terminate()
+    for proc in procs:
+        try:
+            proc.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
 
 
 def stream_each(cluster: Cluster, prompts: list[list[int]], max_tokens: int,

@@ -328,7 +328,10 @@ def test_only_decode_worker_killed_and_restarted_stream_completes(model_dir, tmp
         _wait_started(started, 2, futures)
         cluster.signal("decode-1", signal.SIGKILL)
         cluster.procs["decode-1"].popen.wait(10)
-        time.sleep(3)  # long enough for the conductor to list it dead
+        deadline = time.monotonic() + 30
+        while cluster.conductor_workers()["decode-1"].alive:  # listed dead before it returns
+            assert time.monotonic() < deadline, "decode-1 never listed dead"
+            time.sleep(0.05)
         cluster.restart_worker("decode-1", "decode")
         for f, want in zip(futures, reference[:2], strict=True):
             _check_exact(f.result(timeout=240), want)

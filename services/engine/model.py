@@ -168,8 +168,10 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.shard = shard = shard_shape(cfg, tp.rank, tp.world_size)
         # Tied: the transposed head doubles as the embedding table (``_embed``).
+        # An empty table, not a random one: the weights are loaded next, and the random
+        # init (normal_) would import torch._dynamo, seconds at every worker's start.
         self.embed_tokens = None if cfg.tie_word_embeddings else nn.Embedding(
-            shard.vocab, cfg.hidden_size)
+            shard.vocab, cfg.hidden_size, _weight=torch.empty(shard.vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, shard, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
