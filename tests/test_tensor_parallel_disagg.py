@@ -40,15 +40,15 @@ def prompts_and_want(model_dir):
 
 
 @pytest.mark.parametrize(("tp_worker", "backend"), [
-    ("prefill-0", "tcp"), ("prefill-0", "shm"), ("decode-1", "auto")])
+    ("prefill-0", "tcp"), ("prefill-0", "shm"), ("decode-1", "tcp"), ("both", "shm")])
 def test_prefill_and_decode_of_different_tp_sizes(model_dir, tmp_path, prompts_and_want,
                                                   tp_worker, backend):
     prompts, want = prompts_and_want
     data_plane = {"PDSERVE_TRANSFER_BACKEND": backend}
-    other = "decode-1" if tp_worker == "prefill-0" else "prefill-0"
+    tp_of = {w: TP2 if tp_worker in (w, "both") else {} for w in ("prefill-0", "decode-1")}
     cluster = Cluster(str(model_dir), tmp_path, ["prefill", "decode"], dtype="float64",
-                      worker_hosts={tp_worker: Host(env={**TP2, **data_plane}),
-                                    other: Host(env=data_plane)})
+                      worker_hosts={w: Host(env={**tp, **data_plane})
+                                    for w, tp in tp_of.items()})
     cluster.start()
     try:
         with Client(cluster.zmq_addr, timeout_s=60) as client:
@@ -59,13 +59,16 @@ def test_prefill_and_decode_of_different_tp_sizes(model_dir, tmp_path, prompts_a
         prefill, decode = cluster.worker_stats("prefill-0"), cluster.worker_stats("decode-1")
         assert prefill.prefills_done == 2 and decode.local_fallbacks == 0
         assert prefill.kv_bytes_sent == decode.kv_bytes_received == kv
-        if tp_worker == "prefill-0":  # each rank sent its own slice, on the backend asked
-            assert prefill.kv_send_paths == {"direct": 2}
-            assert prefill.transfer_backends == {backend: 2}
-        else:  # a one-rank prefill worker sends all heads itself
-            assert prefill.kv_send_paths == {}
+        # Each sending rank sent each receiving rank the heads it holds, on the backend
+        # asked: TP=2 decode lists a receiver per rank, each holding one head.
+        assert prefill.kv_send_paths == {"direct": 2}
+        assert prefill.transfer_backends == {backend: 2}
+        ranks = decode.kv_advert.ranks
+        assert [(r.head_start, r.head_count) for r in ranks] == (
+            [(0, 1), (1, 1)] if tp_worker != "prefill-0" else [])
+        assert len({r.endpoints[backend] for r in ranks}) == len(ranks)
         workers = cluster.conductor_workers()
-        assert workers[tp_worker].info.tp_size == 2
-        assert {w.info.tp_size for w in workers.values()} == {1, 2}
+        assert {w: workers[w].info.tp_size for w in tp_of} == {
+            w: 2 if tp else 1 for w, tp in tp_of.items()}
     finally:
         cluster.stop()
