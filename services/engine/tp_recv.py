@@ -114,7 +114,7 @@ class FollowerReceiver:
     async def _watch(self, rid: str, token: bytes, transfer) -> None:
         try:
             await transfer.wait()
-            state = b"ok"
+            state = b"ok %d" % transfer.bytes_received
         except Exception as exc:  # noqa: BLE001 - the transfer's failure, reported
             state = f"rank {self.rank}: {exc}".encode()[:512]
         if self._expected.get(rid, (None,))[0] != token:
@@ -176,9 +176,10 @@ class LeaderReceive:
     def drop(self, rid: str, token: bytes) -> None:
         self._send_plan(msgpack.packb([rid, token], use_bin_type=True), KV_DROP)
 
-    async def landed(self, rid: str, token: bytes, timeout_s: float) -> str | None:
-        """None once every follower's part of the transfer is in; else why not (a
-        failure it reported, or none within ``timeout_s``). Event loop."""
+    async def landed(self, rid: str, token: bytes, timeout_s: float) -> tuple[str | None, int]:
+        """(None, bytes the followers took) once every follower's part of the transfer
+        is in; else (why not: a failure one reported, or none within ``timeout_s``, 0).
+        Event loop."""
         import torch.distributed as dist
 
         if self._poll_store is None:
@@ -191,11 +192,13 @@ class LeaderReceive:
         delay = POLL_S
         while not store.check(keys):
             if time.monotonic() > deadline:
-                return f"KV slices of the followers not in within {timeout_s:.1f} s"
+                return f"KV slices of the followers not in within {timeout_s:.1f} s", 0
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         states = [bytes(store.get(k)) for k in keys]
         for k in keys:
             store.delete_key(k)
-        failed = [s.decode(errors="replace") for s in states if s != b"ok"]
-        return "; ".join(failed) or None
+        failed = [s.decode(errors="replace") for s in states if not s.startswith(b"ok ")]
+        if failed:
+            return "; ".join(failed), 0
+        return None, sum(int(s[3:]) for s in states)

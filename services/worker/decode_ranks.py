@@ -24,7 +24,8 @@ def drop_ranks(engine, rid: str, token: bytes | None) -> None:
         engine.kv_store.receive.drop(rid, token)
 
 
-async def landed(loop, rid: str, token: bytes, lease_s: float) -> str | None:
-    """Why the other ranks' parts of ``rid``'s KV are not all in; None once they are."""
+async def landed(loop, rid: str, token: bytes, lease_s: float) -> tuple[str | None, int]:
+    """(Why the other ranks' parts of ``rid``'s KV are not all in, or None once they
+    are; the bytes they took)."""
     receive = await loop.run(lambda e: e.kv_store.receive)
     return await receive.landed(rid, token, lease_s)

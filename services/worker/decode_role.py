@@ -90,8 +90,7 @@ class DecodeRole:
                                       sink=self.on_kv_chunk, slice_sink=self.on_kv_slice,
                                       host_id=s.resolved_host_id)
         ctx.metrics.kv_refused.read = lambda: self.receiver.refused
-        # Each rank of a TP engine: (endpoints, first head, heads), rank 0 first
-        # (services/engine/tp_recv.py); empty where rank 0 takes every head.
+        # Each TP rank's (endpoints, heads): tp_recv.py; empty: rank 0 takes every head.
         self._ranks: list[tuple[dict, int, int]] = []
         self.arrivals = Arrivals(self)  # requests moved here by stopping workers
         self.departures = Departures(ctx, self.streams, self.remote)  # and from here
@@ -256,10 +255,12 @@ class DecodeRole:
                 raise TimeoutError(f"KV not complete within its {lease} s lease")
             done_rec = asking.result().record
             first = done_rec.first_token
-            if self._ranks and rid in self.remote:  # the other ranks' heads too
-                missing = await landed(ctx.loop, rid, remote.transfer.token, lease)
+            if self._ranks and rid in self.remote:  # the other ranks' heads in too
+                missing, nbytes = await landed(ctx.loop, rid, remote.transfer.token, lease)
                 if missing:
                     raise TransferError(missing)
+                self.received_bytes += nbytes
+                ctx.metrics.kv_transfer_bytes.inc(nbytes)
             if rid not in self.remote:  # aborted meanwhile
                 return
             if stream is not None:
@@ -376,8 +377,7 @@ class DecodeRole:
     async def abort(self, rid: str) -> None:
         stream = self.streams.pop(rid, None)
         if stream is not None:
-            stream.span.set("finish_reason", "abort")
-            stream.span.end()
+            stream.span.set("finish_reason", "abort"), stream.span.end()
         elif rid not in self.remote:
             self.aborted.add(rid)  # it may not have arrived yet
         remote = self.remote.pop(rid, None)
@@ -385,8 +385,8 @@ class DecodeRole:
             self.receiver.cancel(rid)
             if remote.prefill_addr:  # none for KV a stopping decode worker moves here
                 asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
-        token = remote.transfer.token if remote is not None and self._ranks else None
-        await self.ctx.loop.run(lambda e: (drop_ranks(e, rid, token), e.abort(rid)))
+        tok = remote.transfer.token if remote is not None and self._ranks else None
+        await self.ctx.loop.run(lambda e: (drop_ranks(e, rid, tok), e.abort(rid)))
 
 
 def cancel_if_waiting(engine, rid: str, token: bytes | None = None) -> bool:
