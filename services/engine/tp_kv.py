@@ -126,9 +126,9 @@ class FollowerKV:
         0 collects it a layer later), at most two in flight, ``end_step`` waiting for
         the rest; and send its slices of each ``direct`` prompt to the decode worker's
         receivers its targets name (``tp_direct.plan_targets``)."""
-        mine = [(rid, token, src, dest, [t for t in targets if t[0] == self.rank])
-                for rid, token, src, dest, targets in direct]
-        mine = [m for m in mine if m[4]]
+        sends = [(rid, token, src, dest, [t for t in targets if t[0] == self.rank])
+                 for rid, token, src, dest, targets in direct]
+        sends = [m for m in sends if m[4]]
 
         def hook(layer: int) -> None:
             if block_ids:
@@ -137,7 +137,7 @@ class FollowerKV:
                                                  async_op=True), mine))
                 while len(self._posted) > 2:
                     self._posted.popleft()[0].wait()
-            for rid, token, src, dest, targets in mine:
+            for rid, token, src, dest, targets in sends:
                 held = local_slice(self.cache, (layer, src))
                 for _, address, first, count, heads in targets:
                     payload = _bytes(held if count == held.shape[-2]
