@@ -46,9 +46,23 @@ KV_LISTEN, KV_EXPECT, KV_DROP = 6, 7, 8
 ADVERT_KEY = "kvadv/{rank}"
 LISTEN_TIMEOUT_S = 30.0
 POLL_S = 0.002
-# Test-only: the rank named here refuses every slice (its sink raises). Never set it in
-# a deployment.
+# Test-only, never set in a deployment: names a file; while the file holds a rank's
+# number, that rank refuses every slice of each transfer it is then asked to expect (its
+# sink raises), so a test can toggle it without restarting the worker. A bare number (no
+# such file) does nothing: the switch cannot be thrown by a stray value.
 FAIL_ENV = "PDSERVE_TEST_TP_RECV_FAIL"
+
+
+def refuses(rank: int) -> bool:
+    """Whether the test-only switch ``FAIL_ENV`` tells ``rank`` to refuse slices now."""
+    path = os.environ.get(FAIL_ENV)
+    if not path:
+        return False
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() == str(rank)
+    except (OSError, ValueError):
+        return False
 
 
 def landed_key(rid: str, token: bytes, rank: int) -> str:
@@ -64,8 +78,10 @@ class FollowerReceiver:
         self.store = store
         self._loop: asyncio.AbstractEventLoop | None = None
         self._receiver = None
-        self._expected: dict[str, tuple[bytes, list[int]]] = {}
-        self._fail = os.environ.get(FAIL_ENV, "") == str(rank)
+        # rid -> (token, blocks, whether the test-only switch refuses its slices)
+        self._expected: dict[str, tuple[bytes, list[int], bool]] = {}
+        if os.environ.get(FAIL_ENV):
+            log.warning("test-only KV refusal switch set", variable=FAIL_ENV, rank=rank)
 
     def _call(self, fn, *args, timeout: float = 30.0):
         """Run ``fn(*args)`` on the receiver's loop and wait for its result."""
@@ -94,7 +110,7 @@ class FollowerReceiver:
             if rid in self._expected:  # a stale one: its rank 0 gave up on it
                 self._drop(rid)
             transfer = self._receiver.expect(rid, lease_s, token)
-            self._expected[rid] = (token, block_ids)
+            self._expected[rid] = (token, block_ids, refuses(self.rank))
             self._loop.create_task(self._watch(rid, token, transfer))
         self._call(go)
 
@@ -133,7 +149,7 @@ class FollowerReceiver:
         expected = self._expected.get(rid)
         if expected is None or block_ids != expected[1]:
             raise ValueError(f"KV for blocks {block_ids[:4]}…, not the ones reserved")
-        if self._fail:
+        if expected[2]:
             raise ValueError(f"{FAIL_ENV} refuses rank {self.rank}'s slices")
         self.cache.import_layer_slice_bytes(layer, block_ids, heads, payload)
 

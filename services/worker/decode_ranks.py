@@ -17,6 +17,20 @@ def listen_ranks(engine, kinds: list[str], host: str, host_id: str) -> list:
                                                               strict=True)]
 
 
+async def expect_ranks(role, rid: str, stream, token: bytes, slots) -> bool:
+    """Event loop: every other rank of ``role``'s engine expects its part of ``rid``'s KV
+    into the blocks ``slots`` reserved, before anyone is asked to send. False if an Abort
+    ran meanwhile (``stream`` no longer ``rid``'s): it found nothing to drop on those
+    ranks then, so the expectation is dropped here, with the engine's copy of ``rid``,
+    rather than left until its lease runs out."""
+    lease_s, dest = role.ctx.settings.kv_lease_s, slots.block_ids[slots.num_cached_blocks:]
+    await role.ctx.loop.run(lambda e: e.kv_store.receive.expect(rid, token, lease_s, dest))
+    if role.streams.get(rid) is stream:
+        return True
+    await role.ctx.loop.run(lambda e: (drop_ranks(e, rid, token), e.abort(rid)))
+    return False
+
+
 def drop_ranks(engine, rid: str, token: bytes | None) -> None:
     """Engine thread: the other ranks stop taking ``rid``'s slices before its blocks can
     be freed."""

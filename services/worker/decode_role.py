@@ -56,7 +56,7 @@ from common.transfer import MultiReceiver, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
-from services.worker.decode_ranks import drop_ranks, landed, listen_ranks
+from services.worker.decode_ranks import drop_ranks, expect_ranks, landed, listen_ranks
 from services.worker.decode_state import Remote, Stream
 from services.worker.migrate_in import Arrivals
 from services.worker.migrate_out import Departures
@@ -199,10 +199,8 @@ class DecodeRole:
                     # A secret per transfer: reaching the KV port and guessing the
                     # request id must not be enough to write into these blocks.
                     token = secrets.token_bytes(16)
-                    if self._ranks:  # every rank expects its part, before anyone sends
-                        dest = slots.block_ids[slots.num_cached_blocks:]
-                        await ctx.loop.run(lambda e: e.kv_store.receive.expect(
-                            rid, token, ctx.settings.kv_lease_s, dest))
+                    if self._ranks and not await expect_ranks(self, rid, stream, token, slots):
+                        return Error("aborted", f"request {rid!r} was aborted")
                     transfer = self.receiver.expect(rid, ctx.settings.kv_lease_s,
                                                     token=token)
                     self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
