@@ -5,6 +5,7 @@ test-only refusal switch is thrown only by a file naming the rank."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 from datetime import timedelta
 
@@ -123,3 +124,39 @@ def test_the_refusal_switch_needs_a_file_naming_the_rank(tmp_path, monkeypatch):
     assert refuses(1) and not refuses(0)
     switch.write_text("")
     assert not refuses(1)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+async def test_a_finish_before_the_first_slice_waits_for_the_slices(kind):
+    """A decode rank whose heads a prefill follower holds gets its FINISH from prefill
+    rank 0, which sent it nothing: the FINISH may come first, and must wait."""
+    import secrets
+
+    from common.transfer import TransferState, make_sender
+    from common.transfer.backends import backend_receiver
+    from common.transfer.table import TransferTable
+    from tests.kv_sink import Sink
+
+    landed = []
+    rx = backend_receiver(kind, "127.0.0.1", 0, table=TransferTable(
+        Sink(), lambda rid, layer, block_ids, heads, payload: landed.append((layer, heads))))
+    await rx.start()
+    rank0, rank1 = make_sender(kind), make_sender(kind)
+    try:
+        token = secrets.token_bytes(16)
+        transfer = rx.expect("r", 10, token)
+        finishing = asyncio.create_task(rank0.finish(rx.address, "r", 2, token=token))
+        await asyncio.sleep(0.1)
+        assert transfer.is_live and transfer.chunks_received == 0
+        for layer in range(2):
+            await rank1.send(rx.address, "r", layer, BLOCKS, bytes([layer]) * 64,
+                             token=token, heads=(0, 1, 1))
+        async with asyncio.timeout(10):
+            await transfer.wait()
+            await finishing
+        assert transfer.state is TransferState.DONE and transfer.bytes_received == 128
+        assert landed == [(0, (0, 1, 1)), (1, (0, 1, 1))]
+    finally:
+        for tx in (rank0, rank1):
+            await tx.close()
+        await rx.close()
