@@ -65,19 +65,22 @@ class Workers:
         name, now = self.current[role]
         if now == env:
             return name
+        # The old worker stops (it tells the conductor it is leaving) while the new one
+        # starts: no request is in flight between cases.
         cluster = self.cluster
         old = cluster.procs.pop(name)
         old.popen.terminate()
+        self.starts += 1
+        new = f"{role}-{self.starts}"
+        cluster.worker_hosts[new] = Host(env=env)
+        cluster.start_worker(new, role)
         old.popen.wait(30)
         deadline = time.monotonic() + 30
         while (w := cluster.conductor_workers().get(name)) is not None and w.alive:
             assert time.monotonic() < deadline, f"{name} still listed alive"
             time.sleep(0.2)
-        self.starts += 1
-        name = f"{role}-{self.starts}"
-        cluster.worker_hosts[name] = Host(env=env)
-        cluster.start_worker(name, role)
-        cluster.wait_alive(name)
+        cluster.wait_alive(new)
+        name = new
         self.current[role] = (name, env)
         return name
 
