@@ -53,6 +53,7 @@ from common.records import (
     CostCoefficients,
     KVAdvert,
     PoolInstanceStatus,
+    RankAdvert,
     SamplingParams,
     StepSample,
     Timing,
@@ -72,7 +73,8 @@ __all__ = [
     "Envelope", "Message", "ProtocolError", "decode", "encode", "message", "record",
     "records", "registry",
     # nested records
-    "CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
+    "CostCoefficients", "KVAdvert", "PoolInstanceStatus", "RankAdvert", "SamplingParams",
+    "StepSample",
     "Timing", "TokenLogprob", "TopLogprob", "TtftSample", "Usage", "WorkerInfo",
     "WorkerPoolCounts", "WorkerRefusal", "WorkerStatus",
     # messages declared beside this module

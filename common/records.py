@@ -65,16 +65,31 @@ class WorkerRefusal:
 
 @record
 @dataclass(frozen=True, slots=True)
+class RankAdvert:
+    """One rank of a tensor-parallel decode worker that takes its own KV heads' slices:
+    its receiver's endpoints (kind -> address, as in ``KVAdvert``) and the KV heads
+    ``[head_start, head_start + head_count)`` its blocks hold."""
+
+    endpoints: dict
+    head_start: int
+    head_count: int
+
+
+@record
+@dataclass(frozen=True, slots=True)
 class KVAdvert:
     """Where a data-plane receiver listens: its host id and one address per backend kind
     (``endpoints``: kind -> address; a map because the kinds are the data plane's to
     extend). ``common.transfer`` makes, checks and negotiates with this record.
     ``slices``: the receiver takes KV head slices (wire version 6), so each rank of a
-    tensor-parallel prefill worker may send its own."""
+    tensor-parallel prefill worker may send its own. ``ranks``: one entry per rank of a
+    tensor-parallel decode worker whose every rank receives its own heads' slices
+    (rank 0 first); empty where one receiver takes every head."""
 
     host_id: str
     endpoints: dict
     slices: bool = False
+    ranks: list[RankAdvert] = field(default_factory=list)
 
 
 @record

@@ -32,7 +32,7 @@ STATUS = p.WorkerStatus(info=INFO, alive=True, waiting=1, running=2, free_blocks
 
 NESTED = {"CostCoefficients", "KVAdvert", "PoolInstanceStatus", "SamplingParams", "StepSample",
           "TokenLogprob", "TopLogprob", "Usage", "WorkerInfo", "WorkerPoolCounts", "WorkerRefusal",
-          "WorkerStatus", "Timing", "TtftSample"}
+          "WorkerStatus", "Timing", "TtftSample", "RankAdvert"}
 
 SAMPLES = {
     "error": p.Error(code="internal", message="boom"),

@@ -221,11 +221,12 @@ async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slic
     import collections
     from types import SimpleNamespace
 
-    from common.records import KVAdvert
+    from common.records import KVAdvert, RankAdvert
     from services.worker.prefill_role import Job, PrefillRole
 
     role = PrefillRole.__new__(PrefillRole)  # only its path choice, no worker around it
-    role.paths, role._slicing = collections.Counter(), ((0, 1, 2), 2)
+    role.ctx = SimpleNamespace(loop=SimpleNamespace(facts=SimpleNamespace(num_layers=2)))
+    role.paths, role._slicing = collections.Counter(), ([(0, 1, 2), (1, 1, 2)], True)
     slices = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"}, slices=True)
     whole = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"})
     picked = []
@@ -234,9 +235,17 @@ async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slic
         job = Job(SimpleNamespace(kv_advert=advert), "", asyncio.get_running_loop()
                   .create_future())
         await role._choose_path("r", job, backend)
-        picked.append((job.heads, job.ranks))
-    assert picked == [((0, 1, 2), 2)] * 2 + [(None, 1)] * 3
+        picked.append((job.heads, sum(job.finish.values())))
+    assert picked == [((0, 1, 2), 4)] * 2 + [(None, 0)] * 3
     assert role.paths == {"direct": 2, "gathered": 3}
-    role.paths, role._slicing = collections.Counter(), ()
+    role.paths, role._slicing = collections.Counter(), ([(0, 2, 2)], False)
     await role._choose_path("r", Job(SimpleNamespace(kv_advert=slices), "", None), "tcp")
     assert role.paths == {}
+    # A TP=2 decode worker listing its ranks: rank 0 of a one-rank prefill worker sends
+    # each decode rank the head it holds, numbered as that rank holds it.
+    ranked = KVAdvert("h", {"tcp": "tcp://a:1"}, slices=True, ranks=[
+        RankAdvert({"tcp": "tcp://a:1"}, 0, 1), RankAdvert({"tcp": "tcp://a:2"}, 1, 1)])
+    job = Job(SimpleNamespace(kv_advert=ranked), "tcp://a:1", None)
+    await role._choose_path("r", job, "tcp")
+    assert job.targets == ((0, "tcp://a:1", 0, 1, (0, 1, 1)), (0, "tcp://a:2", 1, 1, (0, 1, 1)))
+    assert job.finish == {"tcp://a:1": 2, "tcp://a:2": 2} and role.paths == {"direct": 1}

@@ -281,9 +281,12 @@ class TransferTable:
 
     def _settle(self, transfer: Transfer, num_chunks: int) -> None:
         ledger = self._slices.get(transfer.request_id)
-        if ledger is not None and transfer.chunks_received < num_chunks:
+        waits = ledger is not None or (self._slice_sink is not None
+                                       and not transfer.chunks_received)
+        if waits and transfer.chunks_received < num_chunks:
             # Other ranks' slices come on their own connections: wait for them (within
-            # the lease).
+            # the lease), also before the first: a FINISH may come from a rank that
+            # sent this receiver no slice.
             self._finish_due[transfer.request_id] = num_chunks
         elif ledger is not None and transfer.chunks_received == num_chunks:
             missing = ledger.missing()

@@ -171,7 +171,8 @@ class LLMEngine(EngineCore):
             leader = self.tp_leader
             kv_store = ShardedKVStore(
                 runner.kv_cache, [shard_shape(cfg, r, world) for r in range(world)],
-                cfg.num_kv_heads, leader.kv_group, leader.send_step, leader.broken)
+                cfg.num_kv_heads, leader.kv_group, leader.send_step, leader.broken,
+                leader.receive)
         executor = ModelExecutor(runner, Sampler(tuple(cfg.eos_token_ids)), self.tp_leader,
                                  kv_store if self.tp_leader is not None else None)
         # KV moves in the all-heads layout whatever the TP size: one fingerprint.

@@ -14,8 +14,12 @@ chunk checksummed; a rank holding a replicated KV head (more ranks than heads) s
 nothing for it unless it is that head's first holder, so no slice goes twice. Rank 0
 learns the route from the prefill worker (``ShardedKVStore.route``) and tells the
 followers in the plan of the step that completes the prompt. It applies where the
-decode worker's advert says it takes slices (a one-rank engine) on the tcp or shm
-backend; everything else (pool exports, a TP decode worker) keeps the gather path.
+decode worker's advert says it takes slices on the tcp or shm backend: a one-rank
+decode worker takes every head; a TP decode worker whose advert lists its ranks
+(``KVAdvert.ranks``, ``tp_recv.py``) takes on each rank the heads that rank holds, so a
+prefill rank may feed several decode ranks and the reverse (``plan_targets``), the heads
+numbered as the receiving rank holds them. Everything else (pool exports, a TP decode
+worker without ranks listed, ucx) keeps the gather path.
 
 A follower sends from its own event loop thread (``DirectSender``): a send that fails
 aborts that transfer (the decode worker then computes the prompt itself) and never
@@ -45,15 +49,46 @@ DIRECT_BACKENDS = ("tcp", "shm")  # what followers send on; ucx keeps the gather
 class Route:
     """Where one prompt's KV goes: the decode worker's data-plane address (its scheme
     the backend), the transfer's token, the prompt blocks the destination already has,
-    and the destination block ids of the rest."""
+    the destination block ids of the rest, and which rank sends which heads to which of
+    the decode worker's receivers (one per rank of a TP decode worker, ``tp_recv.py``)."""
 
     address: str
     token: bytes
     skip_blocks: int
     dest_ids: tuple[int, ...]
+    targets: tuple[Target, ...] = ()  # empty: every rank's heads to ``address``
 
 
 Heads = tuple[int, int, int]  # (start, count, total): a Chunk's head slice
+# (sending rank, receiver's address, first of the sender's own heads, count, the heads as
+# the receiver numbers them): one slice of each layer one rank sends to one receiver.
+Target = tuple[int, str, int, int, Heads]
+
+
+def plan_targets(senders: Sequence[Heads | None],
+                 receivers: Sequence[tuple[str, int, int]]) -> list[Target]:
+    """Which rank sends which heads to which receiver: ``senders`` is each sending
+    rank's heads (``rank_heads``), ``receivers`` each receiving rank's (address, first
+    head, head count). A sender feeds every receiver whose heads overlap its own, and a
+    receiver takes from every such sender; each head goes to each receiver once."""
+    out: list[Target] = []
+    for r, held in enumerate(senders):
+        if held is None:
+            continue
+        a, c, _ = held
+        for address, b, d in receivers:
+            lo, hi = max(a, b), min(a + c, b + d)
+            if lo < hi:
+                out.append((r, address, lo - a, hi - lo, (lo - b, hi - lo, d)))
+    return out
+
+
+def chunks_per_receiver(targets: Sequence[Target], num_layers: int) -> dict[str, int]:
+    """The chunks each receiver's FINISH counts: one per layer per slice sent to it."""
+    counts: dict[str, int] = {}
+    for t in targets:
+        counts[t[1]] = counts.get(t[1], 0) + num_layers
+    return counts
 
 
 def rank_heads(shapes: Sequence[ShardShape], num_kv_heads: int) -> list[Heads | None]:
@@ -68,16 +103,29 @@ def rank_heads(shapes: Sequence[ShardShape], num_kv_heads: int) -> list[Heads | 
 
 def direct_sends(completing, routes: dict[str, Route], block_size: int) -> list[list]:
     """The plan's direct sends for the prompts a step completes that have a route:
-    ``[request id, address, token, source block ids, destination block ids]``."""
+    ``[request id, token, source block ids, destination block ids, targets]``."""
     sends = []
     for seq in completing:
         route = routes.get(seq.request_id)
         if route is None:
             continue
         blocks = seq.block_table[:-(-seq.num_prompt_tokens // block_size)]
-        sends.append([seq.request_id, route.address, route.token,
-                      list(blocks[route.skip_blocks:]), list(route.dest_ids)])
+        sends.append([seq.request_id, route.token, list(blocks[route.skip_blocks:]),
+                      list(route.dest_ids), [list(t) for t in route.targets]])
     return sends
+
+
+def split_heads(payload: memoryview, held: int, first: int, count: int,
+                rows: int) -> memoryview:
+    """Heads ``[first, first + count)`` of a layer's ``[2, n, token, held heads, width]``
+    bytes (``rows`` = 2 · n · token), as contiguous bytes; ``payload`` itself when that is
+    every head."""
+    if (first == 0 and count == held) or not rows:
+        return payload
+    import numpy as np
+
+    full = np.frombuffer(payload, dtype=np.uint8).reshape(rows, held, -1)
+    return memoryview(np.ascontiguousarray(full[:, first:first + count])).cast("B")
 
 
 class DirectSender:

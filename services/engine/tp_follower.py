@@ -4,7 +4,8 @@ Started by rank 0 as ``python -m services.engine.tp_follower '<json>'`` with its
 the world size, the rendezvous port on loopback and the engine's settings. It loads its
 shard, then runs each step rank 0 broadcasts, and takes part in its KV gathers and
 scatters (``tp_kv.py``), or sends its KV heads' slice straight to a decode worker
-(``tp_direct.py``), until a STOP plan. It speaks no ZeroMQ
+(``tp_direct.py``), or, on a decode worker, receives its heads' slices on a receiver of
+its own (``tp_recv.py``), until a STOP plan. It speaks no ZeroMQ
 and samples nothing. Any failure exits non-zero, which rank 0's watcher reports.
 """
 
@@ -35,7 +36,10 @@ def main(argv: list[str]) -> int:
     from services.engine.engine import build_runner, set_threads
     from services.engine.model_runner import StepInputs
     from services.engine.tp_group import (
+        KV_DROP,
+        KV_EXPECT,
         KV_IN,
+        KV_LISTEN,
         KV_OUT,
         START_TIMEOUT_S,
         STEP,
@@ -44,6 +48,7 @@ def main(argv: list[str]) -> int:
         join_group,
     )
     from services.engine.tp_kv import FollowerKV, unpack_ops
+    from services.engine.tp_recv import FollowerReceiver
     from services.engine.weights.source import weights_for
 
     config = EngineConfig(**args["config"])
@@ -56,6 +61,7 @@ def main(argv: list[str]) -> int:
     runner, _ = build_runner(config, weights.config, weights.tensors, tp, consume=True)
     del weights  # the shard is in the model now
     kv = FollowerKV(runner.kv_cache, kv_group, rank)
+    receiver = FollowerReceiver(runner.kv_cache, rank, store)
     steps = 0
     try:
         while True:
@@ -66,15 +72,22 @@ def main(argv: list[str]) -> int:
                 runner.forward(StepInputs.from_msgpack(payload))
                 steps += 1
             elif kind == STEP_EXPORT:
-                block_ids, inputs, direct, heads_by_rank = msgpack.unpackb(payload)
+                block_ids, inputs, direct, _ = msgpack.unpackb(payload)
                 runner.forward(StepInputs.from_msgpack(inputs),
-                               kv.step_hook(block_ids, direct, heads_by_rank))
+                               kv.step_hook(block_ids, direct))
                 kv.end_step()
                 steps += 1
             elif kind == KV_IN:
                 kv.import_(unpack_ops(payload))
             elif kind == KV_OUT:
                 kv.export(unpack_ops(payload))
+            elif kind == KV_LISTEN:
+                receiver.listen(*msgpack.unpackb(payload))
+            elif kind == KV_EXPECT:
+                rid, token, lease_s, block_ids = msgpack.unpackb(payload)
+                receiver.expect(rid, token, lease_s, block_ids)
+            elif kind == KV_DROP:
+                receiver.drop(*msgpack.unpackb(payload))
             else:
                 raise ValueError(f"unknown plan kind {kind}")
     except Exception:
@@ -82,6 +95,7 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         kv.direct.close()
+        receiver.close()
     dist.destroy_process_group()
     return 0
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from services.engine.tp import EngineDeadError, ParallelContext
+from services.engine.tp_recv import KV_DROP, KV_EXPECT, KV_LISTEN, LeaderReceive  # noqa: F401
 
 log = structlog.get_logger(__name__)
 
@@ -47,6 +48,8 @@ STEP, STOP = 1, 2
 # KV in the all-heads layout (tp_kv.py): imports, exports between steps, and a step
 # whose layers are gathered as they are computed (payload: export block ids, step).
 KV_IN, KV_OUT, STEP_EXPORT = 3, 4, 5
+# KV_LISTEN, KV_EXPECT, KV_DROP (6, 7, 8): a decode worker's ranks each receiving their
+# own heads' slices, declared in tp_recv.py.
 
 
 def backend_for(device: torch.device) -> str:
@@ -119,6 +122,7 @@ class Leader:
         self._await_followers(store)
         self.tp, self.plans, self.kv_group = join_group(0, world_size, device, store)
         self._store = store  # kept alive: the followers' rendezvous lives in it
+        self.receive = LeaderReceive(store, store.port, world_size, self.send_step)
 
     def _await_followers(self, store) -> None:
         """Wait for every follower to reach the rendezvous, or fail fast if one died."""

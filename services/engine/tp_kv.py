@@ -8,7 +8,7 @@ an import, over a gloo group of its own (``tp_group.join_group``), on one host.
 
 A prefill worker's KV for a decode worker that takes head slices skips the gather:
 each rank sends its own slice on the data plane (``tp_direct.py``). The gather stays
-for the rest (pool exports, a TP decode worker, the ucx backend), where one sender
+for the rest (pool exports, a decode worker listing no ranks, ucx), where one sender
 and the all-heads layout are what the other side takes. Either way every slice is
 sent once, so the bytes on the wire equal the model's KV for the prompt.
 
@@ -32,6 +32,7 @@ those blocks: they are reserved for a request waiting for its KV, or being adopt
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -43,7 +44,8 @@ import torch.distributed as dist
 from services.engine.kv_cache import KVCache
 from services.engine.kv_store import Buffer
 from services.engine.tp import ShardShape
-from services.engine.tp_direct import DirectSender, Heads, Route, rank_heads
+from services.engine.tp_direct import DirectSender, Route, plan_targets, rank_heads
+from services.engine.tp_recv import LeaderReceive
 
 
 class _Posted(NamedTuple):
@@ -118,13 +120,15 @@ class FollowerKV:
     def gather(self, op: Op) -> None:
         dist.gather(local_slice(self.cache, op), None, dst=0, group=self.group)
 
-    def step_hook(self, block_ids: list[int], direct: Sequence[list] = (),
-                  heads_by_rank: Sequence[Heads | None] = ()) -> Callable[[int], None]:
+    def step_hook(self, block_ids: list[int],
+                  direct: Sequence[list] = ()) -> Callable[[int], None]:
         """Post this rank's slice of each layer of ``block_ids`` as it is computed (rank
         0 collects it a layer later), at most two in flight, ``end_step`` waiting for
-        the rest; and send its slice of each ``direct`` prompt to its decode worker."""
-        heads = tuple(heads_by_rank[self.rank]) if direct and heads_by_rank[self.rank] \
-            else None
+        the rest; and send its slices of each ``direct`` prompt to the decode worker's
+        receivers its targets name (``tp_direct.plan_targets``)."""
+        sends = [(rid, token, src, dest, [t for t in targets if t[0] == self.rank])
+                 for rid, token, src, dest, targets in direct]
+        sends = [m for m in sends if m[4]]
 
         def hook(layer: int) -> None:
             if block_ids:
@@ -133,10 +137,12 @@ class FollowerKV:
                                                  async_op=True), mine))
                 while len(self._posted) > 2:
                     self._posted.popleft()[0].wait()
-            if heads is not None:
-                for rid, address, token, src, dest in direct:
-                    payload = _bytes(local_slice(self.cache, (layer, src)))
-                    self.direct.send(address, rid, layer, dest, payload, token, heads)
+            for rid, token, src, dest, targets in sends:
+                held = local_slice(self.cache, (layer, src))
+                for _, address, first, count, heads in targets:
+                    payload = _bytes(held if count == held.shape[-2]
+                                     else held[..., first:first + count, :])
+                    self.direct.send(address, rid, layer, dest, payload, token, tuple(heads))
         return hook
 
     def end_step(self) -> None:
@@ -162,8 +168,11 @@ class ShardedKVStore:
 
     def __init__(self, local: KVCache, shapes: Sequence[ShardShape], num_kv_heads: int,
                  group, send_plan: Callable[[bytes, int], None],
-                 broken: Callable[[str, BaseException], Exception]) -> None:
+                 broken: Callable[[str, BaseException], Exception],
+                 receive: LeaderReceive | None = None) -> None:
         self.local = local
+        # Each rank receiving its own heads' slices (tp_recv.py); None: rank 0 takes all.
+        self.receive = receive if len(shapes) <= num_kv_heads else None
         self.num_layers, self.num_blocks = local.num_layers, local.num_blocks
         self.block_size = local.block_size
         self.num_kv_heads = num_kv_heads
@@ -200,11 +209,25 @@ class ShardedKVStore:
         return sum(h is not None for h in self.heads_by_rank)
 
     def route(self, request_id: str, route: Route) -> None:
-        """Send ``request_id``'s KV on the direct path. Engine thread."""
+        """Send ``request_id``'s KV on the direct path (without targets: every rank's
+        heads to ``route.address``). Engine thread."""
+        if not route.targets:
+            route = dataclasses.replace(route, targets=tuple(plan_targets(
+                self.heads_by_rank, [(route.address, 0, self.num_kv_heads)])))
         self.routes[request_id] = route
 
     def unroute(self, request_id: str) -> None:
         self.routes.pop(request_id, None)
+
+    def rank_heads(self) -> list[tuple[int, int]]:
+        """(first KV head, count) each rank's blocks hold, rank 0 first."""
+        return [(s.kv_head_start, s.num_kv_heads) for s in self._shapes]
+
+    def import_layer_slice_bytes(self, layer: int, block_ids: Sequence[int],
+                                 heads: tuple[int, int, int], payload: Buffer) -> None:
+        """Rank 0's own heads' slice, numbered within its heads (``tp_recv.py``), written
+        into its blocks now, under ``EngineLoop.import_layer``'s rules."""
+        self.local.import_layer_slice_bytes(layer, block_ids, heads, payload)
 
     def export_local_layer(self, layer: int, block_ids: Sequence[int]) -> memoryview:
         """Rank 0's own heads of ``layer`` for ``block_ids`` (``heads_by_rank[0]``), the

@@ -46,6 +46,7 @@ from common.protocol import (
     Generate,
     KVAdvert,
     Prefill,
+    RankAdvert,
     Timing,
     Tokens,
     TtftSample,
@@ -55,6 +56,7 @@ from common.transfer import MultiReceiver, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
+from services.worker.decode_ranks import drop_ranks, expect_ranks, landed, listen_ranks
 from services.worker.decode_state import Remote, Stream
 from services.worker.migrate_in import Arrivals
 from services.worker.migrate_out import Departures
@@ -85,14 +87,21 @@ class DecodeRole:
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
         self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
-                                      sink=self.on_kv_chunk, slice_sink=self._slice_sink(),
+                                      sink=self.on_kv_chunk, slice_sink=self.on_kv_slice,
                                       host_id=s.resolved_host_id)
         ctx.metrics.kv_refused.read = lambda: self.receiver.refused
+        # Each TP rank's (endpoints, heads): tp_recv.py; empty: rank 0 takes every head.
+        self._ranks: list[tuple[dict, int, int]] = []
         self.arrivals = Arrivals(self)  # requests moved here by stopping workers
         self.departures = Departures(ctx, self.streams, self.remote)  # and from here
 
     async def start(self) -> None:
         await self.receiver.start()
+        s = self.ctx.settings
+        kinds = [k for k in ("tcp", "shm") if s.transfer_backend in ("auto", k)]
+        if s.tensor_parallel_size > 1 and kinds:  # every rank receives its own heads
+            self._ranks = await self.ctx.loop.run(
+                listen_ranks, kinds, s.kv_host, s.resolved_host_id)
 
     async def close(self) -> None:
         await self.arrivals.close()
@@ -106,10 +115,12 @@ class DecodeRole:
     def kv_advert(self) -> KVAdvert:
         """The receiver's advert, each network endpoint as peers reach it."""
         advert = self.receiver.advert()
-        return KVAdvert(host_id=advert.host_id,
-                        endpoints={k: self.ctx.advertised(a)
-                                   for k, a in advert.endpoints.items()},
-                        slices=self._slice_sink() is not None)
+        endpoints = {k: self.ctx.advertised(a) for k, a in advert.endpoints.items()}
+        ranks = [RankAdvert({k: self.ctx.advertised(a) for k, a in (e or endpoints).items()},
+                            start, count) for e, start, count in self._ranks]
+        return KVAdvert(host_id=advert.host_id, endpoints=endpoints,
+                        slices=self.ctx.settings.tensor_parallel_size == 1 or bool(ranks),
+                        ranks=ranks)
 
     def report(self, stats: WorkerStats) -> WorkerStats:
         """``stats`` with this role's counters filled in."""
@@ -187,8 +198,11 @@ class DecodeRole:
                 if slots is not None:
                     # A secret per transfer: reaching the KV port and guessing the
                     # request id must not be enough to write into these blocks.
+                    token = secrets.token_bytes(16)
+                    if self._ranks and not await expect_ranks(self, rid, stream, token, slots):
+                        return Error("aborted", f"request {rid!r} was aborted")
                     transfer = self.receiver.expect(rid, ctx.settings.kv_lease_s,
-                                                    token=secrets.token_bytes(16))
+                                                    token=token)
                     self.remote[rid] = Remote(slots, transfer, rec.prefill_addr,
                                               time.monotonic())
                     asyncio.create_task(self._remote_prefill(rid, rec))
@@ -239,6 +253,12 @@ class DecodeRole:
                 raise TimeoutError(f"KV not complete within its {lease} s lease")
             done_rec = asking.result().record
             first = done_rec.first_token
+            if self._ranks and rid in self.remote:  # the other ranks' heads in too
+                missing, nbytes = await landed(ctx.loop, rid, remote.transfer.token, lease)
+                if missing:
+                    raise TransferError(missing)
+                self.received_bytes += nbytes
+                ctx.metrics.kv_transfer_bytes.inc(nbytes)
             if rid not in self.remote:  # aborted meanwhile
                 return
             if stream is not None:
@@ -260,7 +280,8 @@ class DecodeRole:
         log.warning("remote prefill failed, prefilling locally", request_id=rid, reason=reason)
         self.receiver.cancel(rid)
         asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
-        if await self.ctx.loop.run(cancel_if_waiting, rid):
+        token = remote.transfer.token if self._ranks else None
+        if await self.ctx.loop.run(cancel_if_waiting, rid, token):
             self.local_fallbacks += 1
             self.ctx.metrics.local_fallbacks.inc()
 
@@ -268,12 +289,6 @@ class DecodeRole:
         # The prefill worker may be gone; then there is nothing left to free there.
         with contextlib.suppress(Exception):
             await self.ctx.peer(addr).send(Abort(reason="decode gave up"), request_id=rid)
-
-    def _slice_sink(self):
-        """The sink for KV head slices (each rank of a TP prefill worker sends its own):
-        a one-rank engine places them into its all-heads blocks; a TP engine takes
-        whole chunks only (its ranks' imports go through rank 0)."""
-        return self.on_kv_slice if self.ctx.settings.tensor_parallel_size == 1 else None
 
     def on_kv_chunk(self, rid: str, layer: int, block_ids: list[int], payload: memoryview,
                     heads: tuple[int, int, int] | None = None):
@@ -360,8 +375,7 @@ class DecodeRole:
     async def abort(self, rid: str) -> None:
         stream = self.streams.pop(rid, None)
         if stream is not None:
-            stream.span.set("finish_reason", "abort")
-            stream.span.end()
+            stream.span.set("finish_reason", "abort"), stream.span.end()
         elif rid not in self.remote:
             self.aborted.add(rid)  # it may not have arrived yet
         remote = self.remote.pop(rid, None)
@@ -369,12 +383,14 @@ class DecodeRole:
             self.receiver.cancel(rid)
             if remote.prefill_addr:  # none for KV a stopping decode worker moves here
                 asyncio.create_task(self._tell_prefill_abort(remote.prefill_addr, rid))
-        await self.ctx.loop.run(lambda e: e.abort(rid))
+        tok = remote.transfer.token if remote is not None and self._ranks else None
+        await self.ctx.loop.run(lambda e: (drop_ranks(e, rid, tok), e.abort(rid)))
 
 
-def cancel_if_waiting(engine, rid: str) -> bool:
+def cancel_if_waiting(engine, rid: str, token: bytes | None = None) -> bool:
     """Engine thread: stop waiting for ``rid``'s KV and prefill it here instead; False
     if it is no longer waiting (aborted, or completed meanwhile)."""
+    drop_ranks(engine, rid, token)
     seq = engine.requests.get(rid)
     if seq is None or seq.status is not SequenceStatus.WAITING_FOR_KV:
         return False

@@ -32,7 +32,13 @@ from common.tracing import Span, wall_ns
 from common.transfer import MultiSender, TransferError
 from common.transfer.wire import WHOLE
 from services.engine.outputs import RequestOutput
-from services.engine.tp_direct import DIRECT_BACKENDS, Route
+from services.engine.tp_direct import (
+    DIRECT_BACKENDS,
+    Route,
+    chunks_per_receiver,
+    plan_targets,
+    split_heads,
+)
 from services.worker.context import RoleContext
 from services.worker.engine_loop import exported_bytes
 from services.worker.pool_link import PoolLink
@@ -60,10 +66,13 @@ class Job:
     error: str | None = None
     sent_from: float | None = None  # monotonic time the first layer left
     sent_bytes: int = 0
-    # The direct path (services/engine/tp_direct.py): rank 0's head slice, and the ranks
-    # that each send one per layer; None and 1 when rank 0 sends all heads alone.
+    # The direct path (services/engine/tp_direct.py): rank 0's head slice (None where it
+    # holds every head), which rank sends which heads where, and each receiver's chunk
+    # count; no targets when rank 0 sends all heads to one receiver.
     heads: tuple[int, int, int] | None = None
-    ranks: int = 1
+    targets: tuple = ()
+    finish: dict = dataclasses.field(default_factory=dict)
+    total_heads: int = 0
 
 
 class PrefillRole:
@@ -77,7 +86,7 @@ class PrefillRole:
         self.backends: collections.Counter[str] = collections.Counter()
         self.paths: collections.Counter[str] = collections.Counter()  # of a TP engine
         self.done = 0
-        self._slicing: tuple | None = None  # (heads of rank 0, sending ranks), for TP
+        self._slicing: tuple | None = None  # (each rank's heads, tensor-parallel?)
         self._aio = asyncio.get_running_loop()
         s = ctx.settings
         forced = None if s.transfer_backend == "auto" else s.transfer_backend
@@ -195,8 +204,9 @@ class PrefillRole:
                                                    out.queue_time_s or 0.0))
         except (TransferError, OSError) as exc:
             log.warning("prefill failed", request_id=rid, error=str(exc))
-            with contextlib.suppress(TransferError, OSError):
-                await self.sender.abort(job.addr, rid, str(exc), token=rec.kv_token)
+            for addr in job.finish or (job.addr,):
+                with contextlib.suppress(TransferError, OSError):
+                    await self.sender.abort(addr, rid, str(exc), token=rec.kv_token)
             return Error("prefill_failed", str(exc))
         finally:
             sending.cancel()
@@ -204,21 +214,35 @@ class PrefillRole:
             await ctx.loop.run(_drop, rid)
 
     async def _choose_path(self, rid: str, job: Job, backend: str) -> None:
-        """A tensor-parallel engine's ranks each send their heads' slice straight to a
-        decode worker that takes slices, on tcp or shm; else rank 0 gathers them and
-        sends all heads (``services/engine/tp_direct.py``)."""
+        """On tcp or shm, to a decode worker that takes slices, each rank sends its heads'
+        slices straight to the receivers that hold them (one, or one per decode rank
+        where the advert lists ranks); else a tensor-parallel engine's rank 0 gathers
+        them and sends all heads (``services/engine/tp_direct.py``)."""
         if self._slicing is None:
             self._slicing = await self.ctx.loop.run(_slicing)
         if not self._slicing:
-            return  # one rank: nothing to choose
+            return
+        senders, tp = self._slicing
         advert = job.rec.kv_advert
+        receivers = None
         if advert is not None and advert.slices and backend in DIRECT_BACKENDS:
-            job.heads, job.ranks = self._slicing
-            self.paths["direct"] += 1
-        else:
-            self.paths["gathered"] += 1
-        log.info("tp_kv_path", request_id=rid,
-                  path="direct" if job.heads else "gathered")
+            addrs = [r.endpoints.get(backend) for r in advert.ranks]
+            if advert.ranks and all(addrs):
+                receivers = [(a, r.head_start, r.head_count)
+                             for a, r in zip(addrs, advert.ranks, strict=True)]
+            elif tp and not advert.ranks:
+                receivers = [(job.addr, 0, senders[0][2])]
+        if receivers is None:
+            if tp:
+                self.paths["gathered"] += 1
+                log.info("tp_kv_path", request_id=rid, path="gathered")
+            return  # one rank: all heads to one receiver
+        job.targets = tuple(plan_targets(senders, receivers))
+        job.finish = chunks_per_receiver(job.targets, self.ctx.loop.facts.num_layers)
+        job.heads = tuple(senders[0]) if tp else None
+        job.total_heads = senders[0][2]
+        self.paths["direct"] += 1
+        log.info("tp_kv_path", request_id=rid, path="direct", receivers=len(receivers))
 
     def _timing(self, job: Job, span: Span, backend: str, arrived: float, computed: float,
                 queued: float) -> Timing:
@@ -239,7 +263,7 @@ class PrefillRole:
     async def _send_layers(self, rid: str, job: Job) -> int:
         """Send each layer as the engine hands it over; then close the transfer."""
         ctx = self.ctx
-        num_layers = ctx.loop.facts.num_layers
+        num_layers, block_size = ctx.loop.facts.num_layers, ctx.loop.facts.block_size
         dest = list(job.rec.block_ids[job.rec.skip_blocks:])
         start = None
         for _ in range(num_layers):
@@ -249,18 +273,32 @@ class PrefillRole:
             payload = await exported_bytes(pending)
             start = start or time.perf_counter()
             job.sent_from = job.sent_from or time.monotonic()
-            await self.sender.send(job.addr, rid, layer, dest, payload, token=job.rec.kv_token,
-                                   heads=job.heads or WHOLE)
-            # On the direct path the other ranks send slices as large as rank 0's (every
-            # head has the same bytes): the worker's KV that left, all heads once.
-            nbytes = payload.nbytes if job.heads is None else \
-                payload.nbytes // job.heads[1] * job.heads[2]
+            nbytes = payload.nbytes
+            if not job.targets:
+                await self.sender.send(job.addr, rid, layer, dest, payload,
+                                       token=job.rec.kv_token, heads=WHOLE)
+            else:
+                held = job.heads[1] if job.heads else job.total_heads
+                for rank, addr, first, count, heads in job.targets:
+                    if rank == 0:
+                        await self.sender.send(
+                            addr, rid, layer, dest, split_heads(payload, held, first, count,
+                                                                2 * len(dest) * block_size),
+                            token=job.rec.kv_token, heads=heads)
+                # Every head has the same bytes: the worker's KV that left (other ranks'
+                # slices too), all heads once.
+                nbytes = payload.nbytes // held * job.total_heads
             self.sent_bytes += nbytes
             job.sent_bytes += nbytes
             ctx.metrics.kv_transfer_bytes.inc(nbytes)
             ctx.metrics.kv_sent_bytes.labels(backend=job.addr.partition("://")[0]).inc(nbytes)
-        chunks = num_layers * job.ranks  # every sending rank's slice of every layer
-        await self.sender.finish(job.addr, rid, chunks, token=job.rec.kv_token)
+        # Each receiver counts every sending rank's slices of every layer it takes. All
+        # at once: a receiver sends its verdicts when its FINISH comes, and one sender
+        # waits for every verdict of the request, whichever receiver gives it.
+        await asyncio.gather(*(self.sender.finish(addr, rid, count, token=job.rec.kv_token)
+                               for addr, count in (job.finish or {job.addr: num_layers})
+                               .items()))
+        chunks = sum(job.finish.values()) if job.finish else num_layers
         ctx.metrics.kv_transfer_seconds.inc(time.perf_counter() - (start or time.perf_counter()))
         return chunks
 
@@ -277,17 +315,20 @@ def _start(engine, rid: str, rec: Prefill, params: SamplingParams, job: Job):
     """Engine thread: the prompt's route first, when every rank sends its own slice."""
     if job.heads is not None:
         engine.kv_store.route(rid, Route(job.addr, rec.kv_token, rec.skip_blocks,
-                                         tuple(rec.block_ids[rec.skip_blocks:])))
+                                         tuple(rec.block_ids[rec.skip_blocks:]),
+                                         job.targets))
     return engine.add_request(rid, rec.prompt_token_ids, params, cache_salt=rec.cache_salt,
                               hold_blocks=True)
 
 
 def _slicing(engine) -> tuple:
-    """Engine thread: (rank 0's head slice, sending ranks) of a TP engine; () for one."""
+    """Engine thread: (each rank's head slice, tensor-parallel?); () for an engine
+    without KV heads (the simulated one)."""
     store = engine.kv_store
-    if not hasattr(store, "route"):
-        return ()
-    return tuple(store.heads_by_rank[0]), store.sending_ranks
+    if hasattr(store, "route"):
+        return [None if h is None else tuple(h) for h in store.heads_by_rank], True
+    heads = getattr(getattr(engine, "model_config", None), "num_kv_heads", 0)
+    return ([(0, heads, heads)], False) if heads else ()
 
 
 def _drop(engine, rid: str) -> None:
