@@ -251,8 +251,19 @@ def unpack_rows(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
 
 
 def _dequantize_blocks(packed, scale, offset, bits, b0: int, nb: int) -> torch.Tensor:
-    rows = torch.arange(b0 * ROWS, (b0 + nb) * ROWS)
-    return unpack_rows(packed, scale, offset, bits, rows)
+    """Float32 rows of blocks ``b0 .. b0 + nb``: ``[nb * 16, K]`` (strided copies only,
+    unlike the gather of ``unpack_rows``: prefill expands every weight this way)."""
+    g = scale.shape[1]
+    quads = 8 if bits == 8 else 4
+    c = packed.view(-1, g, quads, ROWS, 4)[b0:b0 + nb]
+    if bits == 4:  # [nb, g, pair, nibble, row, t] -> rows first
+        c = torch.stack([c & 15, c >> 4], dim=3).permute(0, 4, 1, 2, 3, 5)
+    else:
+        c = c.permute(0, 3, 1, 2, 4)
+    w = c.reshape(nb * ROWS, g, GROUP).float()
+    s = scale[b0:b0 + nb].transpose(1, 2).reshape(nb * ROWS, g, 1)
+    o = offset[b0:b0 + nb].transpose(1, 2).reshape(nb * ROWS, g, 1)
+    return w.mul_(s).add_(o).view(nb * ROWS, g * GROUP)
 
 
 def quantize_activations(x: torch.Tensor, levels: int = NARROW
