@@ -9,6 +9,7 @@ from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.weights.quantize import (
     INT4_GROUP,
+    A8Linear,
     Int4Linear,
     Int8Embedding,
     Int8Linear,
@@ -117,7 +118,7 @@ def test_int4_refuses_a_width_off_the_group():
         Int4Linear(torch.randn(8, 40), None)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a16", "w4a16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantized_logits_stay_close(arch, method, tiny_dirs, make_engine):
     logits = {}
@@ -127,19 +128,21 @@ def test_quantized_logits_stay_close(arch, method, tiny_dirs, make_engine):
                                                        logprobs=5))
         logits[q] = engine.step()[0].new_logprobs[0]
         if q != "none":
-            kind = Int8Linear if q == "int8" else Int4Linear
+            kind = {"int8": Int8Linear, "int4": Int4Linear}.get(q, A8Linear)
             assert isinstance(engine.model.layers[0].mlp.down_proj, kind)
     ref, got = logits["none"], logits[method]
     # Stated tolerance: top-5 log-probabilities within 0.1 (int8: 256 levels per 32
     # weights) or 0.6 (int4: 16 levels per 32 random normal weights, the worst case) of
     # the float model's on the tiny models; docs/benchmarks.md has SmolLM2-135M's figures.
-    tol = {"int8": 0.1, "int4": 0.6}[method]
+    # w8a16/w4a16 add the rounding of each activation group (half a step of
+    # max|x| / 16256) on top of their weights' grid: negligible beside it.
+    tol = {"int8": 0.1, "int4": 0.6, "w8a16": 0.1, "w4a16": 0.6}[method]
     want = dict(ref.top)
     shared = [(lp, want[token]) for token, lp in got.top if token in want]
     assert len(shared) >= 3
     for lp, ref_lp in shared:
         assert lp == pytest.approx(ref_lp, abs=tol)
-    if method == "int8":
+    if method in ("int8", "w8a16"):
         assert got.token_id == ref.token_id
     else:  # a random tiny model's top tokens lie within 0.2 of each other
         assert got.token_id in want
@@ -174,6 +177,8 @@ def test_bad_quantization_settings(kwargs):
 def test_worker_setting():
     assert WorkerSettings(quantization="int8").quantization == "int8"
     assert WorkerSettings(quantization="int4").quantization == "int4"
+    assert WorkerSettings(quantization="w4a16").quantization == "w4a16"
+    assert EngineConfig(quantization="w8a16").quantization == "w8a16"
     with pytest.raises(ValueError, match="quantization"):
         WorkerSettings(quantization="fp4")
 
@@ -183,3 +188,64 @@ def test_none_leaves_the_model_alone():
     quantize_model(model, "none")
     with pytest.raises(ValueError):
         quantize_model(model, "int3")
+
+
+def _rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What rounding each activation by at most half its group's step (max|x| / 16256)
+    can move ``x @ w.T``, plus float32 slack."""
+    from kernels.cpu_qmatmul_a8 import WIDE, quantize_activations
+    flat = x.reshape(-1, x.shape[-1])
+    _, dx, _ = quantize_activations(flat, WIDE)
+    half = (dx / 2).repeat_interleave(32, dim=1)
+    return (half @ w.abs().t() + 1e-4).view(*x.shape[:-1], w.shape[0])
+
+
+def _q4_blocks(seed: int, symmetric: bool):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, 16, (16, 4, 32), generator=g)
+    d = torch.rand(16, 4, 1, generator=g) / 10 + 1e-3
+    if symmetric:  # Q4_0: d * (q - 8), the largest magnitude at q = 0
+        k[..., 0] = 0
+        return k, (d * (k - 8)).reshape(16, 128)
+    k[..., 0], k[..., 1] = 0, 15  # Q4_1: min + d * q, both ends used
+    return k, (torch.randn(16, 4, 1, generator=g) + d * k).reshape(16, 128)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_w4a16_recovers_q4_grids(symmetric):
+    k, w = _q4_blocks(5, symmetric)
+    bias = torch.randn(16)
+    lin = A8Linear(w, bias, 4)
+    assert lin.packed.numel() == 16 * 128 // 2  # two weights a byte
+    torch.testing.assert_close(lin.dequantized(), w, rtol=0, atol=2e-6)
+    x = torch.randn(40, 128)
+    exact = x @ w.t() + bias
+    # 40 rows: float GEMM, unrounded; one row: rounded activations, within the bound.
+    torch.testing.assert_close(lin(x), exact, rtol=1e-5, atol=1e-4)
+    one = lin(x[:1])
+    assert one.shape == (1, 16)
+    assert ((one - exact[:1]).abs() <= _rounding_bound(x[:1], w)).all()
+
+
+def test_w8a16_keeps_the_int8_grid_and_pads_rows():
+    torch.manual_seed(3)
+    w = torch.randn(20, 64)  # 20 rows: padded to 32 inside, sliced on the way out
+    a8, i8 = A8Linear(w, None, 8), Int8Linear(w, None)
+    torch.testing.assert_close(a8.dequantized(), i8.dequantized(), rtol=0, atol=0)
+    x = torch.randn(3, 2, 64)
+    got = a8(x)
+    assert got.shape == (3, 2, 20)
+    assert (got - i8(x)).abs().max() > 0  # the activations were rounded
+    assert ((got - i8(x)).abs() <= _rounding_bound(x, a8.dequantized())).all()
+
+
+@pytest.mark.parametrize("method", ["w8a16", "w4a16"])
+def test_a16_tied_embedding_reads_the_head(tmp_path, make_engine, method):
+    path = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    model = make_engine(path, dtype="float32", quantization=method).model
+    assert model.lm_head.bits == 8  # w4a16 too: the head keeps 8 bits
+    assert model.layers[0].mlp.down_proj.bits == int(method[1])
+    ids = torch.tensor([0, 7, 3, 7])
+    assert not list(model.embed_tokens.buffers())  # no second table
+    torch.testing.assert_close(model.embed_tokens(ids),
+                               model.lm_head.dequantized()[ids], rtol=0, atol=0)

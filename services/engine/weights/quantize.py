@@ -22,6 +22,15 @@ weights come back on their own grid), run by ``_weight_int4pack_mm_for_cpu`` on
 bfloat16 activations. That kernel is fast only with bfloat16 activations and scales
 (with float32 ones it falls back to a path 10-100× slower, docs/benchmarks.md), so a
 decode row is rounded to bfloat16 on its way in and the product comes back as float32.
+
+``"w8a16"`` / ``"w4a16"``: the int8 codes above, or 4-bit codes in groups of 32 (the grid
+of ``_group_codes4``: a Q4_1 or Q4_0 block comes back as the file stores it; the output
+head stays 8-bit), with each decode row's activations rounded per group of 32 to
+integers of +-16256 levels (about 15 bits), so that a group's product is integer dot
+products (kernels/cpu_qmatmul_a8.py, :class:`A8Linear`). Up to 8 rows a step take that
+path; prefill and larger batches run the float GEMM on unrounded activations. The
+rounding moves an output by at most ``sum |w| * max|x| / 32512`` per group: on the
+default model the chat answers stay the float model's (tests/test_default_model.py).
 """
 
 
@@ -32,9 +41,9 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import cpu_qmatmul
+from kernels import cpu_qmatmul, cpu_qmatmul_a8
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16")
 INT4_GROUP = 32
 INT8_GROUP = cpu_qmatmul.GROUP
 
@@ -75,6 +84,77 @@ def _group_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     scale = torch.where(use_sym, step, span).squeeze(-1).contiguous()
     offset = torch.where(use_sym, sym_offset, lo).squeeze(-1).contiguous()
     return codes, scale, offset
+
+
+def _group_codes4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit codes, scales and offsets for groups ``w`` ``[out, groups, 32]``: 15 steps
+    from the minimum to the maximum (Q4_1's grid) or steps of ``|extreme| / 8`` around zero
+    (Q4_0's, ``d * (q - 8)``), whichever reproduces the group better."""
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    span = (hi - lo) / 15
+    span_codes = ((w - lo) / span.clamp(min=1e-30)).round_().clamp_(0, 15)
+    span_err = (span_codes * span + lo - w).abs().amax(-1, keepdim=True)
+    # Q4_0 maps its largest-magnitude value to -8: the step's sign follows that value.
+    extreme = torch.where(hi.abs() > lo.abs(), hi, lo)
+    step = -extreme / 8
+    sym_codes = (w / torch.where(step == 0, torch.ones_like(step), step)).round_()
+    sym_codes = sym_codes.add_(8).clamp_(0, 15)
+    sym_err = (sym_codes * step - 8 * step - w).abs().amax(-1, keepdim=True)
+    use_sym = sym_err < span_err
+    codes = torch.where(use_sym, sym_codes, span_codes).to(torch.uint8)
+    scale = torch.where(use_sym, step, span).squeeze(-1).contiguous()
+    offset = torch.where(use_sym, -8 * step, lo).squeeze(-1).contiguous()
+    return codes, scale, offset
+
+
+class A8Linear(nn.Module):
+    """``y = x @ W.T + b`` with W as 8- or 4-bit codes in groups of 32 (scale and offset
+    each) and decode rows' activations rounded per group (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % INT8_GROUP:
+            raise ValueError(f"w{bits}a16 needs input features divisible by {INT8_GROUP}, "
+                             f"got {in_features}")
+        grouped = weight.detach().float().reshape(out_features, -1, INT8_GROUP)
+        codes, scale, offset = (_group_codes if bits == 8 else _group_codes4)(grouped)
+        packed, scale, offset = cpu_qmatmul_a8.pack(
+            codes.reshape(out_features, in_features), scale, offset, bits)
+        self.bits, self.out_features = bits, out_features
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 weight rows ``ids`` (the tied embedding's lookup)."""
+        return cpu_qmatmul_a8.unpack_rows(self.packed, self.scale, self.offset, self.bits, ids)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight the kernel multiplies by."""
+        return self.rows(torch.arange(self.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = cpu_qmatmul_a8.qmatmul(flat, self.packed, self.scale, self.offset, self.bits,
+                                   cpu_qmatmul_a8.WIDE)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features]
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class A8HeadEmbedding(nn.Module):
+    """The tied embedding of an :class:`A8Linear` head: its rows, dequantized."""
+
+    def __init__(self, head: A8Linear) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its buffers are not counted twice
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head[0].rows(ids)
 
 
 class Int8Linear(nn.Module):
@@ -179,7 +259,8 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-_LINEAR = {"int8": Int8Linear, "int4": Int4Linear}
+_LINEAR = {"int8": Int8Linear, "int4": Int4Linear,
+           "w8a16": lambda w, b: A8Linear(w, b, 8), "w4a16": lambda w, b: A8Linear(w, b, 4)}
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -193,14 +274,16 @@ def quantize_model(model: nn.Module, method: str) -> None:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
     if method == "none":
         return
+    if method in ("w8a16", "w4a16"):
+        cpu_qmatmul_a8.available()  # as below
     if method == "int8":
         # Build (or load the cached build of) the kernel now, at load, not inside the
         # first request's step: a cold build takes a minute or more.
         cpu_qmatmul.available()
 
-    def swap(parent: nn.Module, name: str) -> None:
+    def swap(parent: nn.Module, name: str, kind: str = method) -> None:
         old = getattr(parent, name)
-        setattr(parent, name, _LINEAR[method](_weight(old), getattr(old, "bias", None)))
+        setattr(parent, name, _LINEAR[kind](_weight(old), getattr(old, "bias", None)))
 
     with torch.no_grad():
         for layer in model.layers:
@@ -211,6 +294,10 @@ def quantize_model(model: nn.Module, method: str) -> None:
         tied = model.embed_tokens is None
         if tied and method == "int4":
             model.embed_tokens = Int8Embedding(_weight(model.lm_head))
-        swap(model, "lm_head")
+        # w4a16 keeps the head (and the embedding it doubles as) at 8 bits, as 4-bit GGUF
+        # files keep theirs at Q8_0/Q6_K: the logits are where 4 bits hurt most.
+        swap(model, "lm_head", "w8a16" if method == "w4a16" else method)
         if tied and method == "int8":
             model.embed_tokens = Int8HeadEmbedding(model.lm_head)
+        elif tied and method in ("w8a16", "w4a16"):
+            model.embed_tokens = A8HeadEmbedding(model.lm_head)
