@@ -68,20 +68,47 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
                 "Explain photosynthesis in one sentence.", "Suggest three names for a cat."]
 
 
-def test_int8_weights_answer_as_float32(engine):
+def _chat_params() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+
+
+def _logprobs(outputs) -> list[float]:
+    return [lp.logprob for o in outputs for lp in o.logprobs]
+
+
+@pytest.fixture(scope="module")
+def int8_answers(engine):
+    """The five chat prompts and the int8 model's answers to them (the reference the
+    integer-activation modes are held to)."""
     from services.engine.engine import LLMEngine
 
     int8 = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
                                   quantization="int8"))
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                for p in CHAT_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    want = engine.generate(prompts, params)
-    got = int8.generate(prompts, params)
+    return prompts, int8.generate(prompts, _chat_params())
+
+
+def test_int8_weights_answer_as_float32(engine, int8_answers):
+    prompts, got = int8_answers
+    want = engine.generate(prompts, _chat_params())
     # The Q4_1 and Q8_0 blocks come back exactly (weights/quantize.py): the same answers,
     # and log-probabilities equal up to float32 summation order.
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    got_lp = [lp.logprob for o in got for lp in o.logprobs]
-    want_lp = [lp.logprob for o in want for lp in o.logprobs]
-    assert len(got_lp) == 5 * 24
-    assert got_lp == pytest.approx(want_lp, abs=1e-3)
+    assert len(_logprobs(got)) == 5 * 24
+    assert _logprobs(got) == pytest.approx(_logprobs(want), abs=1e-3)
+
+
+def test_w4a16_answers_as_int8(int8_answers):
+    """w4a16 keeps the file's Q4_1 projections as 4-bit codes and its Q8_0 head as 8-bit
+    ones, so only the activations' rounding (max|x| / 32512 per group of 32) moves the
+    logits. w8a16 runs the same kernel on 8-bit codes (tests/test_kernels_cpu_a8.py)."""
+    from services.engine.engine import LLMEngine
+
+    prompts, want = int8_answers
+    w4 = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
+                                quantization="w4a16"))
+    got = w4.generate(prompts, _chat_params())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(_logprobs(got)) == 5 * 24
+    assert _logprobs(got) == pytest.approx(_logprobs(want), abs=1e-2)
