@@ -53,12 +53,15 @@ class _Connection:
         self.flushing: asyncio.Handle | None = None
         self.error: OSError | None = None  # a flush that failed: the connection is gone
 
-    def cork(self, head: bytes, payload: memoryview | list[memoryview] | None) -> None:
+    def cork(self, head: bytes, payload: memoryview | list[memoryview] | None,
+             size: int = 0) -> None:
+        """Queue ``head`` and ``payload`` (``size`` bytes: a batch's total, known to the
+        caller) for the next flush."""
         self.corked.append(head)
         self.corked_bytes += len(head)
         if type(payload) is list:  # a batch's payloads, back to back
             self.corked += payload
-            self.corked_bytes += sum(view.nbytes for view in payload)
+            self.corked_bytes += size
         elif payload is not None and payload.nbytes:
             self.corked.append(payload)
             self.corked_bytes += payload.nbytes
@@ -171,7 +174,7 @@ class TcpSender(StreamSender):
                     conn.verdicts.append(attempt)
                 if size <= (CORK_BYTES if views is not None else JOIN_BYTES):
                     # Whole or not at all: a cancel after this leaves the stream framed.
-                    conn.cork(head, payload)
+                    conn.cork(head, payload, size)
                     if payload is None:
                         conn.flush()  # FINISH, ABORT: the receiver answers what came
                     return
