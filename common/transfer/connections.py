@@ -17,7 +17,6 @@ A chunk's life on the sending side::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import structlog
@@ -199,7 +198,7 @@ class ConnectionSender(KVSender):
             return
         if self._coalescer is not None:
             await self._coalescer.flush(address, request_id)  # what send queued goes first
-        if type(items) is _Run:  # the usual request: one batch, its columns already built
+        if type(items) is batch.Run:  # the usual request: one batch, its columns already built
             layers, blocks, views, sizes = items.layers, items.blocks, items.views, items.sizes
             message = batch.Batch(request_id, layers, [blocks] * len(layers), 0, sizes, 0,
                                   token)
@@ -336,41 +335,27 @@ class StreamSender(ConnectionSender):
         await self._write(address, message.request_id, wire.encode(message), None)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Run:
-    """``send_many``'s chunks checked as columns, when they make one batch as they are;
-    iterated, each chunk's ``(layer, block_ids, view)``, as ``_items`` gives otherwise."""
-
-    layers: list[int]
-    blocks: list[int]  # the one block list every chunk shares
-    views: list[memoryview]
-    sizes: list[int]
-
-    def __iter__(self):
-        return zip(self.layers, [self.blocks] * len(self.layers), self.views, strict=True)
-
-
-def _items(items: list) -> _Run | list[tuple[int, list[int], memoryview]]:
+def _items(items: list) -> batch.Run | list[tuple[int, list[int], memoryview]]:
     """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
     TypeError for anything a single ``send`` would refuse.
 
     Checked for the whole list at once where it can be (a request's layers: 30 chunks of
     plain ints sharing one block list), one by one otherwise, with the same errors. The
     usual case, whole-list checked and within one batch (``batch.groups`` would make one
-    run of it), comes back as a ``_Run`` of columns: no tuple per chunk built and then
+    run of it), comes back as a ``batch.Run`` of columns: no tuple per chunk built and then
     taken apart again."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
     if set(map(type, items)) <= _TUPLE and set(map(len, items)) == _THREE:
         layers, blocks, payloads = zip(*items, strict=True)
         shared = blocks[0]
-        if (wire._are_uints(list(layers)) and all(b is shared for b in blocks)
+        if (wire._are_uints(list(layers)) and len(set(map(id, blocks))) == 1
                 and isinstance(shared, list | tuple) and wire._are_uints(list(shared))):
             shared = list(shared)
-            views = list(map(_flat, payloads))
-            sizes = [view.nbytes for view in views]
+            views = list(payloads) if batch.flat_views(payloads) else list(map(_flat, payloads))
+            sizes = list(map(batch.NBYTES, views))
             if 1 < len(views) <= batch.MAX_CHUNKS and sum(sizes) <= batch.MAX_BYTES:
-                return _Run(list(layers), shared, views, sizes)
+                return batch.Run(list(layers), shared, views, sizes)
             return list(zip(layers, [shared] * len(views), views, strict=True))
     checked, seen, runs = [], None, None
     for item in items:

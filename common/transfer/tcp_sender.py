@@ -76,7 +76,8 @@ class _Connection:
         if self.flushing is not None:
             self.flushing.cancel()
             self.flushing = None
-        corked, self.corked, self.corked_bytes = self.corked, [], 0
+        corked, total = self.corked, self.corked_bytes
+        self.corked, self.corked_bytes = [], 0
         if not corked or self.broken or self.writer.is_closing():
             return
         sent = 0
@@ -88,6 +89,8 @@ class _Connection:
             except OSError as exc:
                 self.error = exc
                 self.writer.transport.abort()  # the verdict reader then fails the chunks
+                return
+            if sent == total:  # the usual case: all of it taken, nothing left to queue
                 return
         for buffer in corked:
             size = len(buffer) if isinstance(buffer, bytes) else buffer.nbytes
