@@ -300,3 +300,22 @@ def test_a_requests_layers_sharing_one_block_list_are_checked_as_one_and_alike()
             _items([(1, blocks, b"y"), bad])
     with pytest.raises(TypeError, match="bytes-like"):
         _items([(0, blocks, 5), (1, blocks, b"y")])
+
+
+def test_a_requests_layers_come_back_as_one_run_of_columns_and_flat_bytes():
+    from common.transfer.batch import MAX_CHUNKS, Run
+    from common.transfer.connections import _items
+
+    blocks = [7, 3]
+    words = memoryview(bytearray(range(16))).cast("I")  # not bytes: made flat
+    run = _items([(0, blocks, b"ab"), (5, blocks, words), (2, blocks, bytearray(b"xyz"))])
+    assert type(run) is Run
+    assert (run.layers, run.blocks, run.sizes) == ([0, 5, 2], [7, 3], [2, 16, 3])
+    assert [bytes(v) for v in run.views] == [b"ab", bytes(range(16)), b"xyz"]
+    assert all(v.format == "B" and v.ndim == 1 for v in run.views)
+    assert list(run) == [(0, [7, 3], run.views[0]), (5, [7, 3], run.views[1]),
+                         (2, [7, 3], run.views[2])]
+    # More chunks than one batch holds: the chunks one by one, for batch.groups.
+    many = _items([(i, blocks, b"z") for i in range(MAX_CHUNKS + 1)])
+    assert type(many) is list and len(many) == MAX_CHUNKS + 1
+    assert many[-1][0] == MAX_CHUNKS and many[-1][1] == [7, 3]

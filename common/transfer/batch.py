@@ -30,6 +30,8 @@ where one covers the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import struct
 from typing import NamedTuple
 
@@ -46,6 +48,9 @@ HEAD = struct.Struct("<BBHIQ")
 MAX_CHUNKS = 128  # a request's layers and more, well under a sendmsg's IOV_MAX
 MAX_BYTES = 4 << 20  # send_many groups chunks up to this; a larger chunk goes alone
 _ENTRY = 3  # u64 fields per chunk
+NBYTES = operator.attrgetter("nbytes")
+_VIEW, _FLAT = frozenset({memoryview}), frozenset({("B", 1, True)})
+_LAYOUT = operator.attrgetter("format", "ndim", "c_contiguous")
 
 
 class Batch(NamedTuple):
@@ -143,3 +148,23 @@ def groups(items: list, max_bytes: int = MAX_BYTES) -> list[list]:
         runs.append(run)
     return runs
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Run:
+    """``send_many``'s chunks checked as columns, when they make one batch as they are;
+    iterated, each chunk's ``(layer, block_ids, view)``, as ``connections._items`` gives
+    otherwise."""
+
+    layers: list[int]
+    blocks: list[int]  # the one block list every chunk shares
+    views: list[memoryview]
+    sizes: list[int]
+
+    def __iter__(self):
+        return zip(self.layers, [self.blocks] * len(self.layers), self.views, strict=True)
+
+
+def flat_views(payloads) -> bool:
+    """Whether every one of ``payloads`` is a flat, contiguous memoryview of bytes
+    already (what a chunk's payload must become), checked at C speed for the list."""
+    return set(map(type, payloads)) == _VIEW and set(map(_LAYOUT, payloads)) == _FLAT

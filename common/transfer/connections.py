@@ -69,12 +69,13 @@ class InFlight:
                  "source")
 
     def __init__(self, sender, address, request, chunk, view, claimed=None,
-                 source=None) -> None:
+                 source=None, nbytes=None) -> None:
         self.sender, self.address, self.request = sender, address, request
         self.chunk: wire.Chunk | batch.Batch = chunk
         # A batch's payloads are a list of views, its claimed checksum their whole one.
         self.view: memoryview | list[memoryview] = view
-        self.nbytes = view.nbytes if type(view) is memoryview else sum(v.nbytes for v in view)
+        self.nbytes = nbytes if nbytes is not None else view.nbytes \
+            if type(view) is memoryview else sum(v.nbytes for v in view)  # or: known to the caller
         # What the caller gave: the same as view, except under a test-only fault hook.
         self.source = view if source is None else source
         self.claimed = claimed
@@ -197,6 +198,12 @@ class ConnectionSender(KVSender):
             return
         if self._coalescer is not None:
             await self._coalescer.flush(address, request_id)  # what send queued goes first
+        if type(items) is batch.Run:  # the usual request: one batch, its columns already built
+            layers, blocks, views, sizes = items.layers, items.blocks, items.views, items.sizes
+            message = batch.Batch(request_id, layers, [blocks] * len(layers), 0, sizes, 0,
+                                  token)
+            await self._start(address, request_id, message, views, sum(sizes))
+            return
         for run in batch.groups(items):
             if len(run) == 1:
                 layer, blocks, view = run[0]
@@ -206,12 +213,12 @@ class ConnectionSender(KVSender):
                                   [i[2].nbytes for i in run], 0, token)
             await self._start(address, request_id, message, [i[2] for i in run])
 
-    async def _start(self, address, request_id, message, view) -> None:
+    async def _start(self, address, request_id, message, view, nbytes=None) -> None:
         request = self._request(request_id)
         if request.failed is not None:
             raise TransferError(request.failed, request_id)
         request.pending += 1
-        attempt = InFlight(self, address, request, message, view)
+        attempt = InFlight(self, address, request, message, view, nbytes=nbytes)
         try:
             await self._post(attempt)
         except BaseException as exc:
@@ -328,22 +335,28 @@ class StreamSender(ConnectionSender):
         await self._write(address, message.request_id, wire.encode(message), None)
 
 
-def _items(items: list) -> list[tuple[int, list[int], memoryview]]:
+def _items(items: list) -> batch.Run | list[tuple[int, list[int], memoryview]]:
     """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
     TypeError for anything a single ``send`` would refuse.
 
     Checked for the whole list at once where it can be (a request's layers: 30 chunks of
-    plain ints sharing one block list), one by one otherwise, with the same errors."""
+    plain ints sharing one block list), one by one otherwise, with the same errors. The
+    usual case, whole-list checked and within one batch (``batch.groups`` would make one
+    run of it), comes back as a ``batch.Run`` of columns: no tuple per chunk built and then
+    taken apart again."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
     if set(map(type, items)) <= _TUPLE and set(map(len, items)) == _THREE:
         layers, blocks, payloads = zip(*items, strict=True)
         shared = blocks[0]
-        if (wire._are_uints(list(layers)) and all(b is shared for b in blocks)
+        if (wire._are_uints(list(layers)) and len(set(map(id, blocks))) == 1
                 and isinstance(shared, list | tuple) and wire._are_uints(list(shared))):
             shared = list(shared)
-            return [(layer, shared, _flat(payload)) for layer, payload in
-                    zip(layers, payloads, strict=True)]
+            views = list(payloads) if batch.flat_views(payloads) else list(map(_flat, payloads))
+            sizes = list(map(batch.NBYTES, views))
+            if 1 < len(views) <= batch.MAX_CHUNKS and sum(sizes) <= batch.MAX_BYTES:
+                return batch.Run(list(layers), shared, views, sizes)
+            return list(zip(layers, [shared] * len(views), views, strict=True))
     checked, seen, runs = [], None, None
     for item in items:
         if not isinstance(item, tuple | list) or len(item) != 3:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import socket
 
 import structlog
@@ -52,6 +53,7 @@ from kernels import cpu_copysum as copysum
 log = structlog.get_logger("pdserve.transfer")
 
 _PIECE = 256 << 10
+_NBYTES = operator.attrgetter("nbytes")
 _FLUSH_BYTES = 2 << 20
 _WARM_BYTES = 4 << 20
 
@@ -75,7 +77,7 @@ def stage_many(destination: memoryview, sources) -> int:
     update.
     """
     mod = copysum.kernel()
-    if mod is not None and sum(source.nbytes for source in sources) > copysum.SHORT:
+    if mod is not None and sum(map(_NBYTES, sources)) > copysum.SHORT:
         return copysum.copy_sum(mod, destination, sources)
     hasher, at = xxhash.xxh3_64(), 0  # seed 0, as wire.checksum
     update = hasher.update

@@ -326,9 +326,11 @@ class TransferTable:
             self._slices.pop(transfer.request_id, None)
             self._tokens.pop(transfer.request_id, None)
         self._ended[transfer.request_id] = transfer.state
-        emit = {TransferState.DONE: log.debug, TransferState.FAILED: log.warning}.get(
-            transfer.state, log.info
-        )
+        # One logger method looked up (each lookup on the module's lazy logger binds one),
+        # and none built for the other two states.
+        state = transfer.state
+        emit = log.debug if state is TransferState.DONE else \
+            log.warning if state is TransferState.FAILED else log.info
         emit(
             "kv_transfer.ended",
             request_id=transfer.request_id,

@@ -53,12 +53,15 @@ class _Connection:
         self.flushing: asyncio.Handle | None = None
         self.error: OSError | None = None  # a flush that failed: the connection is gone
 
-    def cork(self, head: bytes, payload: memoryview | list[memoryview] | None) -> None:
+    def cork(self, head: bytes, payload: memoryview | list[memoryview] | None,
+             size: int = 0) -> None:
+        """Queue ``head`` and ``payload`` (``size`` bytes: a batch's total, known to the
+        caller) for the next flush."""
         self.corked.append(head)
         self.corked_bytes += len(head)
         if type(payload) is list:  # a batch's payloads, back to back
             self.corked += payload
-            self.corked_bytes += sum(view.nbytes for view in payload)
+            self.corked_bytes += size
         elif payload is not None and payload.nbytes:
             self.corked.append(payload)
             self.corked_bytes += payload.nbytes
@@ -73,7 +76,8 @@ class _Connection:
         if self.flushing is not None:
             self.flushing.cancel()
             self.flushing = None
-        corked, self.corked, self.corked_bytes = self.corked, [], 0
+        corked, total = self.corked, self.corked_bytes
+        self.corked, self.corked_bytes = [], 0
         if not corked or self.broken or self.writer.is_closing():
             return
         sent = 0
@@ -85,6 +89,8 @@ class _Connection:
             except OSError as exc:
                 self.error = exc
                 self.writer.transport.abort()  # the verdict reader then fails the chunks
+                return
+            if sent == total:  # the usual case: all of it taken, nothing left to queue
                 return
         for buffer in corked:
             size = len(buffer) if isinstance(buffer, bytes) else buffer.nbytes
@@ -171,7 +177,7 @@ class TcpSender(StreamSender):
                     conn.verdicts.append(attempt)
                 if size <= (CORK_BYTES if views is not None else JOIN_BYTES):
                     # Whole or not at all: a cancel after this leaves the stream framed.
-                    conn.cork(head, payload)
+                    conn.cork(head, payload, size)
                     if payload is None:
                         conn.flush()  # FINISH, ABORT: the receiver answers what came
                     return
