@@ -2,7 +2,7 @@
 against TP=1 -> TP=1.
 
 A ``--prompt-len`` prefill (2,048 with ``--prompt-len 2048``) whose KV streams layer by
-layer over a real data-plane connection (``--backend`` tcp or shm, on loopback) into a
+layer over a real data-plane connection (``--backend`` tcp, shm or ucx, on loopback) into a
 TP=1 engine's reserved blocks, as a prefill worker sends it, from three sources:
 
     tp1       a TP=1 engine: rank 0 sends all heads
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first, not counted")
-    ap.add_argument("--backend", choices=("tcp", "shm"), default="tcp")
+    ap.add_argument("--backend", choices=("tcp", "shm", "ucx"), default="tcp")
     args = ap.parse_args()
     # No prefix caching: every source computes the round's prompt in full.
     base = dict(model=args.model, dtype="float32", max_num_seqs=1, kv_cache_bytes=256 << 20,

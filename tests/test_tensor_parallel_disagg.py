@@ -2,7 +2,7 @@
 feeds decode TP=2, prefill TP=2 feeds decode TP=2 and TP=1. The output equals one TP=1
 engine computing alone, and the KV bytes moved equal the model's KV for each prompt:
 every head's slice once, none twice. Each sending rank sends each receiving rank the
-heads it holds (the direct path), on tcp and on shm; a decode follower that refuses its
+heads it holds (the direct path), on tcp, ucx and shm; a decode follower that refuses its
 slices makes the worker prefill the prompt itself, exactly, leaving no transfer behind.
 
 One cluster serves every case: between cases one worker is replaced by one of another
@@ -21,6 +21,7 @@ from services.engine.config import EngineConfig
 from services.engine.tp_recv import FAIL_ENV
 from tests.cluster import Cluster, Host, make_served_tiny_model
 from tests.tiny_models import random_prompts
+from tests.ucx_probe import UCX_MISSING
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,7 +36,7 @@ def model_dir(tmp_path_factory):
     return make_served_tiny_model(tmp_path_factory.mktemp("served") / "tiny")
 
 
-CASES = [(1, 2, "tcp"), (2, 2, "tcp"), (2, 2, "shm"), (2, 1, "shm")]
+CASES = [(1, 2, "tcp"), (2, 2, "tcp"), (2, 2, "ucx"), (2, 1, "shm")]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,10 @@ def test_a_follower_refusing_its_slices_makes_the_worker_prefill_itself(
     assert delta(before, counters(cluster, prefill, decode))["prefills"] == 2
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "backend"), CASES)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "backend"), [
+    pytest.param(*case, marks=pytest.mark.skipif(case[2] == "ucx" and UCX_MISSING is not None,
+                                                 reason=f"{UCX_MISSING}"))
+    for case in CASES])
 def test_prefill_and_decode_of_different_tp_sizes(workers, prompts_and_want, prefill_tp,
                                                   decode_tp, backend):
     workers, switch = workers

@@ -215,8 +215,9 @@ def test_head_slices_land_in_the_all_heads_blocks_and_a_forged_one_writes_nothin
 
 async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slices():
     """The path a TP=2 prefill worker picks per request (counted in ``kv_send_paths``):
-    direct to an advert that takes slices on tcp or shm; gathered for a TP decode
-    worker's advert or the ucx backend; a one-rank engine picks neither."""
+    direct to an advert that takes slices on tcp, shm or ucx; gathered for a TP decode
+    worker's advert without slices, or one whose ranks lack the backend; a one-rank
+    engine picks neither."""
     import asyncio
     import collections
     from types import SimpleNamespace
@@ -230,14 +231,14 @@ async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slic
     slices = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"}, slices=True)
     whole = KVAdvert("h", {"tcp": "tcp://127.0.0.1:1"})
     picked = []
-    for advert, backend in ((slices, "tcp"), (slices, "shm"), (whole, "tcp"),
-                            (slices, "ucx"), (None, "tcp")):
+    for advert, backend in ((slices, "tcp"), (slices, "shm"), (slices, "ucx"),
+                            (whole, "tcp"), (None, "tcp")):
         job = Job(SimpleNamespace(kv_advert=advert), "", asyncio.get_running_loop()
                   .create_future())
         await role._choose_path("r", job, backend)
         picked.append((job.heads, sum(job.finish.values())))
-    assert picked == [((0, 1, 2), 4)] * 2 + [(None, 0)] * 3
-    assert role.paths == {"direct": 2, "gathered": 3}
+    assert picked == [((0, 1, 2), 4)] * 3 + [(None, 0)] * 2
+    assert role.paths == {"direct": 3, "gathered": 2}
     role.paths, role._slicing = collections.Counter(), ([(0, 2, 2)], False)
     await role._choose_path("r", Job(SimpleNamespace(kv_advert=slices), "", None), "tcp")
     assert role.paths == {}
@@ -249,3 +250,16 @@ async def test_a_tp_prefill_sends_direct_only_where_the_decode_worker_takes_slic
     await role._choose_path("r", job, "tcp")
     assert job.targets == ((0, "tcp://a:1", 0, 1, (0, 1, 1)), (0, "tcp://a:2", 1, 1, (0, 1, 1)))
     assert job.finish == {"tcp://a:1": 2, "tcp://a:2": 2} and role.paths == {"direct": 1}
+    # On ucx the same, each decode rank at its ucx endpoint; a rank without one (a
+    # worker whose followers serve other backends) keeps the gather path.
+    ranked_ucx = KVAdvert("h", {"ucx": "ucx://a:3"}, slices=True, ranks=[
+        RankAdvert({"ucx": "ucx://a:3"}, 0, 1), RankAdvert({"ucx": "ucx://a:4"}, 1, 1)])
+    job = Job(SimpleNamespace(kv_advert=ranked_ucx), "ucx://a:3", None)
+    await role._choose_path("r", job, "ucx")
+    assert job.targets == ((0, "ucx://a:3", 0, 1, (0, 1, 1)), (0, "ucx://a:4", 1, 1, (0, 1, 1)))
+    assert job.finish == {"ucx://a:3": 2, "ucx://a:4": 2} and role.paths == {"direct": 2}
+    role._slicing = ([(0, 1, 2), (1, 1, 2)], True)
+    job = Job(SimpleNamespace(kv_advert=ranked), "ucx://a:3", None)
+    await role._choose_path("r", job, "ucx")
+    assert (job.heads, job.targets, job.finish) == (None, (), {})
+    assert role.paths == {"direct": 2, "gathered": 1}

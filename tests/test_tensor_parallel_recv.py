@@ -22,6 +22,7 @@ from services.engine.tp_recv import (
     refuses,
     )
 from services.worker.decode_ranks import drop_ranks, expect_ranks
+from tests.ucx_probe import UCX_MISSING
 
 RID, TOKEN, BLOCKS = "req-1", b"t" * 16, [3, 4, 5]
 
@@ -126,7 +127,8 @@ def test_the_refusal_switch_needs_a_file_naming_the_rank(tmp_path, monkeypatch):
     assert not refuses(1)
 
 
-@pytest.mark.parametrize("kind", ["tcp", "shm"])
+@pytest.mark.parametrize("kind", ["tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(
+    UCX_MISSING is not None, reason=f"{UCX_MISSING}"))])
 async def test_a_finish_before_the_first_slice_waits_for_the_slices(kind):
     """A decode rank whose heads a prefill follower holds gets its FINISH from prefill
     rank 0, which sent it nothing: the FINISH may come first, and must wait."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 
 import pytest
 
@@ -160,3 +161,105 @@ def test_ledger_counts_heads_per_layer_and_block():
     assert ledger.missing() == "layer 1 block 1 has 1 of its 3 heads"
     ledger.land(1, [1], (0, 2, 3))
     assert ledger.missing() is None
+
+
+class _Cache:
+    """A decode rank's KV cache, as ``FollowerReceiver`` writes into it."""
+
+    def __init__(self) -> None:
+        self.landed: list[tuple[int, list[int], tuple[int, int, int], bytes]] = []
+
+    def import_layer_slice_bytes(self, layer, block_ids, heads, payload) -> None:
+        self.landed.append((layer, list(block_ids), heads, bytes(payload)))
+
+
+class _Store:
+    """The group's TCPStore, as a follower's receiver uses it: set, delete_key."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.changed = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def delete_key(self, key: str) -> None:
+        self.values.pop(key, None)
+
+    def wait_for(self, keys: list[str], timeout: float) -> list[bytes]:
+        with self.changed:
+            self.changed.wait_for(lambda: all(k in self.values for k in keys), timeout)
+            return [self.values.get(k) for k in keys]
+
+
+def head_bytes(layer: int, held: int, rows: int) -> bytes:
+    """A layer's ``[rows, held heads, 8]`` bytes: each head's bytes name it and the layer."""
+    return b"".join(bytes([16 * layer + h]) * 8 for _ in range(rows) for h in range(held))
+
+
+def test_follower_ranks_send_and_take_their_slices_on_every_backend(kind):
+    """The direct path off rank 0, on ``kind``: a prefill follower's ``DirectSender``
+    (its own event loop thread) cuts every layer of its 4 heads into the slices of two
+    decode followers' ``FollowerReceiver``s holding heads [0, 2) and [2, 4) (each its own
+    thread too), as ``plan_targets`` says; rank 0 sends each receiver its FINISH. Each
+    receiver writes its own heads' bytes, numbered as it holds them, and reports the
+    bytes it took."""
+    import msgpack
+
+    from services.engine.tp_direct import DirectSender, plan_targets, split_heads
+    from services.engine.tp_recv import ADVERT_KEY, FollowerReceiver, landed_key
+
+    store, caches = _Store(), [_Cache(), _Cache()]
+    receivers = [FollowerReceiver(cache, rank, store) for rank, cache in
+                 zip((1, 2), caches, strict=True)]
+    sender = DirectSender()
+    try:
+        addresses = []
+        for rx in receivers:
+            rx.listen([kind], "127.0.0.1", "host")
+            endpoints = msgpack.unpackb(store.values[ADVERT_KEY.format(rank=rx.rank)])
+            addresses.append(endpoints[kind])
+        token, blocks, rows = secrets.token_bytes(16), [3, 5], 2 * 2 * 4
+        for rx in receivers:
+            rx.expect("r", token, 10.0, blocks)
+        targets = plan_targets([(0, 4, 4)], [(addresses[0], 0, 2), (addresses[1], 2, 2)])
+        assert targets == [(0, addresses[0], 0, 2, (0, 2, 2)),
+                           (0, addresses[1], 2, 2, (0, 2, 2))]
+        for layer in range(LAYERS):
+            whole = memoryview(head_bytes(layer, 4, rows))
+            for _, address, first, count, heads in targets:
+                sender.send(address, "r", layer, blocks,
+                            split_heads(whole, 4, first, count, rows), token, heads)
+
+        # Rank 0's FINISH to each receiver, on a connection of its own, from a loop that
+        # lives on (as a worker's does) until the receivers report.
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        rank0 = make_sender(kind)
+
+        async def finish() -> None:
+            for address in addresses:
+                await rank0.finish(address, "r", LAYERS, token=token)
+
+        try:
+            asyncio.run_coroutine_threadsafe(finish(), loop).result(20)
+            keys = [landed_key("r", token, rx.rank) for rx in receivers]
+            reports = store.wait_for(keys, 20.0)
+        finally:
+            asyncio.run_coroutine_threadsafe(rank0.close(), loop).result(20)
+            loop.call_soon_threadsafe(loop.stop)
+        half = LAYERS * rows * 2 * 8  # two heads of every layer
+        assert reports == [b"ok %d" % half] * 2
+        assert sender.sent_bytes == 2 * half and sender.failed == 0
+        for cache, first in zip(caches, (0, 2), strict=True):
+            want = [(layer, blocks, (0, 2, 2),
+                     b"".join(bytes([16 * layer + first + h]) * 8
+                              for _ in range(rows) for h in range(2)))
+                    for layer in range(LAYERS)]
+            assert sorted(cache.landed) == want
+    finally:
+        sender.close()
+        for rx in receivers:
+            rx.close()

@@ -9,7 +9,10 @@ interface (ucxx offers no bind address); ``host`` is only what the receiver adve
 Messages go on the sender's endpoint in runs, a run to a tagged message: its length
 (u32, little-endian), then ``wire.py`` messages back to back, each its prefix, its
 header and, when its payload is at most ``INLINE_BYTES``, its payload. A payload
-larger than that follows its run as a tagged message of its own, and ends the run. The
+larger than that follows its run as a tagged message of its own, and ends the run. A
+CHUNK's head slice (a tensor-parallel rank's KV heads, ``Chunk.heads``) is in its
+header, so slices travel as any chunk does and the receiver hands them to the table's
+slice path (``slices.py``), as tcp and shm do. The
 sender adds each message to the endpoint's run and posts the run at the event loop's
 next turn, once it holds ``RUN_BYTES``, or at once with a FINISH, an ABORT or a large
 payload: a request of small chunks costs a few UCX messages, not two a chunk (each one

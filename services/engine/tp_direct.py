@@ -14,12 +14,13 @@ chunk checksummed; a rank holding a replicated KV head (more ranks than heads) s
 nothing for it unless it is that head's first holder, so no slice goes twice. Rank 0
 learns the route from the prefill worker (``ShardedKVStore.route``) and tells the
 followers in the plan of the step that completes the prompt. It applies where the
-decode worker's advert says it takes slices on the tcp or shm backend: a one-rank
+decode worker's advert says it takes slices, on any backend (tcp, shm, ucx): a one-rank
 decode worker takes every head; a TP decode worker whose advert lists its ranks
 (``KVAdvert.ranks``, ``tp_recv.py``) takes on each rank the heads that rank holds, so a
 prefill rank may feed several decode ranks and the reverse (``plan_targets``), the heads
 numbered as the receiving rank holds them. Everything else (pool exports, a TP decode
-worker without ranks listed, ucx) keeps the gather path.
+worker without ranks listed, or whose ranks lack the chosen backend) keeps the gather
+path.
 
 A follower sends from its own event loop thread (``DirectSender``): a send that fails
 aborts that transfer (the decode worker then computes the prompt itself) and never
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # the prefill role imports this module; sim workers carry no 
 
 log = structlog.get_logger(__name__)
 
-DIRECT_BACKENDS = ("tcp", "shm")  # what followers send on; ucx keeps the gather path
+DIRECT_BACKENDS = ("tcp", "shm", "ucx")  # what followers send on (each its own endpoint)
 
 
 @dataclass(frozen=True, slots=True)

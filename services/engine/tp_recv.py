@@ -3,7 +3,7 @@ blocks hold straight off the data plane, instead of rank 0 taking all heads and
 scattering them (``tp_kv.py``).
 
     decode rank 0                                   decode rank r > 0
-    start: KV_LISTEN plan ────────────────────────► its own receiver (tcp, shm) on a
+    start: KV_LISTEN plan ────────────────────────► its own receiver (tcp, shm, ucx) on a
            reads each rank's endpoints ◄── store ── thread of its own; endpoints published
     advert: KVAdvert.ranks = [endpoints, heads of each rank]
     admit:  receiver.expect(rid, token) and KV_EXPECT plan ──► expect(rid, token, blocks)
@@ -21,8 +21,10 @@ blocks reserved for a request waiting for its KV, which no step reads until rank
 completes it, and which rank 0 frees only after a KV_DROP has stopped the follower's
 sink (plans reach a follower in order, before any later step).
 
-Only where ranks do not share KV heads (TP size <= KV heads) and on tcp or shm; a
-replicated head or the ucx backend keeps rank 0's receive-and-scatter path.
+Only where ranks do not share KV heads (TP size <= KV heads), on the backends rank 0's
+receiver serves (``RECV_KINDS`` of them: a ucx follower runs ucxx on its receiver's
+thread, its own process's one context); a replicated head keeps rank 0's
+receive-and-scatter path.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-RECV_KINDS = ("tcp", "shm")
+RECV_KINDS = ("tcp", "shm", "ucx")
 # Plan kinds (tp_group.py has the rest): start the followers' receivers, expect a
 # transfer there, stop taking one.
 KV_LISTEN, KV_EXPECT, KV_DROP = 6, 7, 8

@@ -98,7 +98,7 @@ class DecodeRole:
     async def start(self) -> None:
         await self.receiver.start()
         s = self.ctx.settings
-        kinds = [k for k in ("tcp", "shm") if s.transfer_backend in ("auto", k)]
+        kinds = list(self.receiver.advert().endpoints)  # the followers serve what rank 0 does
         if s.tensor_parallel_size > 1 and kinds:  # every rank receives its own heads
             self._ranks = await self.ctx.loop.run(
                 listen_ranks, kinds, s.kv_host, s.resolved_host_id)

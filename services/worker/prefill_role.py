@@ -214,7 +214,7 @@ class PrefillRole:
             await ctx.loop.run(_drop, rid)
 
     async def _choose_path(self, rid: str, job: Job, backend: str) -> None:
-        """On tcp or shm, to a decode worker that takes slices, each rank sends its heads'
+        """On any backend, to a decode worker that takes slices, each rank sends its heads'
         slices straight to the receivers that hold them (one, or one per decode rank
         where the advert lists ranks); else a tensor-parallel engine's rank 0 gathers
         them and sends all heads (``services/engine/tp_direct.py``)."""
