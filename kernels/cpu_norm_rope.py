@@ -135,8 +135,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 _KERNEL = CppKernel("pdserve_cpu_norm_rope_v1", _SOURCE,
                     "RMSNorm and rotary run as separate torch ops")
 
-# Up to this many rows the fused calls win on the CPU (docs/benchmarks.md); past it
-# torch's own vectorised, threaded ops are as fast and the torch path stays.
+# The row counts measured (width 576, 9/3 heads of 64; 1 and 2 threads, busy 2-core
+# machine): per call at 1 row add+norm 45 -> 3 us, rotary 62 -> 4 us; at 64 rows 29 -> 11
+# and 113 -> 12 us; at 4,096 rows, 2 threads, 2.5 -> 1.7 ms and 25 -> 2.3 ms. Past the
+# largest measured count the torch path stays.
 MAX_ROWS = 4096
 
 
