@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 # the host's C++ compiler (cached under ~/.cache/torch_extensions); built here, before
 # anything is timed, rather than in the background of the first engine that wants them.
 # Without a compiler this prints False and the engine keeps its torch paths.
-CPU_KERNELS := from kernels import cpu_qmatmul as q, cpu_copysum as c; \
+CPU_KERNELS := from kernels import cpu_qmatmul as q, cpu_copysum as c, cpu_norm_rope as n; \
 	from services.engine import attention_paged_cpu as a; \
-	print('cpu kernels built:', q.available(), a.available(), c.kernel(wait=True) is not None)
+	print('cpu kernels built:', q.available(), a.available(), c.kernel(wait=True) is not None, \
+	n.available())
 
 test: install
 	$(PY) -c "$(CPU_KERNELS)"

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from kernels import cpu_norm_rope
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -34,9 +36,17 @@ class LayerOps(Protocol):
 
 
 class TorchOps:
-    """Plain torch: what the model computed before backends brought ops."""
+    """Plain torch: what the model computed before backends brought ops. With ``fused``
+    (the default), float32 CPU tensors take the compiled one-call norm and rotary of
+    ``kernels/cpu_norm_rope.py`` once built (same results to float32 rounding);
+    ``REFERENCE_OPS`` never does."""
+
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused
 
     def rms_norm(self, x, weight, eps, residual=None):
+        if self.fused and cpu_norm_rope.takes_norm(x, weight, residual):
+            return cpu_norm_rope.rms_norm(x, weight, eps, residual), residual
         if residual is not None:
             # The residual stream is the forward's own tensor: add into it in place.
             x = residual.add_(x)
@@ -47,6 +57,9 @@ class TorchOps:
         return weight * x32.to(dtype), residual
 
     def rotary(self, positions, q, k, cos, sin):
+        if self.fused and cpu_norm_rope.takes_rotary(positions, q, k, cos):
+            cpu_norm_rope.rotary_(positions, q, k, cos, sin)  # in place: q/k are the
+            return q, k  # step's own projections
         dtype = q.dtype
         work = torch.float32 if dtype in _HALF else dtype
         c = cos[positions].unsqueeze(1).to(work)
@@ -61,3 +74,4 @@ def _rotate(x, cos, sin):
 
 
 TORCH_OPS = TorchOps()
+REFERENCE_OPS = TorchOps(fused=False)
