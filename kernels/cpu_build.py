@@ -8,8 +8,11 @@ warning: every caller keeps a torch path that needs no build.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +22,8 @@ class CppKernel:
 
     def __init__(self, name: str, source: str, fallback: str) -> None:
         self.name, self.source, self.fallback = name, source, fallback
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for the whole build
+        self._start = threading.Lock()  # held only to start the background build
         self._built: list = []  # [module or None] once tried
         self._background: threading.Thread | None = None
 
@@ -31,6 +35,7 @@ class CppKernel:
             if not self._built:
                 try:
                     from torch.utils.cpp_extension import load_inline
+                    _clear_stale_lock(self.name)
                     mod = load_inline(name=self.name, cpp_sources=self.source,
                                       extra_cflags=["-O3", "-march=native"])
                 except Exception as exc:  # no compiler, no headers: the torch path works
@@ -49,9 +54,37 @@ class CppKernel:
         torch path meanwhile instead of stalling on a compiler."""
         if self._built:
             return self._built[0] is not None
-        with self._lock:
+        # Never the build's own lock: a caller on an event loop must not wait out a compile.
+        with self._start:
             if self._background is None:
                 self._background = threading.Thread(target=self.module, daemon=True,
                                                     name=f"{self.name}-build")
                 self._background.start()
         return False
+
+
+STALE_LOCK_S = 600.0  # one source file compiles in well under this
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's loader waits, without end, for the lock file of a build in progress; a
+    build killed half way leaves that file behind and would hang every later one."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("%s: removing a build lock left %.0f s ago by a build that died", name, age)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+
+
+def build_all(kernels: list[CppKernel]) -> dict[str, bool]:
+    """Build ``kernels`` side by side (each is one compile, so one core apiece) and say
+    which were built: what ``make test`` and ``make run-local`` run before they start."""
+    for kernel in kernels:
+        kernel.ready()
+    return {kernel.name: kernel.available() for kernel in kernels}

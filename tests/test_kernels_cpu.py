@@ -70,3 +70,48 @@ def test_a_kernel_that_cannot_build_is_tried_once_and_leaves_the_torch_path(monk
     assert kernel.module() is None and kernel.available() is False
     assert kernel.ready() is False
     assert calls == ["pdserve_test_missing"]  # tried once, not on every call
+
+
+def test_ready_answers_at_once_while_a_build_runs(monkeypatch):
+    """A worker asks ``ready()`` on its event loop: it must not wait out a compile."""
+    import threading
+    import time
+
+    from kernels.cpu_build import CppKernel
+
+    release = threading.Event()
+
+    def slow_compiler(**kw):
+        release.wait(30)
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", slow_compiler)
+    kernel = CppKernel("pdserve_test_slow", "int f();", "the torch path")
+    assert kernel.ready() is False  # starts the build, which now holds its lock
+    started = time.monotonic()
+    answers = [kernel.ready() for _ in range(3)]
+    waited = time.monotonic() - started
+    release.set()
+    kernel._background.join(timeout=10)
+    assert answers == [False, False, False] and waited < 5.0
+    assert kernel.available() is False
+
+
+def test_a_lock_left_by_a_dead_build_is_cleared(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from kernels import cpu_build
+
+    monkeypatch.setattr("torch.utils.cpp_extension._get_build_directory",
+                        lambda name, verbose: str(tmp_path / name))
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "fresh" / "lock").write_text("")
+    (tmp_path / "old" / "lock").write_text("")
+    past = time.time() - cpu_build.STALE_LOCK_S - 60
+    os.utime(tmp_path / "old" / "lock", (past, past))
+    cpu_build._clear_stale_lock("fresh")  # a build in progress keeps its lock
+    cpu_build._clear_stale_lock("old")
+    cpu_build._clear_stale_lock("none")  # no lock at all: nothing to do
+    assert (tmp_path / "fresh" / "lock").exists()
+    assert not (tmp_path / "old" / "lock").exists()
