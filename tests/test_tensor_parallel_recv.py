@@ -9,7 +9,6 @@ import asyncio
 import types
 from datetime import timedelta
 
-import msgpack
 import pytest
 
 from services.engine.tp_recv import (
@@ -43,13 +42,7 @@ def follower():
 def leader_of(receiver, store, plans: list[int]) -> LeaderReceive:
     def send_plan(payload: bytes, kind: int) -> None:
         plans.append(kind)
-        if kind == KV_EXPECT:
-            rid, token, lease_s, block_ids = msgpack.unpackb(payload)
-            receiver.expect(rid, token, lease_s, block_ids)
-        elif kind == KV_DROP:
-            receiver.drop(*msgpack.unpackb(payload))
-        else:
-            raise ValueError(f"plan kind {kind}")
+        receiver.apply(kind, payload)
     return LeaderReceive(store, store.port, 2, send_plan)
 
 

@@ -74,8 +74,9 @@ class InFlight:
         self.chunk: wire.Chunk | batch.Batch = chunk
         # A batch's payloads are a list of views, its claimed checksum their whole one.
         self.view: memoryview | list[memoryview] = view
-        self.nbytes = nbytes if nbytes is not None else view.nbytes \
-            if type(view) is memoryview else sum(v.nbytes for v in view)  # or: known to the caller
+        if nbytes is None:  # else known to the caller
+            nbytes = view.nbytes if type(view) is memoryview else sum(v.nbytes for v in view)
+        self.nbytes = nbytes
         # What the caller gave: the same as view, except under a test-only fault hook.
         self.source = view if source is None else source
         self.claimed = claimed

@@ -81,13 +81,8 @@ def main(argv: list[str]) -> int:
                 kv.import_(unpack_ops(payload))
             elif kind == KV_OUT:
                 kv.export(unpack_ops(payload))
-            elif kind == KV_LISTEN:
-                receiver.listen(*msgpack.unpackb(payload))
-            elif kind == KV_EXPECT:
-                rid, token, lease_s, block_ids = msgpack.unpackb(payload)
-                receiver.expect(rid, token, lease_s, block_ids)
-            elif kind == KV_DROP:
-                receiver.drop(*msgpack.unpackb(payload))
+            elif kind in (KV_LISTEN, KV_EXPECT, KV_DROP):
+                receiver.apply(kind, payload)
             else:
                 raise ValueError(f"unknown plan kind {kind}")
     except Exception:

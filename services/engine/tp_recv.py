@@ -91,6 +91,18 @@ class FollowerReceiver:
             return fn(*args)
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
 
+    def apply(self, kind: int, payload: bytes) -> None:
+        """Carry out one of rank 0's receive plans (KV_LISTEN / KV_EXPECT / KV_DROP), as
+        ``LeaderReceive`` packs them."""
+        if kind == KV_LISTEN:
+            self.listen(*msgpack.unpackb(payload))
+        elif kind == KV_EXPECT:
+            self.expect(*msgpack.unpackb(payload))
+        elif kind == KV_DROP:
+            self.drop(*msgpack.unpackb(payload))
+        else:
+            raise ValueError(f"unknown receive plan kind {kind}")
+
     def listen(self, kinds: list[str], host: str, host_id: str) -> None:
         """Start the receiver and publish its endpoints in the store. Plan thread."""
         from common.transfer import MultiReceiver
