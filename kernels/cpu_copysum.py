@@ -37,6 +37,8 @@ STATE_BYTES = 72  # eight accumulators and the count of bytes folded in
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <cstring>
+#include <string>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -106,16 +108,10 @@ static void start(py::buffer st) {
   s->folded = 0;
 }
 
-// Copy `src` to `dst[at:]`, folding in every stripe [s, s + 64) with s + 64 < total that
-// is now wholly in `dst`.
-static void copy(py::buffer dst, int64_t at, py::buffer src, py::buffer st, int64_t total) {
-  py::buffer_info d = dst.request(true), r = src.request(false);
-  State* s = state_of(st);
-  const int64_t n = r.size * r.itemsize;
-  if (at < 0 || at + n > d.size * d.itemsize || at + n > total || (int64_t)s->folded > at)
-    throw std::invalid_argument("copysum: bytes out of range");
-  uint8_t* base = static_cast<uint8_t*>(d.ptr);
-  const uint8_t* in = static_cast<const uint8_t*>(r.ptr);
+// Copy the `n` bytes at `in` to `base[at:]`, folding in every stripe [s, s + 64) with
+// s + 64 < total that is now wholly in `base`. The caller has checked the range.
+static void copy_raw(uint8_t* base, int64_t at, const uint8_t* in, int64_t n, State* s,
+                     int64_t total) {
   const int64_t end = at + n, limit = end < total - 1 ? end : total - 1;
   int64_t done = 0;  // bytes of src copied so far
   if ((int64_t)s->folded == at) {
@@ -157,20 +153,24 @@ static void copy(py::buffer dst, int64_t at, py::buffer src, py::buffer st, int6
   }
 }
 
+static void copy(py::buffer dst, int64_t at, py::buffer src, py::buffer st, int64_t total) {
+  py::buffer_info d = dst.request(true), r = src.request(false);
+  State* s = state_of(st);
+  const int64_t n = r.size * r.itemsize;
+  if (at < 0 || at + n > d.size * d.itemsize || at + n > total || (int64_t)s->folded > at)
+    throw std::invalid_argument("copysum: bytes out of range");
+  copy_raw(static_cast<uint8_t*>(d.ptr), at, static_cast<const uint8_t*>(r.ptr), n, s, total);
+}
+
 static uint64_t fold128(uint64_t a, uint64_t b) {
   const unsigned __int128 p = (unsigned __int128)a * b;
   return (uint64_t)p ^ (uint64_t)(p >> 64);
 }
 
-// The digest of the `total` bytes at the start of `dst`, all copied by now.
-static uint64_t digest(py::buffer dst, py::buffer st, int64_t total) {
-  py::buffer_info d = dst.request(false);
-  State* s = state_of(st);
-  if (total <= 240 || total > d.size * d.itemsize || (int64_t)s->folded + STRIPE <= total - 1)
-    throw std::invalid_argument("copysum: digest before every stripe is in");
+static uint64_t digest_raw(const uint8_t* base, const State* s, int64_t total) {
   uint64_t acc[8];
   std::memcpy(acc, s->acc, sizeof(acc));
-  fold(acc, static_cast<const uint8_t*>(d.ptr) + total - STRIPE, SECRET + 192 - STRIPE - 7);
+  fold(acc, base + total - STRIPE, SECRET + 192 - STRIPE - 7);
   uint64_t h = (uint64_t)total * P64_1;
   for (int i = 0; i < 4; ++i)
     h += fold128(acc[2 * i] ^ rd64(SECRET + 11 + 16 * i),
@@ -180,7 +180,49 @@ static uint64_t digest(py::buffer dst, py::buffer st, int64_t total) {
   return h ^ (h >> 32);
 }
 
+// The digest of the `total` bytes at the start of `dst`, all copied by now.
+static uint64_t digest(py::buffer dst, py::buffer st, int64_t total) {
+  py::buffer_info d = dst.request(false);
+  State* s = state_of(st);
+  if (total <= 240 || total > d.size * d.itemsize || (int64_t)s->folded + STRIPE <= total - 1)
+    throw std::invalid_argument("copysum: digest before every stripe is in");
+  return digest_raw(static_cast<const uint8_t*>(d.ptr), s, total);
+}
+
+// start, one copy per source and digest in one call: a batch's 30 chunks cost one
+// crossing into C++ rather than 32. The buffers are all requested (and the lengths
+// checked) before the first byte moves, so a bad source copies nothing.
+static uint64_t copy_all(py::buffer dst, py::sequence sources) {
+  py::buffer_info d = dst.request(true);
+  std::vector<py::buffer_info> infos;
+  infos.reserve(sources.size());
+  int64_t total = 0;
+  for (py::handle source : sources) {
+    infos.push_back(py::reinterpret_borrow<py::buffer>(source).request(false));
+    total += infos.back().size * infos.back().itemsize;
+  }
+  if (total <= 240 || total > d.size * d.itemsize)
+    throw std::invalid_argument("copysum: sources of " + std::to_string(total) +
+                                " bytes for a " + std::to_string(d.size * d.itemsize) +
+                                "-byte destination (more than 240 needed)");
+  State s;
+  const uint64_t init[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+  std::memcpy(s.acc, init, sizeof(init));
+  s.folded = 0;
+  uint8_t* base = static_cast<uint8_t*>(d.ptr);
+  int64_t at = 0;
+  // The GIL stays held: taking it back after a 50 us copy could wait out another
+  // thread's whole switch interval (5 ms).
+  for (const py::buffer_info& r : infos) {
+    const int64_t n = r.size * r.itemsize;
+    copy_raw(base, at, static_cast<const uint8_t*>(r.ptr), n, &s, total);
+    at += n;
+  }
+  return digest_raw(base, &s, total);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("copy_all", &copy_all);
   m.def("start", &start);
   m.def("copy", &copy);
   m.def("digest", &digest);
@@ -211,11 +253,4 @@ def kernel(wait: bool = False):
 def copy_sum(mod, destination: memoryview, sources) -> int:
     """Copy ``sources`` back to back to the start of ``destination`` with ``mod`` (from
     :func:`kernel`); return XXH3-64 (seed 0) of them all. Their total must pass ``SHORT``."""
-    sizes = [source.nbytes for source in sources]
-    total, state, at = sum(sizes), bytearray(STATE_BYTES), 0
-    mod.start(state)
-    copy = mod.copy
-    for source, nbytes in zip(sources, sizes, strict=True):
-        copy(destination, at, source, state, total)
-        at += nbytes
-    return mod.digest(destination, state, total)
+    return mod.copy_all(destination, sources)

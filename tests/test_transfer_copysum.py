@@ -91,6 +91,21 @@ def test_bytes_out_of_range_are_refused(mod):
         mod.digest(memoryview(bytearray(1000)), state, 1000)
 
 
+def test_a_batch_that_does_not_fit_copies_nothing(mod):
+    # One call per batch: every source's length is summed before the first byte moves.
+    destination = bytearray(b"\x07" * 1000)
+    sources = [memoryview(b"\x01" * 600), memoryview(b"\x02" * 600)]
+    with pytest.raises(ValueError, match="1200 bytes for a 1000-byte destination"):
+        mod.copy_all(memoryview(destination), sources)
+    assert destination == b"\x07" * 1000
+    with pytest.raises(ValueError, match="more than 240"):  # XXH3's short paths are not here
+        mod.copy_all(memoryview(destination), [memoryview(b"\x01" * 240)])
+    assert destination == b"\x07" * 1000
+    with pytest.raises(TypeError):
+        mod.copy_all(memoryview(destination), [memoryview(b"\x01" * 300), 5])
+    assert destination == b"\x07" * 1000
+
+
 def test_the_kernel_is_left_alone_where_torch_is_not_imported(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert cpu_copysum.kernel() is None and cpu_copysum.kernel(wait=True) is None
