@@ -590,6 +590,39 @@ async def test_small_and_large_messages_keep_their_order_on_one_connection(recei
     assert sink.of("m") == plan
 
 
+async def test_a_large_payload_is_never_copied_whole_into_the_transport(sink):
+    # What the kernel does not take at once, the event loop's transport copies (and, on
+    # Python 3.11, shifts down after each partial send): by default a large payload goes
+    # in 256 KiB slices, so at most one slice is ever held there, not the chunk.
+    rx = TcpReceiver(sink=sink, socket_buffer_bytes=16384)
+    await rx.start()
+    tx = TcpSender(socket_buffer_bytes=16384)
+    held: list[int] = []
+    try:
+        first = rx.expect("open", lease_s=10, token=TOKEN)
+        await tx.send(rx.address, "open", 0, [0], b"x" * 100, token=TOKEN)
+        await tx.finish(rx.address, "open", 1, token=TOKEN)
+        await first.wait()
+        writer = tx._conns[rx.address].writer
+        write = writer.write
+
+        def watched(data) -> None:
+            write(data)
+            held.append(writer.transport.get_write_buffer_size())
+
+        writer.write = watched
+        payload = random.Random(7).randbytes(4 << 20)
+        big = rx.expect("big", lease_s=10, token=TOKEN)
+        await tx.send(rx.address, "big", 0, [1], payload, token=TOKEN)
+        await tx.finish(rx.address, "big", 1, token=TOKEN)
+        await big.wait()
+    finally:
+        await tx.close()
+        await rx.close()
+    assert sink.of("big") == [("big", 0, [1], payload)]
+    assert len(held) > 16 and 0 < max(held) <= 256 << 10, (len(held), max(held))
+
+
 async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
     # Tiny buffers: a 3 MiB chunk leaves bytes in the transport, so the next send (of
     # 1 MiB: smaller ones are queued, coalesce.py) waits its turn; cancelled there it
