@@ -46,9 +46,9 @@ async def pair(kind):
     batches: list[int] = []
     real = rx.table.on_batch
 
-    def counting(message, payload):
+    def counting(message, *rest):
         batches.append(len(message.layers))
-        return real(message, payload)
+        return real(message, *rest)
 
     rx.table.on_batch = counting
     yield rx, tx, got, batches

@@ -25,7 +25,7 @@ async def pair(request):
     tx = make_sender(request.param)
     messages: list[int] = []  # chunks per message the receiver verified
     on_batch, on_chunk = rx.table.on_batch, rx.table.on_chunk
-    rx.table.on_batch = lambda m, p: (messages.append(len(m.layers)), on_batch(m, p))[1]
+    rx.table.on_batch = lambda m, *a: (messages.append(len(m.layers)), on_batch(m, *a))[1]
     rx.table.on_chunk = lambda *a: (messages.append(1), on_chunk(*a))[1]
     yield rx, tx, got, messages
     await tx.close()

@@ -190,6 +190,39 @@ async def test_corrupted_payload_is_asked_for_again_and_then_arrives_exact(recei
     writer.close()
 
 
+async def test_a_large_payload_is_hashed_as_it_comes_in_and_a_late_flipped_bit_is_caught(
+        receiver, sink, monkeypatch):
+    # Read straight into place, a payload is hashed piece by piece as it lands: the
+    # table does not hash it again, and a bit flipped in its last piece still counts.
+    from common.transfer import table as table_module
+
+    rehashed: list[int] = []
+    real = table_module.checksum
+    monkeypatch.setattr(table_module, "checksum", lambda p: rehashed.append(len(p)) or real(p))
+    transfer = receiver.expect("big", lease_s=10, token=TOKEN)
+    data = random.Random(5).randbytes(3 << 20)
+    corrupted = bytearray(data)
+    corrupted[-10] ^= 0x01
+    reader, writer = await raw_connection(receiver.address)
+    chunk = wire.Chunk("big", 0, [1], wire.checksum(data), token=TOKEN)
+    for attempt, payload in enumerate((corrupted, data)):
+        writer.write(wire.encode(chunk._replace(attempt=attempt), len(data)))
+        for start in range(0, len(payload), 700_001):  # pieces that cut the stripes
+            writer.write(payload[start : start + 700_001])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        if attempt == 0:
+            verdict = await read_verdict(reader)
+            assert verdict.status is wire.Status.RESEND, verdict
+            assert verdict.reason.startswith("checksum mismatch on layer 0 blocks [1]")
+            writer.write(wire.encode(wire.Finish("big", 1, token=TOKEN)))
+    await transfer.wait()
+    assert await read_verdict(reader) == wire.OK
+    assert sink.chunks == [("big", 0, [1], data)] and receiver.retried == 1
+    assert rehashed == []
+    writer.close()
+
+
 async def test_corrupted_twice_fails_with_checksum_and_connection_keeps_serving(receiver, sink):
     bad = receiver.expect("bad", lease_s=5, token=TOKEN)
     good = receiver.expect("good", lease_s=5, token=TOKEN)

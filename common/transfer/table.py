@@ -126,8 +126,11 @@ class TransferTable:
         attempt: int = 0,
         token: bytes = b"",
         heads: tuple[int, int, int] = WHOLE,
+        actual: int | None = None,
     ) -> Verdict:
         """Verify one chunk and hand it to the sink; ``payload`` is borrowed for the call.
+        ``actual``: the payload's checksum where the receiver hashed it as it came in
+        (its own bytes, not the sender's word), else it is hashed here.
 
         A checksum mismatch on any attempt but the last asks for the chunk again and
         leaves the transfer as it was; on the last attempt it fails the transfer. A chunk
@@ -142,10 +145,11 @@ class TransferTable:
             verdict = self._verify_slice(transfer, layer, block_ids, payload,
                                          expected_checksum, attempt, heads)
         elif attempt == 0:
-            return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0)
+            return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0,
+                                actual)
         else:
             verdict = self._verify(transfer, layer, block_ids, payload, expected_checksum,
-                                   attempt)
+                                   attempt, actual)
         if attempt:
             self._resent_in(transfer)
         elif request_id in self._finish_due and request_id not in self._resends_due \
@@ -182,11 +186,12 @@ class TransferTable:
         transfer._accept_chunk(payload.nbytes)
         return OK
 
-    def on_batch(self, batch: Batch, payload: memoryview) -> Verdict:
+    def on_batch(self, batch: Batch, payload: memoryview, actual: int | None = None) -> Verdict:
         """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
         ``payload`` (their bytes back to back) is borrowed for the call. Its one checksum
         is checked before the first sink call: a mismatch asks for the whole batch again
-        (or fails the transfer on the last attempt) having changed nothing."""
+        (or fails the transfer on the last attempt) having changed nothing. ``actual`` as
+        for ``on_chunk``."""
         request_id = batch.request_id
         transfer = self._live.get(request_id)
         if transfer is None or not self.admits(request_id, batch.token):
@@ -195,7 +200,8 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
-        actual = checksum(payload)  # one pass over every byte the batch holds
+        if actual is None:
+            actual = checksum(payload)  # one pass over every byte the batch holds
         if actual != batch.checksum:
             layers = batch.layers
             verdict = self._mismatch(transfer, layers[0], batch.block_ids[0], batch.checksum,
@@ -239,9 +245,11 @@ class TransferTable:
         payload: memoryview,
         expected_checksum: int,
         attempt: int,
+        actual: int | None = None,
     ) -> Verdict:
         request_id = transfer.request_id
-        actual = checksum(payload)
+        if actual is None:
+            actual = checksum(payload)
         if actual != expected_checksum:
             return self._mismatch(transfer, layer, block_ids, expected_checksum, actual, attempt)
         try:
