@@ -13,10 +13,10 @@ one each. What the kernel does not take at once is handed to the transport, and 
 next message waits until it is drained. A large payload goes out in ``write_slice_bytes``
 slices (256 KiB), each drained into the kernel before the next, so at most one slice plus
 the socket buffers are in flight per connection. The slice is small because what the
-kernel does not take is copied into the transport's buffer, and on Python 3.11 shifted
-down after every partial send: with 4 MiB slices a 16 MiB request cost the sender half as
-much CPU again as a blocking ``sendall`` of the same bytes (8.3 ms against 5.4 ms); with
-256 KiB, 5.8 ms against 4.7 ms (bench/transfer.py, a loaded 2-core machine).
+kernel does not take is copied into the transport's buffer and, on Python 3.11, shifted
+down after every partial send: a 4 MiB slice of an 8.6 MiB chunk could leave up to 4 MiB
+to copy and shift, where a 256 KiB slice leaves at most that (a few more ``write`` calls
+a request in exchange).
 """
 
 from __future__ import annotations
