@@ -161,3 +161,29 @@ def test_heartbeats_report_load_as_the_live_snapshot_does():
            for t, hb in beats if hb.worker_id == "decode-0"}
     # C prefills on decode-0 from 3.0 s to 3.88 s (0.1 + 0.6 + 0.18).
     assert dec[3.25] == (1, 600) and dec[3.75] == (1, 600) and dec[4.0] == (0, 0)
+
+
+def test_a_remote_request_is_reserved_between_the_decode_workers_steps():
+    """Live, the decode worker reserves a remote request's blocks, sends its Prefill and
+    starts its lease on the engine thread, between steps: one arriving during a local
+    prefill step waits for that step's end (decode_role.py, engine_loop.py)."""
+    beats = []
+    # A (1000 tokens) prefills on decode-0 from 0.0 to 1.6 s; B (routed to prefill-0)
+    # arrives at 0.5 s: reserved at 1.6 s, prefilled 1.6-3.2 s, its KV across by 4.2 s.
+    reqs = [SimRequest(0, 0.0, 1000, 2, [0, 1]), SimRequest(1, 0.5, 1000, 2, [2, 3])]
+    routes = iter([fixed(None), fixed("prefill-0")])
+    sim = Simulator(TINY, lambda views, req: next(routes)(views, req), prefill=1,
+                    decode=1, heartbeat_s=0.25, kv_lease_s=2.65)
+    real = sim.registry.heartbeat
+    sim.registry.heartbeat = lambda hb, now=None: beats.append((now, hb)) or real(hb, now=now)
+    sim.run(reqs)
+    assert reqs[1].ttft == pytest.approx(4.2 - 0.5)
+    assert not reqs[1].fell_back  # the lease (2.65 s) runs from 1.6 s, not from 0.5 s
+    seen = {(round(t, 2), hb.worker_id): hb for t, hb in beats}
+    # At 1.5 s B is neither waiting for KV on decode-0 nor acknowledged, nor queued on
+    # prefill-0; at 1.75 s it is, and prefill-0 is prefilling it.
+    d, p = seen[1.5, "decode-0"], seen[1.5, "prefill-0"]
+    assert (d.waiting_for_kv, d.admitted, p.waiting) == (0, [], 0)
+    d, p = seen[1.75, "decode-0"], seen[1.75, "prefill-0"]
+    assert (d.waiting_for_kv, d.admitted, p.waiting, p.queued_prefill_tokens) == \
+        (1, ["1"], 1, 1000)

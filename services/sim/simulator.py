@@ -4,7 +4,8 @@ workers follow (services/sim/workers.py):
 
     arrival --route()--> Rejection                                  (rejected "arrival")
                      \-> Decision
-      remote: decode reserves the blocks (else prefills locally) --> prefill FIFO
+      remote: decode reserves the blocks between its steps (else prefills locally)
+              --> prefill FIFO
               --prefill--> link FIFO --KV of the blocks decode lacks--> joins the batch
               (the KV lease runs out first: blocks freed, prefilled locally)
       local:  decode queue (until its blocks fit) --> prefill on the decode worker, in
@@ -209,10 +210,4 @@ class Simulator:
         pre = self.workers[req.prefill_id]
         if self.stage_reject_wait_s is not None and pre.wait_s(now) > self.stage_reject_wait_s:
             return self.finish(req, "prefill")
-        outcome = dec.accept(req, now, remote=True)
-        if outcome == "reject":
-            return self.finish(req, "decode")
-        if outcome == "local":  # no blocks to reserve: the decode worker prefills it
-            req.prefill_id, req.fell_back = None, True
-            return
-        pre.enqueue(req, now)
+        dec.accept(req, now, remote=True)  # it sends the Prefill to ``pre``

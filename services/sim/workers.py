@@ -1,8 +1,9 @@
 """Simulated prefill and decode workers, following the live roles' rules
 (services/worker/prefill_role.py, decode_role.py; services/engine/remote_prefill.py).
 
-Decode, for a request routed to a prefill worker: reserve the request's blocks now
-(reusing its own cached prefix) and wait for the KV under a lease of ``kv_lease_s``;
+Decode, for a request routed to a prefill worker: between engine steps (at once when
+idle, else when the step in progress ends) reserve the request's blocks (reusing its
+own cached prefix), send the Prefill and wait for the KV under a lease of ``kv_lease_s``;
 if the blocks are not free, prefill it here instead (per-stage rejection on: reject
 it). KV that lands in time joins the batch at the next step boundary; a lease that
 runs out frees the blocks, tells the prefill worker to drop the job, and queues the
@@ -58,8 +59,6 @@ def take(samples: deque) -> list:
     out = list(samples)
     samples.clear()
     return out
-
-
 
 
 class PrefillWorker:
@@ -171,6 +170,7 @@ class DecodeWorker:
         self.local: deque[SimRequest] = deque()  # local prompts holding blocks
         self.prefilling: list[SimRequest] = []  # the local prompts in the step running
         self.joiners: list[SimRequest] = []
+        self.arriving: list[SimRequest] = []  # remote, to reserve at the step's end
         self.stalled, self.version = False, 0
         self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.decode_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
@@ -186,23 +186,37 @@ class DecodeWorker:
     def need(self, req: SimRequest) -> int:
         return max(len(req.hashes), -(-(req.prompt + req.output) // self.prof.block_size))
 
-    def accept(self, req: SimRequest, now: float, *, remote: bool) -> str:
-        """"remote" (blocks reserved, KV expected), "local" (queued to prefill here) or
-        "reject" (no blocks and per-stage rejection on)."""
-        if remote:
-            hit = self.kv.admit(req.rid, req.hashes, self.need(req))
-            if hit is not None:
-                req.decode_hit = hit
-                self.fresh.append(req.request_id)
-                self.awaiting[req.rid] = req
-                self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
-                return "remote"
-            if self.sim.stage_reject_wait_s is not None:
-                return "reject"
+    def accept(self, req: SimRequest, now: float, *, remote: bool) -> None:
+        """Take ``req`` in: queued to prefill here, or (``remote``) its blocks reserved
+        and its Prefill sent to ``req.prefill_id`` under the lease. Live the reservation
+        is a command on the engine thread, run between engine steps: during a step (a
+        local prefill's lasts seconds) it waits for the step's end, and so do the
+        Prefill and the lease (``arriving``)."""
+        if not remote:
+            self.fresh.append(req.request_id)
+            self.queued.append(req)
+            return self._pump(now)
+        if not self.busy:
+            self._reserve(req, now)
+            return self._pump(now)
+        self.arriving.append(req)
+        self._schedule(now)
+
+    def _reserve(self, req: SimRequest, now: float) -> None:
+        """Reserve a remote request's blocks and send its Prefill; without the blocks,
+        queue it to prefill here (per-stage rejection on: reject it)."""
+        hit = self.kv.admit(req.rid, req.hashes, self.need(req))
+        if hit is None and self.sim.stage_reject_wait_s is not None:
+            return self.sim.finish(req, "decode", None)
         self.fresh.append(req.request_id)
-        self.queued.append(req)
-        self._pump(now)
-        return "local"
+        if hit is None:
+            req.prefill_id, req.fell_back = None, True
+            self.queued.append(req)
+            return
+        req.decode_hit = hit
+        self.awaiting[req.rid] = req
+        self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
+        self.sim.workers[req.prefill_id].enqueue(req, now)
 
     def kv_arrived(self, now: float, req: SimRequest) -> None:
         if self.awaiting.pop(req.rid, None) is None:
@@ -271,7 +285,7 @@ class DecodeWorker:
                 self.sim.push(self.t, self._boundary, (self.version, 0))
             return
         m = self.finish[0][0] - self.steps
-        if self.joiners or self.local:
+        if self.joiners or self.local or self.arriving:
             h = self._half_slope()
             s0, dt = self._first_step(), now - self.t
             root = dt / s0 if h == 0 else \
@@ -303,6 +317,9 @@ class DecodeWorker:
             self.B += 1
             self.K += req.prompt
         self.joiners.clear()
+        for req in self.arriving:  # the commands queued during the step
+            self._reserve(req, now)
+        self.arriving.clear()
         if self.local:
             return self._start_local(now)
         self.factor = self.sim.jitter() * self.sim.contention(self)
