@@ -138,14 +138,15 @@ class Simulator:
             return 1.0
         return math.exp(self._rng.gauss(-self.noise ** 2 / 2, self.noise))
 
-    def contention(self, worker: object) -> float:
-        """The step factor for ``worker`` starting work now: 1.0 unless the workers
-        share one host, else the profile's for it and the others busy at this moment."""
+    def contention(self, worker: object, kind: str = "") -> float:
+        """The step factor for ``worker`` starting work of ``kind`` ("decode" or
+        "prefill") now: 1.0 unless the workers share one host, else the profile's for it
+        and the others busy at this moment."""
         if not self.shared_host:
             return 1.0
         return self.profile.contended(
             1 + sum(1 for w in self.workers.values() if w is not worker and w.busy)
-            + self.serving_load())
+            + self.serving_load(), kind)
 
     def serving_load(self) -> float:
         """The share of a core the serving processes (gateway, conductor, clients) take

@@ -19,9 +19,9 @@ blocks the decode worker lacks then crosses the link, after which the blocks are
 
 On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile's time
 times its contention factor for the processes busy when it starts (the simulator's
-``contention``), and a decode worker's
-steps that factor as sampled at each batch change (a run of steps keeps it), plus the
-serving path's overhead per sequence; a mixed step takes the factor when it starts.
+``contention``; the prefill factors where measured apart), a decode worker's steps the
+decode factor as sampled at each batch change (a run of steps keeps it), plus the
+serving path's overhead per sequence; a mixed step takes each part's when it starts.
 
 Timings reach the conductor only in heartbeats, as step samples of work already done,
 and a decode worker's first-token times (``TtftSample``: from the request's arrival
@@ -113,7 +113,7 @@ class PrefillWorker:
         fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
         cached = min((own + fetch) * prof.block_size, req.prompt - 1)
         n = req.prompt - cached
-        compute = self.sim.prefill_s(n, cached) * self.sim.contention(self)
+        compute = self.sim.prefill_s(n, cached) * self.sim.contention(self, "prefill")
         end = now + compute + (fetch * prof.block_bytes / prof.pool_bandwidth if fetch else 0)
         req.cached = cached
         self.current = (req, n, compute, end)
@@ -322,7 +322,7 @@ class DecodeWorker:
         self.arriving.clear()
         if self.local:
             return self._start_local(now)
-        self.factor = self.sim.jitter() * self.sim.contention(self)
+        self.factor = self.sim.jitter() * self.sim.contention(self, "decode")
         self._pump(now)
 
     def _retire(self, req: SimRequest, now: float, joined: bool) -> None:
@@ -347,9 +347,10 @@ class DecodeWorker:
             tokens += req.prompt - req.cached
         self.prefilling = group
         chunks = [(r.prompt - r.cached, r.cached) for r in group]
-        factor = self.sim.contention(self)
-        prefill = self.prof.prefill_step_s(chunks) * self.sim.jitter() * factor
-        decode = self.prof.decode_step_s(self.B, self.K) * factor + \
+        prefill = self.prof.prefill_step_s(chunks) * self.sim.jitter() * \
+            self.sim.contention(self, "prefill")
+        decode = self.prof.decode_step_s(self.B, self.K) * \
+            self.sim.contention(self, "decode") + \
             self.B * self.sim.token_overhead_s
         fetch_s = sum(r.fetch for r in group) * self.prof.block_bytes / \
             self.prof.pool_bandwidth if any(r.fetch for r in group) else 0.0
