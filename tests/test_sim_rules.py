@@ -187,3 +187,23 @@ def test_a_remote_request_is_reserved_between_the_decode_workers_steps():
     d, p = seen[1.75, "decode-0"], seen[1.75, "prefill-0"]
     assert (d.waiting_for_kv, d.admitted, p.waiting, p.queued_prefill_tokens) == \
         (1, ["1"], 1, 1000)
+
+
+def test_a_long_local_prompt_lets_a_reservation_in_between_its_chunks():
+    """A prompt longer than one step's token budget prefills in chunks, one engine step
+    each: a remote request arriving meanwhile is reserved at the end of the chunk in
+    progress, not of the whole prompt."""
+    # A: 5000 tokens on decode-0 from 0 s, chunks of 2048, 2048, 904 tokens; B (1000
+    # tokens, routed to prefill-0) arrives at 1.0 s, in the first chunk.
+    reqs = [SimRequest(0, 0.0, 5000, 2, list(range(9))), SimRequest(1, 1.0, 1000, 2, [20, 21])]
+    routes = iter([fixed(None), fixed("prefill-0")])
+    sim = Simulator(TINY, lambda views, req: next(routes)(views, req), prefill=1, decode=1)
+    sim.run(reqs)
+    parts = [0.1 + 2.048 + 1e-6 * 2048 * 1024, 0.1 + 2.048 + 1e-6 * 2048 * (1024 + 2048),
+             0.1 + 0.904 + 1e-6 * 904 * (452 + 4096)]
+    whole = 0.1 + 5.0 + 1e-6 * 5000 * 2500  # A's step: one fixed cost, as one prefill
+    assert TINY.chunk_ends(5000, 0, 2048) == pytest.approx(
+        [parts[0] / sum(parts), (parts[0] + parts[1]) / sum(parts)])
+    cut = whole * parts[0] / sum(parts)  # 4.2 s
+    assert reqs[0].ttft == pytest.approx(whole)
+    assert reqs[1].ttft == pytest.approx(cut + 1.6 + 1.0 - 1.0)  # prefill, then the link

@@ -122,6 +122,18 @@ class Profile:
         return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
                     prefill_step_terms(chunks))
 
+    def chunk_ends(self, n: int, c: int, step_tokens: int) -> list[float]:
+        """Where a prefill of ``n`` tokens after ``c`` cached, chunked ``step_tokens``
+        at a time as the live scheduler runs it, ends each chunk but the last: fractions
+        of the whole (later chunks attend to more context and take longer)."""
+        parts = [self.prefill_s(min(step_tokens, n - i), c + i)
+                 for i in range(0, n, step_tokens)]
+        total, done, ends = sum(parts), 0.0, []
+        for p in parts[:-1]:
+            done += p
+            ends.append(done / total)
+        return ends
+
     def contended(self, busy: float, kind: str = "") -> float:
         """The step factor with ``busy`` processes busy on one host (cost_profile.py),
         linear between whole numbers: the serving processes are a fraction of one

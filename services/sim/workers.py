@@ -2,20 +2,18 @@
 (services/worker/prefill_role.py, decode_role.py; services/engine/remote_prefill.py).
 
 Decode, for a request routed to a prefill worker: between engine steps (at once when
-idle, else when the step in progress ends) reserve the request's blocks (reusing its
-own cached prefix), send the Prefill and wait for the KV under a lease of ``kv_lease_s``;
-if the blocks are not free, prefill it here instead (per-stage rejection on: reject
-it). KV that lands in time joins the batch at the next step boundary; a lease that
-runs out frees the blocks, tells the prefill worker to drop the job, and queues the
-prompt here. A local prompt waits in the engine's queue until its blocks are free and
-then prefills in one step with the running batch's decode, as the live scheduler mixes
-them: the prompts that fit ``STEP_TOKENS`` together, the step lasting their prefill
-plus the batch's decode step, each running sequence gaining a token at its end.
+idle, else at the end of the step or prefill chunk in progress) reserve its blocks
+(reusing its own cached prefix), send the Prefill and wait for the KV under a lease of
+``kv_lease_s``; without free blocks, prefill it here (per-stage rejection on: reject
+it). KV landed in time joins the batch at the next step boundary; a lease run out
+frees the blocks, drops the prefill worker's job, and queues the prompt here. A local
+prompt waits in the engine's queue until its blocks are free, then prefills in one step
+with the running batch's decode, as the live scheduler mixes them: the prompts that fit
+``STEP_TOKENS`` together, the step their prefill plus the batch's decode step.
 
 Prefill: one prompt at a time, in arrival order, once its blocks fit; cached prefix
 from its own KV blocks, then the pool tier's blocks beyond it (fetched); the KV of the
-blocks the decode worker lacks then crosses the link, after which the blocks are freed
-(and stay cached).
+blocks the decode worker lacks then crosses the link; its blocks then stay cached.
 
 On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile's time
 times its contention factor for the processes busy when it starts (the simulator's
@@ -27,12 +25,10 @@ Timings reach the conductor only in heartbeats, as step samples of work already 
 and a decode worker's first-token times (``TtftSample``: from the request's arrival
 there to its KV landing, or to the end of its local prefill) for the TTFT correction.
 Each heartbeat acknowledges (``Heartbeat.admitted``) every request the worker took in
-since the last one, finished ones included: the live engine's load snapshot, taken
-after every step, has seen it.
-Load reaches it as the live engine's snapshot (services/worker/engine_loop.py) reports
-it: taken between engine steps, so a prompt counts as waiting, with all its tokens
-(cached prefix included: the prefix is matched when the step schedules it), until the
-step that prefills it has ended; its tokens do not drain while that step runs.
+since the last one, finished ones included, as the live engine's load snapshot
+(services/worker/engine_loop.py), taken between steps, has seen it; by it a prompt
+counts as waiting, with all its tokens (cached prefix included), until the step that
+prefills it has ended.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ if TYPE_CHECKING:
 
 MAX_SAMPLES = 32  # per heartbeat and kind, as a live worker sends
 # Prompt tokens one engine step takes at most (services/engine/scheduler.py's default
-# max_num_batched_tokens); a longer prompt goes alone, as one prefill.
+# max_num_batched_tokens); a longer prompt goes alone (its chunks' ends: ``cuts``).
 STEP_TOKENS = 2048
 
 
@@ -171,6 +167,7 @@ class DecodeWorker:
         self.prefilling: list[SimRequest] = []  # the local prompts in the step running
         self.joiners: list[SimRequest] = []
         self.arriving: list[SimRequest] = []  # remote, to reserve at the step's end
+        self.cuts: list[float] = []  # chunk ends of the local prefill step running
         self.stalled, self.version = False, 0
         self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.decode_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
@@ -188,10 +185,8 @@ class DecodeWorker:
 
     def accept(self, req: SimRequest, now: float, *, remote: bool) -> None:
         """Take ``req`` in: queued to prefill here, or (``remote``) its blocks reserved
-        and its Prefill sent to ``req.prefill_id`` under the lease. Live the reservation
-        is a command on the engine thread, run between engine steps: during a step (a
-        local prefill's lasts seconds) it waits for the step's end, and so do the
-        Prefill and the lease (``arriving``)."""
+        and its Prefill sent under the lease by a command on the engine thread, between
+        steps: during a step or a long prompt's chunk it waits for its end."""
         if not remote:
             self.fresh.append(req.request_id)
             self.queued.append(req)
@@ -200,19 +195,25 @@ class DecodeWorker:
             self._reserve(req, now)
             return self._pump(now)
         self.arriving.append(req)
-        self._schedule(now)
+        cut = next((t for t in self.cuts if t >= now), None) if self.stalled else None
+        self.sim.push(cut, self._between_chunks) if cut is not None else self._schedule(now)
+
+    def _between_chunks(self, now: float) -> None:
+        """A long prompt prefills in chunks, one engine step each: commands run between."""
+        if self.stalled:
+            for req in self.arriving:
+                self._reserve(req, now)
+            self.arriving.clear()
 
     def _reserve(self, req: SimRequest, now: float) -> None:
-        """Reserve a remote request's blocks and send its Prefill; without the blocks,
-        queue it to prefill here (per-stage rejection on: reject it)."""
+        """Reserve its blocks and send its Prefill, else queue it here (or reject)."""
         hit = self.kv.admit(req.rid, req.hashes, self.need(req))
         if hit is None and self.sim.stage_reject_wait_s is not None:
             return self.sim.finish(req, "decode", None)
         self.fresh.append(req.request_id)
         if hit is None:
             req.prefill_id, req.fell_back = None, True
-            self.queued.append(req)
-            return
+            return self.queued.append(req)
         req.decode_hit = hit
         self.awaiting[req.rid] = req
         self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
@@ -354,9 +355,11 @@ class DecodeWorker:
             self.B * self.sim.token_overhead_s
         fetch_s = sum(r.fetch for r in group) * self.prof.block_bytes / \
             self.prof.pool_bandwidth if any(r.fetch for r in group) else 0.0
-        self.stalled = True
+        self.stalled, start = True, now + fetch_s
+        self.cuts = [start + prefill * f for f in self.prof.chunk_ends(
+            *chunks[0], STEP_TOKENS)] if tokens > STEP_TOKENS else []
         self.version += 1
-        self.sim.push(now + fetch_s + prefill + decode, self._end_local, (chunks, prefill))
+        self.sim.push(start + prefill + decode, self._end_local, (chunks, prefill))
 
     def _end_local(self, now: float, arg: tuple[list, float]) -> None:
         chunks, prefill = arg
