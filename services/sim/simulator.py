@@ -46,8 +46,9 @@ workers follow (services/sim/workers.py):
 * TTFT = arrival to the first token at the decode worker (KV landed, or the local
   prefill done); TBT = (done - first token) / (output - 1), the request's mean.
 * ``stage_reject_wait_s`` turns on per-stage rejection: at a prefill worker whose queue
-  holds more than that many seconds of work, and at a decode worker that cannot reserve
-  the request's blocks (instead of prefilling it locally).
+  holds more than that many seconds of work when the request's Prefill reaches it, and
+  at a decode worker that cannot reserve the request's blocks (instead of prefilling it
+  locally); both when the decode worker takes the request in, between its steps.
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ class Simulator:
                    if isinstance(w, DecodeWorker) and w.B)
         return min(1.0, rate * self.token_overhead_s)
 
+    def stage_reject(self, req: SimRequest, now: float) -> str:
+        """"prefill" when per-stage rejection is on and ``req``'s prefill worker has more
+        than ``stage_reject_wait_s`` of work ahead as its Prefill reaches it, else ""."""
+        w = self.stage_reject_wait_s
+        return "prefill" if w is not None and self.workers[req.prefill_id].wait_s(now) > w \
+            else ""
+
     def prefill_s(self, n: int, c: int) -> float:
         return self.profile.prefill_s(n, c) * self.jitter()
 
@@ -208,7 +216,4 @@ class Simulator:
             dec.accept(req, now, remote=False)
             return
         req.prefill_id = req.routed_prefill = decision.prefill.worker_id
-        pre = self.workers[req.prefill_id]
-        if self.stage_reject_wait_s is not None and pre.wait_s(now) > self.stage_reject_wait_s:
-            return self.finish(req, "prefill")
-        dec.accept(req, now, remote=True)  # it sends the Prefill to ``pre``
+        dec.accept(req, now, remote=True)  # it sends the Prefill to the prefill worker

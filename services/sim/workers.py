@@ -198,8 +198,7 @@ class DecodeWorker:
         cut = next((t for t in self.cuts if t >= now), None) if self.stalled else None
         self.sim.push(cut, self._between_chunks) if cut is not None else self._schedule(now)
 
-    def _between_chunks(self, now: float) -> None:
-        """A long prompt prefills in chunks, one engine step each: commands run between."""
+    def _between_chunks(self, now: float) -> None:  # a long prompt's chunk ended
         if self.stalled:
             for req in self.arriving:
                 self._reserve(req, now)
@@ -207,9 +206,10 @@ class DecodeWorker:
 
     def _reserve(self, req: SimRequest, now: float) -> None:
         """Reserve its blocks and send its Prefill, else queue it here (or reject)."""
-        hit = self.kv.admit(req.rid, req.hashes, self.need(req))
-        if hit is None and self.sim.stage_reject_wait_s is not None:
-            return self.sim.finish(req, "decode", None)
+        stage = self.sim.stage_reject(req, now)  # as the Prefill reaches its worker
+        hit = None if stage else self.kv.admit(req.rid, req.hashes, self.need(req))
+        if stage or (hit is None and self.sim.stage_reject_wait_s is not None):
+            return self.sim.finish(req, stage or "decode", None)
         self.fresh.append(req.request_id)
         if hit is None:
             req.prefill_id, req.fell_back = None, True
