@@ -207,3 +207,18 @@ def test_a_long_local_prompt_lets_a_reservation_in_between_its_chunks():
     cut = whole * parts[0] / sum(parts)  # 4.2 s
     assert reqs[0].ttft == pytest.approx(whole)
     assert reqs[1].ttft == pytest.approx(cut + 1.6 + 1.0 - 1.0)  # prefill, then the link
+
+
+def test_per_stage_rejection_at_prefill_is_judged_when_the_prefill_arrives():
+    # A prefills on decode-0 from 0.0 to 1.6 s; B, for prefill-0 through decode-0,
+    # arrives at 0.5 s with prefill-0 idle but reaches it only at 1.6 s, when C (through
+    # the idle decode-1, at 1.0 s) has 1.0 s of prefill left there: over the 0.5 s wait.
+    reqs = [SimRequest(0, 0.0, 1000, 2, [0, 1]), SimRequest(1, 0.5, 1000, 2, [2, 3]),
+            SimRequest(2, 1.0, 1000, 2, [4, 5])]
+    routes = [fixed(None), fixed("prefill-0"), fixed("prefill-0", "decode-1")]
+    sim = Simulator(TINY, lambda views, req: routes[req.rid](views, req), prefill=1,
+                    decode=2, stage_reject_wait_s=0.5)
+    sim.run(reqs)
+    assert [r.rejected for r in reqs] == ["", "prefill", ""]
+    assert reqs[2].ttft == pytest.approx(2.6) and reqs[1].done is None
+    assert sim.workers["decode-0"].kv.used == 0  # B never held blocks there
