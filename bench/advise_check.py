@@ -3,6 +3,7 @@ from ``bench/serve.py``'s random generator, what ``pdserve advise`` predicts for
 workers colocated and split 1P+1D, and what the same requests measure live.
 
     python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
+        [--deployment 1P+1D] [--logs DIR]
 
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
@@ -29,6 +30,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -97,11 +100,12 @@ def plan_for(name: str, profile: str = PROFILE) -> Plan:
                 slo_for(name, cp), KV_CACHE_MIB, shared_host=True)
 
 
-def predict(specs: list, plan: Plan) -> dict[str, dict]:
+def predict(specs: list, plan: Plan, deployments: dict | None = None) -> dict[str, dict]:
     out = {}
-    for label, dep in DEPLOYMENTS.items():
+    for label, dep in (DEPLOYMENTS if deployments is None else deployments).items():
         reqs = sim_requests(specs, plan.profile.block_size)
-        o = evaluate(dep, reqs, plan)
+        reasons: dict[str, str] = {}
+        o = evaluate(dep, reqs, plan, reasons)
         out[label] = {"goodput": o.goodput_rps, "good": o.good, "completed": o.completed,
                       "mean_ttft_ms": o.ttft_s["mean"] * 1e3,
                       "p90_ttft_ms": o.ttft_s["p90"] * 1e3,
@@ -111,7 +115,10 @@ def predict(specs: list, plan: Plan) -> dict[str, dict]:
                       "requests": [[round(r.arrival, 3), r.prompt, r.output,
                                     _ms(r.ttft if r.done is not None else None),
                                     _ms(r.tbt if r.done is not None and r.output > 1
-                                        else None), r.prefill_id is None] for r in reqs]}
+                                        else None), r.prefill_id is None] for r in reqs],
+                      # per request: [routed to a prefill worker, fell back, the reason]
+                      "routing": [[r.routed_prefill is not None, r.fell_back,
+                                   reasons.get(r.request_id, "")] for r in reqs]}
     return out
 
 
@@ -132,7 +139,7 @@ def _per_request(results: list) -> list:
     return rows
 
 
-def live(specs: list, plan: Plan, dep: Deployment) -> dict:
+def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None) -> dict:
     roles = ["unified"] * dep.decode if dep.colocated else \
         ["prefill"] * dep.prefill + ["decode"] * dep.decode
     settings = plan.conductor_settings(dep)
@@ -152,6 +159,11 @@ def live(specs: list, plan: Plan, dep: Deployment) -> dict:
         finally:
             load_after = os.getloadavg()[0]
             cluster.stop()
+        decisions = routes_logged(Path(tmp) / "conductor.log")
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            for f in Path(tmp).glob("*.log"):
+                shutil.copy(f, logs / f"{dep.name.replace(' ', '_')}-{f.name}")
     slo = serve_report.Slo(plan.slo.ttft_s * 1e3, plan.slo.tpot_s * 1e3)
     s = serve_report.summarize(results, serve_report.results_duration(results), slo)
     return {"goodput": s["goodput"], "good": round(s["goodput_fraction"] * len(results)),
@@ -159,7 +171,21 @@ def live(specs: list, plan: Plan, dep: Deployment) -> dict:
             "mean_ttft_ms": s["mean_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "duration_s": s["duration_s"],
             "loadavg_before": load_before, "loadavg_after": load_after,
-            **routing, "requests": _per_request(results)}
+            **routing, "requests": _per_request(results),
+            # per request in the order routed (= sent): [to a prefill worker, the reason]
+            "routing": decisions}
+
+
+ROUTED = re.compile(r"\brouted\b.*?\bprefill=(\S+) reason=(.*) request_id=(\S+)")
+
+
+def routes_logged(log: Path) -> list:
+    """The live conductor's decisions from its log (``routed``: decode, prefill or
+    None, the reason), in the order it made them."""
+    if not log.exists():
+        return []
+    return [[m.group(1) != "None", m.group(2).strip("'\"")]
+            for m in map(ROUTED.search, log.read_text(errors="replace").splitlines()) if m]
 
 
 def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
@@ -169,10 +195,13 @@ def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
     try:
         remote = sum(cluster.worker_stats(f"{role}-{i}").prefills_done
                      for i, role in enumerate(roles) if role == "prefill")
+        fallbacks = sum(cluster.worker_stats(f"{role}-{i}").local_fallbacks
+                        for i, role in enumerate(roles) if role == "decode")
         fitted = dataclasses.astuple(cluster.conductor_stats().cost_model)
     except (OSError, TimeoutError, RuntimeError) as exc:
         return {"local_prefills": None, "conductor_cost_model": None, "stats_error": str(exc)}
-    return {"local_prefills": sent - remote, "conductor_cost_model": fitted}
+    return {"local_prefills": sent - remote, "local_fallbacks": fallbacks,
+            "conductor_cost_model": fitted}
 
 
 def ranking(side: dict[str, dict]) -> list[str]:
@@ -186,6 +215,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=sorted(WORKLOADS))
     ap.add_argument("--predict-only", action="store_true")
+    ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS),
+                    help="only this deployment (default: both)")
+    ap.add_argument("--logs", type=Path,
+                    help="keep the live processes' logs in this folder")
     ap.add_argument("--profile", default=PROFILE,
                     help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
@@ -194,15 +227,17 @@ def main() -> None:
               "token_overhead_s": load_profile(args.profile).token_overhead_s,
               "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,
               "cores": os.cpu_count(), "workloads": {}}
+    deps = {args.deployment: DEPLOYMENTS[args.deployment]} if args.deployment else DEPLOYMENTS
     for name in [args.only] if args.only else list(WORKLOADS):
         specs, plan = specs_for(name, args.requests, args.seed), plan_for(name, args.profile)
         row = {"spec": {**dict(zip(("input_len", "output_len", "rate", "ttft_x", "tpot_x"),
                                    WORKLOADS[name], strict=True)),
                         "slo_ttft_ms": plan.slo.ttft_s * 1e3,
                         "slo_tpot_ms": plan.slo.tpot_s * 1e3},
-               "predicted": predict(specs, plan)}
+               "predicted": predict(specs, plan, deps)}
         if not args.predict_only:
-            row["live"] = {label: live(specs, plan, dep) for label, dep in DEPLOYMENTS.items()}
+            row["live"] = {label: live(specs, plan, dep, args.logs)
+                           for label, dep in deps.items()}
             pred, real = row["predicted"], row["live"]
             row["ranking"] = {"predicted": ranking(pred), "live": ranking(real)}
             row["ranking_matches"] = ranking(pred) == ranking(real)

@@ -16,6 +16,9 @@ clients.
   serving processes (gateway, conductor, clients) as the share of a core their token
   streaming takes (tokens a second x ``token_overhead_s``), linear between the factors:
   a pair of workers needs ``--workers 3``.
+  The same factors per kind of step (decode points, prefill points) go into
+  ``fit.host`` as ``decode_contention`` and ``prefill_contention``: the simulator
+  slows each kind by its own (services/sim/profiles.py), the conductor by the median.
 * token overhead: one unified worker behind the real gateway and conductor
   (tests/cluster.py), streams of ``--output-len`` tokens, 1 and then 4 at once; the
   overhead per sequence per step is the least-squares fit (on relative error) of the
@@ -121,6 +124,9 @@ def contention(model: str, threads: int, workers: int, repeats: int,
         alone = [(point_times(engine, pt, dec, repeats, rng), pt, dec) for pt, dec in points]
         ratios = [alone_ratio(cp, pt, dec, t) for t, pt, dec in alone]
         factors.append(statistics.median(ratios))
+        kinds = {kind: [[statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
+                                           if d == (kind == "decode"))]]
+                 for kind in ("decode", "prefill")}
         rows += [[1, *pt, t, t] for t, pt, _ in alone]
         print(f"1 worker alone: {factors[0]:.2f} x the profile "
               f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
@@ -139,14 +145,30 @@ def contention(model: str, threads: int, workers: int, repeats: int,
                 rows.append([k, *point, alone, busy])
             ratio = statistics.median(ratios)
             factors.append(ratio)
+            for kind, rel in kinds.items():
+                rel.append(statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
+                                             if d == (kind == "decode")))
             print(f"{k} busy workers: {ratio:.2f} x alone "
                   f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
     finally:
         stop.set()
         for p in procs:
             p.join(30)
+    # Each kind of step on its own too: a decode step reads memory, a prefill computes,
+    # and a busy neighbour slows the two unequally (the simulator runs each by its own).
     return factors, {"contention": rows, "alone_vs_profile": factors[0],
-                     "busy_vs_alone": factors[1:]}
+                     "busy_vs_alone": factors[1:],
+                     **{f"{kind}_contention": [round(f, 3) for f in chained(rel)]
+                        for kind, rel in kinds.items()}}
+
+
+def chained(relative: list[float]) -> list[float]:
+    """Factors for 1 .. k busy processes from the engine alone against the profile
+    (``relative[0]``, at least 1) and k engines' busy/alone ratios: never falling."""
+    factors = [max(1.0, relative[0])]
+    for r in relative[1:]:
+        factors.append(max(factors[-1], factors[0] * r))
+    return factors
 
 
 def token_overhead(model: str, output_len: int, cp) -> tuple[float, list]:
@@ -221,9 +243,7 @@ def main() -> None:
     host["serving"] = serving
     # One busy process: the engine alone against the profile's steps; k: that times k
     # engines' busy/alone. (The simulator adds the serving processes' share of a core.)
-    factors = [max(1.0, relative[0])]
-    for r in relative[1:]:
-        factors.append(max(factors[-1], factors[0] * r))  # never falls as k grows
+    factors = chained(relative)
     host["columns"] = ("contention: [k busy, B or n, L or c, seconds alone, seconds busy] "
                        "(decode points, then prefill); serving: [B, client TPOT, worker's "
                        "step, profile step]")

@@ -28,3 +28,35 @@ def test_prediction_and_ranking_on_the_decode_heavy_load():
     assert sorted(order) == sorted(pred)
     best, other = order
     assert pred[best]["goodput"] >= pred[other]["goodput"]
+
+
+def test_predicted_routing_carries_each_decision_and_its_reason():
+    specs = ac.specs_for("prefill-heavy", 8, seed=0)
+    pred = ac.predict(specs, ac.plan_for("prefill-heavy"))
+    colo, split = pred["colocated x2"]["routing"], pred["1P+1D"]["routing"]
+    assert len(colo) == len(split) == 8
+    assert all(not remote and reason.startswith("no prefill worker")
+               for remote, _, reason in colo)
+    # The first prompt finds both workers idle: prefilled where it decodes, the local
+    # estimate no later than the remote one (no transfer).
+    assert split[0][0] is False and split[0][2].startswith("local ")
+    for (remote, fell_back, reason), req in zip(split, pred["1P+1D"]["requests"], strict=True):
+        assert req[5] == (not remote or fell_back)  # prefilled on its decode worker
+        assert "prefill on " + ("prefill-0" if remote else "decode-0") in reason
+
+
+def test_live_routing_is_read_from_the_conductors_log(tmp_path):
+    log = tmp_path / "conductor.log"
+    log.write_text(
+        "2026-12-02T05:59:40.1Z [info     ] conductor started   control=tcp://x\n"
+        "2026-12-02T05:59:41.8Z [info     ] routed                         decode=decode-1 "
+        "prefill=None reason='local 3.255s <= remote 3.297s; prefill on decode-1 hit 0/56 "
+        "blocks' request_id=cmpl-fb2f service=conductor\n"
+        "2026-12-02T05:59:45.3Z [info     ] routed                         decode=decode-1 "
+        "prefill=prefill-0 reason='local prefill would stall 1 decodes 6.173s' "
+        "request_id=cmpl-0248 service=conductor\n"
+        "2026-12-02T05:59:46.0Z [info     ] rejected   reason='predicted TTFT' request_id=x\n")
+    assert ac.routes_logged(log) == [
+        [False, "local 3.255s <= remote 3.297s; prefill on decode-1 hit 0/56 blocks"],
+        [True, "local prefill would stall 1 decodes 6.173s"]]
+    assert ac.routes_logged(tmp_path / "missing.log") == []

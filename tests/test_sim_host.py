@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.calibrate_host import alone_ratio, overhead_fit
+from bench.calibrate_host import alone_ratio, chained, overhead_fit
 from common.cost_profile import CostProfile, load_profile, profile_from_dict, save_profile
 from common.records import CostCoefficients
 from services.advisor import search
@@ -197,3 +197,39 @@ def test_calibration_compares_one_engine_alone_with_the_steps_the_simulator_runs
     step = 1.3 * 1.2 * cp.decode_step_s(4, 400)
     assert alone_ratio(cp, (4, 100), True, step) == pytest.approx(1.3)
     assert alone_ratio(cp, (128, 0), False, 2 * cp.prefill_s(128, 0)) == pytest.approx(2.0)
+
+
+def test_decode_and_prefill_steps_take_their_own_host_factors():
+    """A busy neighbour slows a decode step (memory-bound) and a prefill (compute-bound)
+    unequally; measured apart, the simulator runs each kind by its own factors."""
+    prof = dataclasses.replace(HOST, prefill_contention=(1.0, 1.2, 1.4),
+                               decode_contention=(1.0, 1.8, 2.6))
+    assert [prof.contended(2, kind) for kind in ("", "prefill", "decode")] == [1.5, 1.2, 1.8]
+
+    def route(views, req):
+        return Decision({v.worker_id: v for v in views}[f"decode-{req.rid}"], None, "fixed")
+    r0, r1 = [SimRequest(i, 0.0, 1000, 3, [10 * i, 10 * i + 1]) for i in range(2)]
+    Simulator(prof, route, prefill=0, decode=2, shared_host=True).run([r0, r1])
+    assert r0.ttft == pytest.approx(1.6) and r1.ttft == pytest.approx(1.6 * 1.2)
+    # decode-0's steps beside decode-1's prefill and its own serving share (as in
+    # test_shared_host_slows_work_by_the_processes_busy_when_it_starts): decode factors.
+    f0 = 1.8 + 0.02 / 0.041 * (2.6 - 1.8)
+    assert r0.tbt == pytest.approx(0.021 * f0 + 0.02 + 1e-5 * f0 / 2)
+
+
+def test_per_kind_factors_come_from_the_calibrations_host_fit():
+    host = {"decode_contention": [1.6, 1.75, 3.0], "prefill_contention": [1.3, 1.4, 2.2]}
+    cp = cost_profile(contention=[1.43, 1.52, 2.63], fit={"host": host})
+    prof = Profile.from_cost_profile(cp, kv_blocks=10)
+    assert (prof.decode_contention, prof.prefill_contention) == \
+        ((1.6, 1.75, 3.0), (1.3, 1.4, 2.2))
+    assert (prof.contended(2), prof.contended(2, "decode")) == (1.52, 1.75)
+    # Absent, or not factors >= 1 that do not fall: the median factors serve both.
+    for bad in ({}, {"decode_contention": [1.5, 1.2]}, {"decode_contention": [0.5]},
+                {"decode_contention": "1.5"}):
+        p = Profile.from_cost_profile(cost_profile(contention=[1.43, 1.52], fit={"host": bad}),
+                                      kv_blocks=10)
+        assert p.decode_contention == () and p.contended(2, "decode") == 1.52
+    # calibrate_host chains a kind's ratios as it does the median ones.
+    assert chained([1.4, 1.25, 1.5]) == pytest.approx([1.4, 1.75, 2.1])
+    assert chained([0.9, 0.95, 1.3]) == pytest.approx([1.0, 1.0, 1.3])

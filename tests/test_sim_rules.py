@@ -161,3 +161,64 @@ def test_heartbeats_report_load_as_the_live_snapshot_does():
            for t, hb in beats if hb.worker_id == "decode-0"}
     # C prefills on decode-0 from 3.0 s to 3.88 s (0.1 + 0.6 + 0.18).
     assert dec[3.25] == (1, 600) and dec[3.75] == (1, 600) and dec[4.0] == (0, 0)
+
+
+def test_a_remote_request_is_reserved_between_the_decode_workers_steps():
+    """Live, the decode worker reserves a remote request's blocks, sends its Prefill and
+    starts its lease on the engine thread, between steps: one arriving during a local
+    prefill step waits for that step's end (decode_role.py, engine_loop.py)."""
+    beats = []
+    # A (1000 tokens) prefills on decode-0 from 0.0 to 1.6 s; B (routed to prefill-0)
+    # arrives at 0.5 s: reserved at 1.6 s, prefilled 1.6-3.2 s, its KV across by 4.2 s.
+    reqs = [SimRequest(0, 0.0, 1000, 2, [0, 1]), SimRequest(1, 0.5, 1000, 2, [2, 3])]
+    routes = iter([fixed(None), fixed("prefill-0")])
+    sim = Simulator(TINY, lambda views, req: next(routes)(views, req), prefill=1,
+                    decode=1, heartbeat_s=0.25, kv_lease_s=2.65)
+    real = sim.registry.heartbeat
+    sim.registry.heartbeat = lambda hb, now=None: beats.append((now, hb)) or real(hb, now=now)
+    sim.run(reqs)
+    assert reqs[1].ttft == pytest.approx(4.2 - 0.5)
+    assert not reqs[1].fell_back  # the lease (2.65 s) runs from 1.6 s, not from 0.5 s
+    seen = {(round(t, 2), hb.worker_id): hb for t, hb in beats}
+    # At 1.5 s B is neither waiting for KV on decode-0 nor acknowledged, nor queued on
+    # prefill-0; at 1.75 s it is, and prefill-0 is prefilling it.
+    d, p = seen[1.5, "decode-0"], seen[1.5, "prefill-0"]
+    assert (d.waiting_for_kv, d.admitted, p.waiting) == (0, [], 0)
+    d, p = seen[1.75, "decode-0"], seen[1.75, "prefill-0"]
+    assert (d.waiting_for_kv, d.admitted, p.waiting, p.queued_prefill_tokens) == \
+        (1, ["1"], 1, 1000)
+
+
+def test_a_long_local_prompt_lets_a_reservation_in_between_its_chunks():
+    """A prompt longer than one step's token budget prefills in chunks, one engine step
+    each: a remote request arriving meanwhile is reserved at the end of the chunk in
+    progress, not of the whole prompt."""
+    # A: 5000 tokens on decode-0 from 0 s, chunks of 2048, 2048, 904 tokens; B (1000
+    # tokens, routed to prefill-0) arrives at 1.0 s, in the first chunk.
+    reqs = [SimRequest(0, 0.0, 5000, 2, list(range(9))), SimRequest(1, 1.0, 1000, 2, [20, 21])]
+    routes = iter([fixed(None), fixed("prefill-0")])
+    sim = Simulator(TINY, lambda views, req: next(routes)(views, req), prefill=1, decode=1)
+    sim.run(reqs)
+    parts = [0.1 + 2.048 + 1e-6 * 2048 * 1024, 0.1 + 2.048 + 1e-6 * 2048 * (1024 + 2048),
+             0.1 + 0.904 + 1e-6 * 904 * (452 + 4096)]
+    whole = 0.1 + 5.0 + 1e-6 * 5000 * 2500  # A's step: one fixed cost, as one prefill
+    assert TINY.chunk_ends(5000, 0, 2048) == pytest.approx(
+        [parts[0] / sum(parts), (parts[0] + parts[1]) / sum(parts)])
+    cut = whole * parts[0] / sum(parts)  # 4.2 s
+    assert reqs[0].ttft == pytest.approx(whole)
+    assert reqs[1].ttft == pytest.approx(cut + 1.6 + 1.0 - 1.0)  # prefill, then the link
+
+
+def test_per_stage_rejection_at_prefill_is_judged_when_the_prefill_arrives():
+    # A prefills on decode-0 from 0.0 to 1.6 s; B, for prefill-0 through decode-0,
+    # arrives at 0.5 s with prefill-0 idle but reaches it only at 1.6 s, when C (through
+    # the idle decode-1, at 1.0 s) has 1.0 s of prefill left there: over the 0.5 s wait.
+    reqs = [SimRequest(0, 0.0, 1000, 2, [0, 1]), SimRequest(1, 0.5, 1000, 2, [2, 3]),
+            SimRequest(2, 1.0, 1000, 2, [4, 5])]
+    routes = [fixed(None), fixed("prefill-0"), fixed("prefill-0", "decode-1")]
+    sim = Simulator(TINY, lambda views, req: routes[req.rid](views, req), prefill=1,
+                    decode=2, stage_reject_wait_s=0.5)
+    sim.run(reqs)
+    assert [r.rejected for r in reqs] == ["", "prefill", ""]
+    assert reqs[2].ttft == pytest.approx(2.6) and reqs[1].done is None
+    assert sim.workers["decode-0"].kv.used == 0  # B never held blocks there

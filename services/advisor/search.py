@@ -119,17 +119,23 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"mean": mean, **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
 
 
-def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan) -> Outcome:
-    """One simulated run of ``reqs`` (fresh records; filled in) on ``dep``."""
+def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan,
+             decisions: dict[str, str] | None = None) -> Outcome:
+    """One simulated run of ``reqs`` (fresh records; filled in) on ``dep``; with
+    ``decisions``, each request's routing reason is put there by its id, as the live
+    conductor logs it (``routed ... reason=``)."""
     settings = plan.conductor_settings(dep)
     router = Router(settings.router_config(), load_profile(plan.profile_spec))
 
     def route(views, req):
         # With its id, as the gateway asks the live conductor: counted in flight until a
         # heartbeat acknowledges it, its predicted TTFT kept for the TTFT correction.
-        return router.route(views, RouteRequest("sim", req.prompt, req.hashes,
-                                                max_tokens=req.output),
-                            req.request_id, now=req.arrival)
+        decision = router.route(views, RouteRequest("sim", req.prompt, req.hashes,
+                                                    max_tokens=req.output),
+                                req.request_id, now=req.arrival)
+        if decisions is not None:
+            decisions[req.request_id] = decision.reason
+        return decision
     Simulator(plan.profile, route, prefill=dep.prefill, decode=dep.decode,
               index=router.index, cost=router.cost,
               pool_blocks=plan.pool_blocks() if dep.pool else 0,

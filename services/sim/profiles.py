@@ -65,6 +65,11 @@ class Profile:
     # the three-term fit is a compromise over batches 1-64 (on smollm2-cpu 10 % high at
     # B = 1, 10-15 % low at B = 4-16), and the simulator runs what the engine measured.
     decode_shape: tuple[tuple[int, float], ...] = ()
+    # The host's factors per kind of step where the calibration measured them apart
+    # (``fit.host``, bench/calibrate_host.py): a decode step reads memory and a prefill
+    # computes, and a busy neighbour slows the two unequally; () uses ``contention``.
+    decode_contention: tuple[float, ...] = ()
+    prefill_contention: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("kv_bytes_per_token", "block_size", "kv_blocks", "link_bandwidth"):
@@ -88,7 +93,9 @@ class Profile:
                    kv_bytes_per_token=cp.kv_bytes_per_token, block_size=bs,
                    kv_blocks=blocks, link_bandwidth=cp.link_bandwidth,
                    pool_bandwidth=cp.pool_bandwidth, contention=cp.contention,
-                   token_overhead_s=cp.token_overhead_s, decode_shape=decode_shape(cp))
+                   token_overhead_s=cp.token_overhead_s, decode_shape=decode_shape(cp),
+                   **{f"{kind}_contention": host_factors(cp, kind)
+                      for kind in ("decode", "prefill")})
 
     @classmethod
     def load(cls, spec: str, **kw) -> Profile:
@@ -115,13 +122,28 @@ class Profile:
         return cost((k.prefill_fixed_s, k.prefill_per_token_s, k.prefill_per_pair_s),
                     prefill_step_terms(chunks))
 
-    def contended(self, busy: float) -> float:
+    def chunk_ends(self, n: int, c: int, step_tokens: int) -> list[float]:
+        """Where a prefill of ``n`` tokens after ``c`` cached, chunked ``step_tokens``
+        at a time as the live scheduler runs it, ends each chunk but the last: fractions
+        of the whole (later chunks attend to more context and take longer)."""
+        parts = [self.prefill_s(min(step_tokens, n - i), c + i)
+                 for i in range(0, n, step_tokens)]
+        total, done, ends = sum(parts), 0.0, []
+        for p in parts[:-1]:
+            done += p
+            ends.append(done / total)
+        return ends
+
+    def contended(self, busy: float, kind: str = "") -> float:
         """The step factor with ``busy`` processes busy on one host (cost_profile.py),
         linear between whole numbers: the serving processes are a fraction of one
-        (``Simulator.contention``); the last factor beyond the list."""
-        if not self.contention:
+        (``Simulator.contention``); the last factor beyond the list. ``kind``
+        ("decode" or "prefill") picks that kind's factors where measured."""
+        c = getattr(self, f"{kind}_contention", ()) if kind else ()
+        c = c or self.contention
+        if not c:
             return 1.0
-        c, k = self.contention, min(max(busy, 1.0), float(len(self.contention)))
+        k = min(max(busy, 1.0), float(len(c)))
         lo = int(k)
         return c[lo - 1] if lo == len(c) else c[lo - 1] + (k - lo) * (c[lo] - c[lo - 1])
 
@@ -160,6 +182,20 @@ def decode_shape(cp: CostProfile) -> tuple[tuple[int, float], ...]:
         if int(b) >= 1 and fitted > 0 and isinstance(seconds, int | float) and seconds > 0:
             by_batch.setdefault(int(b), []).append(seconds / fitted)
     return tuple((b, statistics.median(r)) for b, r in sorted(by_batch.items()))
+
+
+def host_factors(cp: CostProfile, kind: str) -> tuple[float, ...]:
+    """The host's step factors for ``kind`` ("decode" or "prefill") from the profile's
+    ``fit.host`` (``<kind>_contention``, one per number of busy processes), as
+    bench/calibrate_host.py writes them; () where absent or not factors >= 1 that do
+    not fall."""
+    host = cp.fit.get("host") if isinstance(cp.fit, dict) else None
+    f = host.get(f"{kind}_contention") if isinstance(host, dict) else None
+    if not (isinstance(f, list | tuple) and f and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and x >= 1 for x in f)
+            and all(b >= a for a, b in zip(f, f[1:], strict=False))):
+        return ()
+    return tuple(float(x) for x in f)
 
 
 LLAMA70B_H100X4 = Profile.load("llama70b-h100x4", block_size=512)

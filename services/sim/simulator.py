@@ -4,7 +4,8 @@ workers follow (services/sim/workers.py):
 
     arrival --route()--> Rejection                                  (rejected "arrival")
                      \-> Decision
-      remote: decode reserves the blocks (else prefills locally) --> prefill FIFO
+      remote: decode reserves the blocks between its steps (else prefills locally)
+              --> prefill FIFO
               --prefill--> link FIFO --KV of the blocks decode lacks--> joins the batch
               (the KV lease runs out first: blocks freed, prefilled locally)
       local:  decode queue (until its blocks fit) --> prefill on the decode worker, in
@@ -45,8 +46,9 @@ workers follow (services/sim/workers.py):
 * TTFT = arrival to the first token at the decode worker (KV landed, or the local
   prefill done); TBT = (done - first token) / (output - 1), the request's mean.
 * ``stage_reject_wait_s`` turns on per-stage rejection: at a prefill worker whose queue
-  holds more than that many seconds of work, and at a decode worker that cannot reserve
-  the request's blocks (instead of prefilling it locally).
+  holds more than that many seconds of work when the request's Prefill reaches it, and
+  at a decode worker that cannot reserve the request's blocks (instead of prefilling it
+  locally); both when the decode worker takes the request in, between its steps.
 """
 
 from __future__ import annotations
@@ -137,14 +139,15 @@ class Simulator:
             return 1.0
         return math.exp(self._rng.gauss(-self.noise ** 2 / 2, self.noise))
 
-    def contention(self, worker: object) -> float:
-        """The step factor for ``worker`` starting work now: 1.0 unless the workers
-        share one host, else the profile's for it and the others busy at this moment."""
+    def contention(self, worker: object, kind: str = "") -> float:
+        """The step factor for ``worker`` starting work of ``kind`` ("decode" or
+        "prefill") now: 1.0 unless the workers share one host, else the profile's for it
+        and the others busy at this moment."""
         if not self.shared_host:
             return 1.0
         return self.profile.contended(
             1 + sum(1 for w in self.workers.values() if w is not worker and w.busy)
-            + self.serving_load())
+            + self.serving_load(), kind)
 
     def serving_load(self) -> float:
         """The share of a core the serving processes (gateway, conductor, clients) take
@@ -156,6 +159,13 @@ class Simulator:
         rate = sum(w.B / w.step_s() for w in self.workers.values()
                    if isinstance(w, DecodeWorker) and w.B)
         return min(1.0, rate * self.token_overhead_s)
+
+    def stage_reject(self, req: SimRequest, now: float) -> str:
+        """"prefill" when per-stage rejection is on and ``req``'s prefill worker has more
+        than ``stage_reject_wait_s`` of work ahead as its Prefill reaches it, else ""."""
+        w = self.stage_reject_wait_s
+        return "prefill" if w is not None and self.workers[req.prefill_id].wait_s(now) > w \
+            else ""
 
     def prefill_s(self, n: int, c: int) -> float:
         return self.profile.prefill_s(n, c) * self.jitter()
@@ -206,13 +216,4 @@ class Simulator:
             dec.accept(req, now, remote=False)
             return
         req.prefill_id = req.routed_prefill = decision.prefill.worker_id
-        pre = self.workers[req.prefill_id]
-        if self.stage_reject_wait_s is not None and pre.wait_s(now) > self.stage_reject_wait_s:
-            return self.finish(req, "prefill")
-        outcome = dec.accept(req, now, remote=True)
-        if outcome == "reject":
-            return self.finish(req, "decode")
-        if outcome == "local":  # no blocks to reserve: the decode worker prefills it
-            req.prefill_id, req.fell_back = None, True
-            return
-        pre.enqueue(req, now)
+        dec.accept(req, now, remote=True)  # it sends the Prefill to the prefill worker

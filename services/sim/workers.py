@@ -1,37 +1,34 @@
 """Simulated prefill and decode workers, following the live roles' rules
 (services/worker/prefill_role.py, decode_role.py; services/engine/remote_prefill.py).
 
-Decode, for a request routed to a prefill worker: reserve the request's blocks now
-(reusing its own cached prefix) and wait for the KV under a lease of ``kv_lease_s``;
-if the blocks are not free, prefill it here instead (per-stage rejection on: reject
-it). KV that lands in time joins the batch at the next step boundary; a lease that
-runs out frees the blocks, tells the prefill worker to drop the job, and queues the
-prompt here. A local prompt waits in the engine's queue until its blocks are free and
-then prefills in one step with the running batch's decode, as the live scheduler mixes
-them: the prompts that fit ``STEP_TOKENS`` together, the step lasting their prefill
-plus the batch's decode step, each running sequence gaining a token at its end.
+Decode, for a request routed to a prefill worker: between engine steps (at once when
+idle, else at the end of the step or prefill chunk in progress) reserve its blocks
+(reusing its own cached prefix), send the Prefill and wait for the KV under a lease of
+``kv_lease_s``; without free blocks, prefill it here (per-stage rejection on: reject
+it). KV landed in time joins the batch at the next step boundary; a lease run out
+frees the blocks, drops the prefill worker's job, and queues the prompt here. A local
+prompt waits in the engine's queue until its blocks are free, then prefills in one step
+with the running batch's decode, as the live scheduler mixes them: the prompts that fit
+``STEP_TOKENS`` together, the step their prefill plus the batch's decode step.
 
 Prefill: one prompt at a time, in arrival order, once its blocks fit; cached prefix
 from its own KV blocks, then the pool tier's blocks beyond it (fetched); the KV of the
-blocks the decode worker lacks then crosses the link, after which the blocks are freed
-(and stay cached).
+blocks the decode worker lacks then crosses the link; its blocks then stay cached.
 
 On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile's time
 times its contention factor for the processes busy when it starts (the simulator's
-``contention``), and a decode worker's
-steps that factor as sampled at each batch change (a run of steps keeps it), plus the
-serving path's overhead per sequence; a mixed step takes the factor when it starts.
+``contention``; the prefill factors where measured apart), a decode worker's steps the
+decode factor as sampled at each batch change (a run of steps keeps it), plus the
+serving path's overhead per sequence; a mixed step takes each part's when it starts.
 
 Timings reach the conductor only in heartbeats, as step samples of work already done,
 and a decode worker's first-token times (``TtftSample``: from the request's arrival
 there to its KV landing, or to the end of its local prefill) for the TTFT correction.
 Each heartbeat acknowledges (``Heartbeat.admitted``) every request the worker took in
-since the last one, finished ones included: the live engine's load snapshot, taken
-after every step, has seen it.
-Load reaches it as the live engine's snapshot (services/worker/engine_loop.py) reports
-it: taken between engine steps, so a prompt counts as waiting, with all its tokens
-(cached prefix included: the prefix is matched when the step schedules it), until the
-step that prefills it has ended; its tokens do not drain while that step runs.
+since the last one, finished ones included, as the live engine's load snapshot
+(services/worker/engine_loop.py), taken between steps, has seen it; by it a prompt
+counts as waiting, with all its tokens (cached prefix included), until the step that
+prefills it has ended.
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ if TYPE_CHECKING:
 
 MAX_SAMPLES = 32  # per heartbeat and kind, as a live worker sends
 # Prompt tokens one engine step takes at most (services/engine/scheduler.py's default
-# max_num_batched_tokens); a longer prompt goes alone, as one prefill.
+# max_num_batched_tokens); a longer prompt goes alone (its chunks' ends: ``cuts``).
 STEP_TOKENS = 2048
 
 
@@ -58,8 +55,6 @@ def take(samples: deque) -> list:
     out = list(samples)
     samples.clear()
     return out
-
-
 
 
 class PrefillWorker:
@@ -114,7 +109,7 @@ class PrefillWorker:
         fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
         cached = min((own + fetch) * prof.block_size, req.prompt - 1)
         n = req.prompt - cached
-        compute = self.sim.prefill_s(n, cached) * self.sim.contention(self)
+        compute = self.sim.prefill_s(n, cached) * self.sim.contention(self, "prefill")
         end = now + compute + (fetch * prof.block_bytes / prof.pool_bandwidth if fetch else 0)
         req.cached = cached
         self.current = (req, n, compute, end)
@@ -171,6 +166,8 @@ class DecodeWorker:
         self.local: deque[SimRequest] = deque()  # local prompts holding blocks
         self.prefilling: list[SimRequest] = []  # the local prompts in the step running
         self.joiners: list[SimRequest] = []
+        self.arriving: list[SimRequest] = []  # remote, to reserve at the step's end
+        self.cuts: list[float] = []  # chunk ends of the local prefill step running
         self.stalled, self.version = False, 0
         self.prefill_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
         self.decode_samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
@@ -186,23 +183,41 @@ class DecodeWorker:
     def need(self, req: SimRequest) -> int:
         return max(len(req.hashes), -(-(req.prompt + req.output) // self.prof.block_size))
 
-    def accept(self, req: SimRequest, now: float, *, remote: bool) -> str:
-        """"remote" (blocks reserved, KV expected), "local" (queued to prefill here) or
-        "reject" (no blocks and per-stage rejection on)."""
-        if remote:
-            hit = self.kv.admit(req.rid, req.hashes, self.need(req))
-            if hit is not None:
-                req.decode_hit = hit
-                self.fresh.append(req.request_id)
-                self.awaiting[req.rid] = req
-                self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
-                return "remote"
-            if self.sim.stage_reject_wait_s is not None:
-                return "reject"
+    def accept(self, req: SimRequest, now: float, *, remote: bool) -> None:
+        """Take ``req`` in: queued to prefill here, or (``remote``) its blocks reserved
+        and its Prefill sent under the lease by a command on the engine thread, between
+        steps: during a step or a long prompt's chunk it waits for its end."""
+        if not remote:
+            self.fresh.append(req.request_id)
+            self.queued.append(req)
+            return self._pump(now)
+        if not self.busy:
+            self._reserve(req, now)
+            return self._pump(now)
+        self.arriving.append(req)
+        cut = next((t for t in self.cuts if t >= now), None) if self.stalled else None
+        self.sim.push(cut, self._between_chunks) if cut is not None else self._schedule(now)
+
+    def _between_chunks(self, now: float) -> None:  # a long prompt's chunk ended
+        if self.stalled:
+            for req in self.arriving:
+                self._reserve(req, now)
+            self.arriving.clear()
+
+    def _reserve(self, req: SimRequest, now: float) -> None:
+        """Reserve its blocks and send its Prefill, else queue it here (or reject)."""
+        stage = self.sim.stage_reject(req, now)  # as the Prefill reaches its worker
+        hit = None if stage else self.kv.admit(req.rid, req.hashes, self.need(req))
+        if stage or (hit is None and self.sim.stage_reject_wait_s is not None):
+            return self.sim.finish(req, stage or "decode", None)
         self.fresh.append(req.request_id)
-        self.queued.append(req)
-        self._pump(now)
-        return "local"
+        if hit is None:
+            req.prefill_id, req.fell_back = None, True
+            return self.queued.append(req)
+        req.decode_hit = hit
+        self.awaiting[req.rid] = req
+        self.sim.push(now + self.sim.kv_lease_s, self._lease_out, req)
+        self.sim.workers[req.prefill_id].enqueue(req, now)
 
     def kv_arrived(self, now: float, req: SimRequest) -> None:
         if self.awaiting.pop(req.rid, None) is None:
@@ -271,7 +286,7 @@ class DecodeWorker:
                 self.sim.push(self.t, self._boundary, (self.version, 0))
             return
         m = self.finish[0][0] - self.steps
-        if self.joiners or self.local:
+        if self.joiners or self.local or self.arriving:
             h = self._half_slope()
             s0, dt = self._first_step(), now - self.t
             root = dt / s0 if h == 0 else \
@@ -303,9 +318,12 @@ class DecodeWorker:
             self.B += 1
             self.K += req.prompt
         self.joiners.clear()
+        for req in self.arriving:  # the commands queued during the step
+            self._reserve(req, now)
+        self.arriving.clear()
         if self.local:
             return self._start_local(now)
-        self.factor = self.sim.jitter() * self.sim.contention(self)
+        self.factor = self.sim.jitter() * self.sim.contention(self, "decode")
         self._pump(now)
 
     def _retire(self, req: SimRequest, now: float, joined: bool) -> None:
@@ -330,15 +348,18 @@ class DecodeWorker:
             tokens += req.prompt - req.cached
         self.prefilling = group
         chunks = [(r.prompt - r.cached, r.cached) for r in group]
-        factor = self.sim.contention(self)
-        prefill = self.prof.prefill_step_s(chunks) * self.sim.jitter() * factor
-        decode = self.prof.decode_step_s(self.B, self.K) * factor + \
+        prefill = self.prof.prefill_step_s(chunks) * self.sim.jitter() * \
+            self.sim.contention(self, "prefill")
+        decode = self.prof.decode_step_s(self.B, self.K) * \
+            self.sim.contention(self, "decode") + \
             self.B * self.sim.token_overhead_s
         fetch_s = sum(r.fetch for r in group) * self.prof.block_bytes / \
             self.prof.pool_bandwidth if any(r.fetch for r in group) else 0.0
-        self.stalled = True
+        self.stalled, start = True, now + fetch_s
+        self.cuts = [start + prefill * f for f in self.prof.chunk_ends(
+            *chunks[0], STEP_TOKENS)] if tokens > STEP_TOKENS else []
         self.version += 1
-        self.sim.push(now + fetch_s + prefill + decode, self._end_local, (chunks, prefill))
+        self.sim.push(start + prefill + decode, self._end_local, (chunks, prefill))
 
     def _end_local(self, now: float, arg: tuple[list, float]) -> None:
         chunks, prefill = arg
