@@ -4,13 +4,16 @@
         [--input-len 390 --range-ratio 0.5 --output-len 64 --request-rate 0.5]
         [--threads 2 --parallel 8] [--quantization none|int8|int4]
         [--repeats 1 --warmup 0] [--out served.json]
+        [--worker-set KEY=VALUE ...] [--log-dir DIR]
 
 Sides, each a fresh server per run, interleaved by bench/harness.py:
 
 * ``pdserve``: deploy/configs/colocated.toml (gateway, conductor, one unified worker
   with ``--threads`` torch threads and ``--quantization``) started by
   deploy/run_local.py, every port moved to a free one so that other deployments on the
-  host are left alone;
+  host are left alone; ``--worker-set`` overrides a setting of its ``[unified]``
+  section (``max_prefill_tokens_with_decode=128``, ``log_level=debug`` for the
+  per-step trace), ``--log-dir`` keeps each run's server output;
 * ``llama-server``: ``llama-server -m <default GGUF> -np <parallel> -t <threads>``;
 * ``llama-server-f32`` (with ``--f32-gguf``): the same weights as F32 (made with
   ``llama-quantize --allow-requantize <gguf> <out> F32``, docs/benchmarks.md).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,8 +62,24 @@ def _toml_value(v) -> str:
     return str(v)
 
 
-def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[Path, int]:
-    """deploy/configs/colocated.toml with each port a free one; (its path, HTTP port)."""
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs for the worker's section; an int where the value reads as one."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--worker-set takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def colocated_config(ctx: RunContext, threads: int, quantization: str,
+                     overrides: dict[str, object] | None = None) -> tuple[Path, int]:
+    """deploy/configs/colocated.toml with each port a free one and ``overrides`` in its
+    worker's section; (its path, HTTP port)."""
     table = tomllib.loads((ROOT / "deploy" / "configs" / "colocated.toml").read_text())
     moved: dict[int, int] = {}
 
@@ -68,6 +88,7 @@ def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[
     lines = []
     for section, keys in table.items():
         lines.append(f"[{section}]")
+        first = len(lines)
         for key, value in keys.items():
             if key.endswith("_port") and isinstance(value, int):
                 value = port(value)
@@ -78,7 +99,9 @@ def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[
                 value = threads
             lines.append(f"{key} = {_toml_value(value)}")
         if section == "unified":
-            lines.append(f"quantization = {_toml_value(quantization)}")
+            extra = {"quantization": quantization, **(overrides or {})}
+            lines[first:] = [ln for ln in lines[first:] if ln.split(" = ")[0] not in extra]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in extra.items()]
         lines.append("")
     path = ctx.tmp / "colocated.toml"
     path.write_text("\n".join(lines))
@@ -110,11 +133,12 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_pdserve(ctx: RunContext, threads: int,
-                  quantization: str) -> tuple[subprocess.Popen, str]:
-    config, http_port = colocated_config(ctx, threads, quantization)
+def start_pdserve(ctx: RunContext, threads: int, quantization: str,
+                  overrides: dict[str, object] | None = None) -> tuple[subprocess.Popen, str]:
+    config, http_port = colocated_config(ctx, threads, quantization, overrides)
+    log = open(ctx.tmp / "pdserve.log", "wb")  # noqa: SIM115 (outlives this call)
     proc = subprocess.Popen([sys.executable, "deploy/run_local.py", "--config", str(config)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return proc, f"http://127.0.0.1:{http_port}"
 
@@ -131,7 +155,8 @@ def start_llama(ctx: RunContext, binary: str, gguf: str, threads: int,
 
 def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
     if ctx.side == "pdserve":
-        proc, base = start_pdserve(ctx, args.threads, args.quantization)
+        proc, base = start_pdserve(ctx, args.threads, args.quantization,
+                                   parse_overrides(args.worker_set))
     else:
         model = args.f32_gguf if ctx.side == "llama-server-f32" else gguf
         proc, base = start_llama(ctx, args.llama_server, model, args.threads, args.parallel)
@@ -146,6 +171,11 @@ def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
                                                   endpoint="completions", progress=False))
     finally:
         _stop(proc)
+        if args.log_dir:
+            keep = Path(args.log_dir)
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in ctx.tmp.glob("*.log"):
+                shutil.copy(log, keep / f"r{ctx.round}-{log.name}")
     summary = serve_report.summarize(results, serve_report.results_duration(results),
                                      serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     if summary["failed"]:
@@ -170,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of pdserve's worker (repeatable)")
+    ap.add_argument("--log-dir", default=None, help="keep each run's server output here")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "served.json"))
     args = ap.parse_args(argv)
     from services.engine.weights import resolve_model
@@ -179,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
                 "range_ratio": args.range_ratio, "output_len": args.output_len,
                 "rate": args.request_rate, "threads": args.threads,
                 "llama_np": args.parallel, "quantization": args.quantization,
-                "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+                "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+                **{f"worker.{k}": v for k, v in parse_overrides(args.worker_set).items()}}
     session = Session("served", settings, seed=args.seed)
     runs = session.run({s: (lambda ctx: run_side(ctx, args, gguf)) for s in sides},
                        repeats=args.repeats, warmup=args.warmup)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from bench.harness import RunContext
-from bench.served import colocated_config
+from bench.served import colocated_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +39,20 @@ def test_every_port_moves_and_shared_addresses_stay_shared(tmp_path):
     assert new["unified"]["num_threads"] == 1
     assert new["unified"]["quantization"] == "int4"
     assert new["unified"]["model"] == base["unified"]["model"]
+
+
+def test_worker_overrides_land_in_the_worker_section_only(tmp_path):
+    ctx = RunContext("pdserve", 0, False, 1, tmp_path)
+    overrides = parse_overrides(["max_prefill_tokens_with_decode=96", "log_level=debug",
+                                 "max_waiting=8", "model=other"])
+    assert overrides == {"max_prefill_tokens_with_decode": 96, "log_level": "debug",
+                         "max_waiting": 8, "model": "other"}
+    path, _ = colocated_config(ctx, threads=2, quantization="int8", overrides=overrides)
+    new = tomllib.loads(path.read_text())  # a key set twice would not parse
+    assert new["unified"]["max_prefill_tokens_with_decode"] == 96
+    assert new["unified"]["log_level"] == "debug"
+    assert new["unified"]["max_waiting"] == 8
+    assert new["unified"]["model"] == "other"
+    assert new["gateway"]["model"] == "smollm2-135m-instruct"  # other sections untouched
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides(["max_waiting"])
