@@ -4,7 +4,8 @@
         [--input-len 390 --range-ratio 0.5 --output-len 64 --request-rate 0.5]
         [--threads 2 --parallel 8] [--quantization none|int8|int4]
         [--repeats 1 --warmup 0] [--out served.json]
-        [--worker-set KEY=VALUE ...] [--log-dir DIR]
+        [--worker-set KEY=VALUE ...] [--log-dir DIR] [--sides pdserve,llama-server]
+    python bench/served.py --simulate smollm2-cpu-quiet [--worker-set KEY=VALUE ...]
 
 Sides, each a fresh server per run, interleaved by bench/harness.py:
 
@@ -18,6 +19,11 @@ Sides, each a fresh server per run, interleaved by bench/harness.py:
 * ``llama-server-f32`` (with ``--f32-gguf``): the same weights as F32 (made with
   ``llama-quantize --allow-requantize <gguf> <out> F32``, docs/benchmarks.md).
 
+``--simulate PROFILE`` runs no server: one side, ``pdserve-sim``, replays the same
+requests in virtual time through the engine's real scheduler (services/engine/sim.py)
+with step times from a cost profile (deploy/profiles), so that scheduling settings
+(``--worker-set``) can be compared without a quiet machine; in seconds.
+
 Every side gets the same requests per round (bench/serve.py's random dataset, token-id
 prompts on ``/v1/completions``, greedy, ``ignore_eos``, streamed). Figures: mean TTFT,
 TPOT and end-to-end latency (ms) and goodput (req/s within ``--slo-ttft-ms`` and
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,7 +58,7 @@ METRICS = [Metric("mean_ttft_ms", "mean TTFT", "ms", higher_is_better=False),
            Metric("mean_e2e_ms", "mean end-to-end", "ms", higher_is_better=False),
            Metric("goodput", "goodput", "req/s")]
 KEPT = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2e_ms",
-        "p99_e2e_ms", "goodput", "output_throughput", "completed", "failed")
+        "p99_e2e_ms", "p99_itl_ms", "goodput", "output_throughput", "completed", "failed")
 
 
 def _toml_value(v) -> str:
@@ -174,8 +181,12 @@ def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
         if args.log_dir:
             keep = Path(args.log_dir)
             keep.mkdir(parents=True, exist_ok=True)
-            for log in ctx.tmp.glob("*.log"):
-                shutil.copy(log, keep / f"r{ctx.round}-{log.name}")
+            logs = list(ctx.tmp.glob("*.log"))
+            if ctx.side == "pdserve":  # each service's own log, where run_local put it
+                found = re.search(r"logs in (\S+?)\)", (ctx.tmp / "pdserve.log").read_text())
+                logs += list(Path(found.group(1)).glob("*.log")) if found else []
+            for log in logs:
+                shutil.copy(log, keep / f"r{ctx.round}-{ctx.side}-{log.name}")
     summary = serve_report.summarize(results, serve_report.results_duration(results),
                                      serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     if summary["failed"]:
@@ -183,9 +194,77 @@ def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
     return {k: summary[k] for k in KEPT}
 
 
+def run_sim(ctx: RunContext, args: argparse.Namespace) -> dict:
+    """The pdserve side in virtual time: each step lasts what the profile says."""
+    from common.cost_profile import load_profile
+    from common.sampling_params import SamplingParams
+    from services.engine.sim import SimEngine
+
+    worker = dict(parse_overrides(args.worker_set))
+    clock = [0.0]
+
+    def advance(seconds: float) -> None:
+        clock[0] += seconds
+    engine = SimEngine(load_profile(args.simulate), sleep=advance,
+                       kv_cache_bytes=int(worker.pop("kv_cache_mib", 512)) << 20,
+                       max_num_seqs=int(worker.pop("max_num_seqs", 64)),
+                       max_num_batched_tokens=int(worker.pop("max_num_batched_tokens", 2048)),
+                       prefill_chunk_size=int(worker.pop("prefill_chunk_size", 0)) or None,
+                       max_prefill_tokens_with_decode=int(
+                           worker.pop("max_prefill_tokens_with_decode", 0)) or None)
+    if worker:
+        raise ValueError(f"--simulate takes no worker setting {sorted(worker)}")
+    specs = serve.build_requests(serve.parse_args([
+        "--model", MODEL, "--dataset", "random", "--num-prompts", str(args.num_prompts),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--range-ratio", str(args.range_ratio), "--request-rate", str(args.request_rate),
+        "--seed", str(ctx.seed)]))
+    times: dict[int, list[float]] = {i: [] for i in range(len(specs))}
+    nxt = 0
+    while nxt < len(specs) or engine.has_unfinished_requests():
+        while nxt < len(specs) and specs[nxt].arrival_s <= clock[0]:
+            spec = specs[nxt]
+            engine.add_request(str(nxt), list(spec.prompt), SamplingParams(
+                temperature=0, max_tokens=spec.output_len, ignore_eos=True))
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            clock[0] = specs[nxt].arrival_s
+            continue
+        for out in engine.step():
+            times[int(out.request_id)] += [clock[0]] * len(out.new_token_ids)
+    results = []
+    for i, spec in enumerate(specs):
+        t = times[i]
+        gaps = tuple(b - a for a, b in zip(t[:-1], t[1:], strict=True))
+        results.append(serve_report.RequestResult(
+            index=i, prompt_len=spec.prompt_len, output_len=spec.output_len, success=True,
+            output_tokens=len(t), prompt_tokens=spec.prompt_len,
+            ttft_s=t[0] - spec.arrival_s, itl_s=gaps,
+            e2e_s=t[-1] - spec.arrival_s, arrival_s=spec.arrival_s, start_s=spec.arrival_s))
+    summary = serve_report.summarize(results, serve_report.results_duration(results),
+                                     serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+    return {k: summary[k] for k in KEPT}
+
+
+def _server_sides(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict:
+    from services.engine.weights import resolve_model
+    gguf = resolve_model(MODEL)
+    sides = ["pdserve", "llama-server"] + (["llama-server-f32"] if args.f32_gguf else [])
+    if args.sides:
+        chosen = [s.strip() for s in args.sides.split(",") if s.strip()]
+        unknown = sorted(set(chosen) - set(sides))
+        if unknown or not chosen:
+            ap.error(f"--sides: {unknown or 'none'} not among {sides}")
+        sides = [s for s in sides if s in chosen]
+    return {s: (lambda ctx: run_side(ctx, args, gguf)) for s in sides}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-server", required=True, help="path of llama.cpp's llama-server")
+    ap.add_argument("--llama-server", help="path of llama.cpp's llama-server")
+    ap.add_argument("--simulate", metavar="PROFILE", default=None,
+                    help="no servers: pdserve's scheduler in virtual time with this cost "
+                         "profile (deploy/profiles)")
     ap.add_argument("--f32-gguf", default=None, help="the model as F32 GGUF: a third side")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=390)
@@ -203,23 +282,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of pdserve's worker (repeatable)")
     ap.add_argument("--log-dir", default=None, help="keep each run's server output here")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "served.json"))
+    ap.add_argument("--sides", default=None,
+                    help="comma-separated subset of the sides to run (default: all)")
+    ap.add_argument("--out", default=None,
+                    help="default bench/results/served.json (served-sim.json simulated)")
     args = ap.parse_args(argv)
-    from services.engine.weights import resolve_model
-    gguf = resolve_model(MODEL)
-    sides = ["pdserve", "llama-server"] + (["llama-server-f32"] if args.f32_gguf else [])
+    if args.simulate:
+        runners = {"pdserve-sim": lambda ctx: run_sim(ctx, args)}
+    elif args.llama_server:
+        runners = _server_sides(args, ap)
+    else:
+        ap.error("give --llama-server PATH, or --simulate PROFILE")
     settings = {"prompts": args.num_prompts, "input_len": args.input_len,
                 "range_ratio": args.range_ratio, "output_len": args.output_len,
                 "rate": args.request_rate, "threads": args.threads,
                 "llama_np": args.parallel, "quantization": args.quantization,
                 "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
                 **{f"worker.{k}": v for k, v in parse_overrides(args.worker_set).items()}}
-    session = Session("served", settings, seed=args.seed)
-    runs = session.run({s: (lambda ctx: run_side(ctx, args, gguf)) for s in sides},
-                       repeats=args.repeats, warmup=args.warmup)
+    if args.simulate:
+        settings["simulate"] = args.simulate
+    name = "served-sim" if args.simulate else "served"
+    session = Session(name, settings, seed=args.seed)
+    runs = session.run(runners, repeats=args.repeats, warmup=args.warmup)
     report = session.finish(METRICS, runs)
     print_summary(report)
-    write(report, Path(args.out))
+    write(report, Path(args.out or ROOT / "bench" / "results" / f"{name}.json"))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         return SimEngine(load_profile(s.sim_profile), block_size=s.block_size,
                          kv_cache_bytes=s.kv_cache_mib << 20, max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens,
+                         prefill_chunk_size=s.prefill_chunk_size or None,
+                         max_prefill_tokens_with_decode=s.max_prefill_tokens_with_decode or None,
                          max_model_len=s.max_model_len or 8192, time_scale=s.sim_time_scale,
                          hooks=hooks)
     from services.engine.config import EngineConfig
