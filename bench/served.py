@@ -299,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
                 "llama_np": args.parallel, "quantization": args.quantization,
                 "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
                 **{f"worker.{k}": v for k, v in parse_overrides(args.worker_set).items()}}
-    if args.simulate:
+    if args.simulate:  # no threads, llama-server or weights: the profile stands for them
+        for key in ("threads", "llama_np", "quantization"):
+            del settings[key]
         settings["simulate"] = args.simulate
     name = "served-sim" if args.simulate else "served"
     session = Session(name, settings, seed=args.seed)
