@@ -132,3 +132,28 @@ def test_engine_and_worker_settings_refuse_a_negative_cap():
         WorkerSettings(max_prefill_tokens_with_decode=-1)
     with pytest.raises(ValueError, match="log_level"):
         WorkerSettings(log_level="chatty")
+
+
+def test_capped_prompts_beside_decodes_give_the_reference_tokens(tiny_dirs, references,
+                                                                 make_engine):
+    from tests.tiny_models import random_prompts, reference_greedy
+
+    prompts = random_prompts([9, 45, 30], seed=11)
+    engine = make_engine(tiny_dirs["llama"], max_prefill_tokens_with_decode=8)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
+    engine.add_request("first", prompts[0], params)
+    prefill_per_step = []
+    while engine.has_unfinished_requests():
+        if len(tokens.get("first", ())) == 2:  # "first" decodes: the others join now
+            engine.add_request("second", prompts[1], params)
+            engine.add_request("third", prompts[2], params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step = engine.last_step
+        if step is not None and step.decode_batch:
+            prefill_per_step.append(sum(n for n, _ in step.prefill))
+    assert max(prefill_per_step) == 8  # the cap held in every step beside a decode
+    assert sum(prefill_per_step) == 45 + 30  # both later prompts went in capped pieces
+    assert [tokens[r] for r in ("first", "second", "third")] == \
+        [reference_greedy(references["llama"], p, 24) for p in prompts]
