@@ -4,16 +4,25 @@
         [--input-len 390 --range-ratio 0.5 --output-len 64 --request-rate 0.5]
         [--threads 2 --parallel 8] [--quantization none|int8|int4]
         [--repeats 1 --warmup 0] [--out served.json]
+        [--worker-set KEY=VALUE ...] [--log-dir DIR] [--sides pdserve,llama-server]
+    python bench/served.py --simulate smollm2-cpu-quiet [--worker-set KEY=VALUE ...]
 
 Sides, each a fresh server per run, interleaved by bench/harness.py:
 
 * ``pdserve``: deploy/configs/colocated.toml (gateway, conductor, one unified worker
   with ``--threads`` torch threads and ``--quantization``) started by
   deploy/run_local.py, every port moved to a free one so that other deployments on the
-  host are left alone;
+  host are left alone; ``--worker-set`` overrides a setting of its ``[unified]``
+  section (``max_prefill_tokens_with_decode=128``, ``log_level=debug`` for the
+  per-step trace), ``--log-dir`` keeps each run's server output;
 * ``llama-server``: ``llama-server -m <default GGUF> -np <parallel> -t <threads>``;
 * ``llama-server-f32`` (with ``--f32-gguf``): the same weights as F32 (made with
   ``llama-quantize --allow-requantize <gguf> <out> F32``, docs/benchmarks.md).
+
+``--simulate PROFILE`` runs no server: one side, ``pdserve-sim``, replays the same
+requests in virtual time through the engine's real scheduler (services/engine/sim.py)
+with step times from a cost profile (deploy/profiles), so that scheduling settings
+(``--worker-set``) can be compared without a quiet machine; in seconds.
 
 Every side gets the same requests per round (bench/serve.py's random dataset, token-id
 prompts on ``/v1/completions``, greedy, ``ignore_eos``, streamed). Figures: mean TTFT,
@@ -27,6 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,7 +58,7 @@ METRICS = [Metric("mean_ttft_ms", "mean TTFT", "ms", higher_is_better=False),
            Metric("mean_e2e_ms", "mean end-to-end", "ms", higher_is_better=False),
            Metric("goodput", "goodput", "req/s")]
 KEPT = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_e2e_ms",
-        "p99_e2e_ms", "goodput", "output_throughput", "completed", "failed")
+        "p99_e2e_ms", "p99_itl_ms", "goodput", "output_throughput", "completed", "failed")
 
 
 def _toml_value(v) -> str:
@@ -58,8 +69,24 @@ def _toml_value(v) -> str:
     return str(v)
 
 
-def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[Path, int]:
-    """deploy/configs/colocated.toml with each port a free one; (its path, HTTP port)."""
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` pairs for the worker's section; an int where the value reads as one."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--worker-set takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def colocated_config(ctx: RunContext, threads: int, quantization: str,
+                     overrides: dict[str, object] | None = None) -> tuple[Path, int]:
+    """deploy/configs/colocated.toml with each port a free one and ``overrides`` in its
+    worker's section; (its path, HTTP port)."""
     table = tomllib.loads((ROOT / "deploy" / "configs" / "colocated.toml").read_text())
     moved: dict[int, int] = {}
 
@@ -68,6 +95,7 @@ def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[
     lines = []
     for section, keys in table.items():
         lines.append(f"[{section}]")
+        first = len(lines)
         for key, value in keys.items():
             if key.endswith("_port") and isinstance(value, int):
                 value = port(value)
@@ -78,7 +106,9 @@ def colocated_config(ctx: RunContext, threads: int, quantization: str) -> tuple[
                 value = threads
             lines.append(f"{key} = {_toml_value(value)}")
         if section == "unified":
-            lines.append(f"quantization = {_toml_value(quantization)}")
+            extra = {"quantization": quantization, **(overrides or {})}
+            lines[first:] = [ln for ln in lines[first:] if ln.split(" = ")[0] not in extra]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in extra.items()]
         lines.append("")
     path = ctx.tmp / "colocated.toml"
     path.write_text("\n".join(lines))
@@ -110,11 +140,12 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def start_pdserve(ctx: RunContext, threads: int,
-                  quantization: str) -> tuple[subprocess.Popen, str]:
-    config, http_port = colocated_config(ctx, threads, quantization)
+def start_pdserve(ctx: RunContext, threads: int, quantization: str,
+                  overrides: dict[str, object] | None = None) -> tuple[subprocess.Popen, str]:
+    config, http_port = colocated_config(ctx, threads, quantization, overrides)
+    log = open(ctx.tmp / "pdserve.log", "wb")  # noqa: SIM115 (outlives this call)
     proc = subprocess.Popen([sys.executable, "deploy/run_local.py", "--config", str(config)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     return proc, f"http://127.0.0.1:{http_port}"
 
@@ -131,7 +162,8 @@ def start_llama(ctx: RunContext, binary: str, gguf: str, threads: int,
 
 def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
     if ctx.side == "pdserve":
-        proc, base = start_pdserve(ctx, args.threads, args.quantization)
+        proc, base = start_pdserve(ctx, args.threads, args.quantization,
+                                   parse_overrides(args.worker_set))
     else:
         model = args.f32_gguf if ctx.side == "llama-server-f32" else gguf
         proc, base = start_llama(ctx, args.llama_server, model, args.threads, args.parallel)
@@ -146,6 +178,15 @@ def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
                                                   endpoint="completions", progress=False))
     finally:
         _stop(proc)
+        if args.log_dir:
+            keep = Path(args.log_dir)
+            keep.mkdir(parents=True, exist_ok=True)
+            logs = list(ctx.tmp.glob("*.log"))
+            if ctx.side == "pdserve":  # each service's own log, where run_local put it
+                found = re.search(r"logs in (\S+?)\)", (ctx.tmp / "pdserve.log").read_text())
+                logs += list(Path(found.group(1)).glob("*.log")) if found else []
+            for log in logs:
+                shutil.copy(log, keep / f"r{ctx.round}-{ctx.side}-{log.name}")
     summary = serve_report.summarize(results, serve_report.results_duration(results),
                                      serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     if summary["failed"]:
@@ -153,9 +194,77 @@ def run_side(ctx: RunContext, args: argparse.Namespace, gguf: str) -> dict:
     return {k: summary[k] for k in KEPT}
 
 
+def run_sim(ctx: RunContext, args: argparse.Namespace) -> dict:
+    """The pdserve side in virtual time: each step lasts what the profile says."""
+    from common.cost_profile import load_profile
+    from common.sampling_params import SamplingParams
+    from services.engine.sim import SimEngine
+
+    worker = dict(parse_overrides(args.worker_set))
+    clock = [0.0]
+
+    def advance(seconds: float) -> None:
+        clock[0] += seconds
+    engine = SimEngine(load_profile(args.simulate), sleep=advance,
+                       kv_cache_bytes=int(worker.pop("kv_cache_mib", 512)) << 20,
+                       max_num_seqs=int(worker.pop("max_num_seqs", 64)),
+                       max_num_batched_tokens=int(worker.pop("max_num_batched_tokens", 2048)),
+                       prefill_chunk_size=int(worker.pop("prefill_chunk_size", 0)) or None,
+                       max_prefill_tokens_with_decode=int(
+                           worker.pop("max_prefill_tokens_with_decode", 0)) or None)
+    if worker:
+        raise ValueError(f"--simulate takes no worker setting {sorted(worker)}")
+    specs = serve.build_requests(serve.parse_args([
+        "--model", MODEL, "--dataset", "random", "--num-prompts", str(args.num_prompts),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--range-ratio", str(args.range_ratio), "--request-rate", str(args.request_rate),
+        "--seed", str(ctx.seed)]))
+    times: dict[int, list[float]] = {i: [] for i in range(len(specs))}
+    nxt = 0
+    while nxt < len(specs) or engine.has_unfinished_requests():
+        while nxt < len(specs) and specs[nxt].arrival_s <= clock[0]:
+            spec = specs[nxt]
+            engine.add_request(str(nxt), list(spec.prompt), SamplingParams(
+                temperature=0, max_tokens=spec.output_len, ignore_eos=True))
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            clock[0] = specs[nxt].arrival_s
+            continue
+        for out in engine.step():
+            times[int(out.request_id)] += [clock[0]] * len(out.new_token_ids)
+    results = []
+    for i, spec in enumerate(specs):
+        t = times[i]
+        gaps = tuple(b - a for a, b in zip(t[:-1], t[1:], strict=True))
+        results.append(serve_report.RequestResult(
+            index=i, prompt_len=spec.prompt_len, output_len=spec.output_len, success=True,
+            output_tokens=len(t), prompt_tokens=spec.prompt_len,
+            ttft_s=t[0] - spec.arrival_s, itl_s=gaps,
+            e2e_s=t[-1] - spec.arrival_s, arrival_s=spec.arrival_s, start_s=spec.arrival_s))
+    summary = serve_report.summarize(results, serve_report.results_duration(results),
+                                     serve_report.Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+    return {k: summary[k] for k in KEPT}
+
+
+def _server_sides(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict:
+    from services.engine.weights import resolve_model
+    gguf = resolve_model(MODEL)
+    sides = ["pdserve", "llama-server"] + (["llama-server-f32"] if args.f32_gguf else [])
+    if args.sides:
+        chosen = [s.strip() for s in args.sides.split(",") if s.strip()]
+        unknown = sorted(set(chosen) - set(sides))
+        if unknown or not chosen:
+            ap.error(f"--sides: {unknown or 'none'} not among {sides}")
+        sides = [s for s in sides if s in chosen]
+    return {s: (lambda ctx: run_side(ctx, args, gguf)) for s in sides}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-server", required=True, help="path of llama.cpp's llama-server")
+    ap.add_argument("--llama-server", help="path of llama.cpp's llama-server")
+    ap.add_argument("--simulate", metavar="PROFILE", default=None,
+                    help="no servers: pdserve's scheduler in virtual time with this cost "
+                         "profile (deploy/profiles)")
     ap.add_argument("--f32-gguf", default=None, help="the model as F32 GGUF: a third side")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=390)
@@ -170,22 +279,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "served.json"))
+    ap.add_argument("--worker-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of pdserve's worker (repeatable)")
+    ap.add_argument("--log-dir", default=None, help="keep each run's server output here")
+    ap.add_argument("--sides", default=None,
+                    help="comma-separated subset of the sides to run (default: all)")
+    ap.add_argument("--out", default=None,
+                    help="default bench/results/served.json (served-sim.json simulated)")
     args = ap.parse_args(argv)
-    from services.engine.weights import resolve_model
-    gguf = resolve_model(MODEL)
-    sides = ["pdserve", "llama-server"] + (["llama-server-f32"] if args.f32_gguf else [])
+    if args.simulate:
+        runners = {"pdserve-sim": lambda ctx: run_sim(ctx, args)}
+    elif args.llama_server:
+        runners = _server_sides(args, ap)
+    else:
+        ap.error("give --llama-server PATH, or --simulate PROFILE")
     settings = {"prompts": args.num_prompts, "input_len": args.input_len,
                 "range_ratio": args.range_ratio, "output_len": args.output_len,
                 "rate": args.request_rate, "threads": args.threads,
                 "llama_np": args.parallel, "quantization": args.quantization,
-                "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
-    session = Session("served", settings, seed=args.seed)
-    runs = session.run({s: (lambda ctx: run_side(ctx, args, gguf)) for s in sides},
-                       repeats=args.repeats, warmup=args.warmup)
+                "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+                **{f"worker.{k}": v for k, v in parse_overrides(args.worker_set).items()}}
+    if args.simulate:  # no threads, llama-server or weights: the profile stands for them
+        for key in ("threads", "llama_np", "quantization"):
+            del settings[key]
+        settings["simulate"] = args.simulate
+    name = "served-sim" if args.simulate else "served"
+    session = Session(name, settings, seed=args.seed)
+    runs = session.run(runners, repeats=args.repeats, warmup=args.warmup)
     report = session.finish(METRICS, runs)
     print_summary(report)
-    write(report, Path(args.out))
+    write(report, Path(args.out or ROOT / "bench" / "results" / f"{name}.json"))
 
 
 if __name__ == "__main__":

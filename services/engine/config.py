@@ -47,7 +47,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int | None = None
+    prefill_chunk_size: int | None = None  # cap on one sequence's tokens per step
+    # Cap on a step's prompt tokens while any sequence decodes (scheduler.py); None: none.
+    max_prefill_tokens_with_decode: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     quantization: str = "none"  # int8/int4/w8a16/w4a16 (CPU): weights/quantize
@@ -82,6 +84,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError("prefill_chunk_size must be >= 1")
+        if (self.max_prefill_tokens_with_decode is not None
+                and self.max_prefill_tokens_with_decode < 0):
+            raise ValueError("max_prefill_tokens_with_decode must be >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
         if self.tensor_parallel_size < 1:

@@ -184,7 +184,9 @@ class LLMEngine(EngineCore):
             eos_token_ids=cfg.eos_token_ids,
             scheduler=SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                       max_num_batched_tokens=config.max_num_batched_tokens,
-                                      prefill_chunk_size=config.prefill_chunk_size),
+                                      prefill_chunk_size=config.prefill_chunk_size,
+                                      max_prefill_tokens_with_decode=(
+                                          config.max_prefill_tokens_with_decode)),
             enable_prefix_caching=config.enable_prefix_caching, hooks=hooks,
             encode=lambda text: self.tokenizer.encode(text))
 

@@ -182,6 +182,8 @@ class SimEngine(EngineCore):
     def __init__(self, profile: CostProfile, *, block_size: int = 16,
                  num_blocks: int = 0, kv_cache_bytes: int = 1 << 30,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
+                 prefill_chunk_size: int | None = None,
+                 max_prefill_tokens_with_decode: int | None = None,
                  max_model_len: int = 8192, vocab_size: int = 49152, kv_layers: int = 2,
                  block_bytes_cap: int = 512, time_scale: float = 1.0,
                  sleep: Callable[[float], None] = time.sleep,
@@ -206,5 +208,8 @@ class SimEngine(EngineCore):
             fingerprint=f"sim-{profile.name}-{block_size}-{block_bytes}x{kv_layers}",
             max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=(),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      prefill_chunk_size=prefill_chunk_size,
+                                      max_prefill_tokens_with_decode=(
+                                          max_prefill_tokens_with_decode)),
             seeded_generators=False, hooks=hooks)

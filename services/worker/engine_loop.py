@@ -234,6 +234,9 @@ class EngineLoop:
         step = self._engine.last_step
         if step is None:
             return
+        # Per-step trace (worker log_level = "debug"): what each step carried and cost.
+        log.debug("step", ms=round(elapsed * 1e3, 2), decode=step.decode_batch,
+                  prefill=sum(n for n, _ in step.prefill), chunks=len(step.prefill))
         if step.prefill and not step.decode_batch:
             rate = sum(n for n, _ in step.prefill) / max(elapsed, 1e-9)
             old = self.prefill_tokens_per_s

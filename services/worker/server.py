@@ -85,6 +85,8 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         return SimEngine(load_profile(s.sim_profile), block_size=s.block_size,
                          kv_cache_bytes=s.kv_cache_mib << 20, max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens,
+                         prefill_chunk_size=s.prefill_chunk_size or None,
+                         max_prefill_tokens_with_decode=s.max_prefill_tokens_with_decode or None,
                          max_model_len=s.max_model_len or 8192, time_scale=s.sim_time_scale,
                          hooks=hooks)
     from services.engine.config import EngineConfig
@@ -95,6 +97,8 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         block_size=s.block_size,
         kv_cache_bytes=s.kv_cache_mib << 20, max_model_len=s.max_model_len or None,
         max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+        prefill_chunk_size=s.prefill_chunk_size or None,
+        max_prefill_tokens_with_decode=s.max_prefill_tokens_with_decode or None,
         num_threads=s.num_threads or None, quantization=s.quantization,
         tensor_parallel_size=s.tensor_parallel_size, cuda_graphs=s.use_cuda_graphs,
         random_weights=s.random_weights or None, seed=s.random_seed), hooks=hooks)
@@ -380,7 +384,8 @@ def _load(argv, role: str | None) -> WorkerSettings:
 
 
 def _prepare(settings: WorkerSettings) -> None:
-    configure_logging(settings.log_format, service=settings.role)
+    configure_logging(settings.log_format, service=settings.role,
+                      level=settings.log_level.upper())
     apply_ucx_settings(settings.ucx_tls, settings.ucx_net_devices)
     pin_cpus(settings.cpu_affinity)
 

@@ -23,6 +23,10 @@ class WorkerSettings:
     kv_cache_mib: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 0  # cap on one prompt's tokens per step; 0: the step's budget
+    # Cap on a step's prompt tokens while any request decodes, so that a new prompt
+    # delays running streams by at most this much prefill per token; 0: no cap.
+    max_prefill_tokens_with_decode: int = 0
     max_model_len: int = 0  # 0: the model's own context length
     num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
     quantization: str = "none"  # int8/int4/w8a16/w4a16: quantized, CPU (EngineConfig)
@@ -53,6 +57,7 @@ class WorkerSettings:
     metrics_port: int = 0  # 0: no /metrics endpoint
     host_id: str = ""  # empty: this machine's hostname
     log_format: str = "json"
+    log_level: str = "info"  # debug adds a line per engine step (rows, prompt tokens, ms)
     curve_keys_dir: str = ""  # CURVE keys (pdserve keys); empty: plain, trusted host only
     tracing: bool = False  # OpenTelemetry spans (docs/tracing.md)
     tracing_endpoint: str = ""  # OTLP/HTTP collector
@@ -76,6 +81,12 @@ class WorkerSettings:
                              f"got {self.transfer_backend!r}")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"log_level must be debug, info, warning or error, "
+                             f"got {self.log_level!r}")
+        if self.prefill_chunk_size < 0 or self.max_prefill_tokens_with_decode < 0:
+            raise ValueError("prefill_chunk_size and max_prefill_tokens_with_decode must be "
+                             ">= 0 (0: no cap)")
         if self.kv_lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
         if self.heartbeat_interval_s <= 0:
