@@ -25,8 +25,10 @@ reduced horizontally. 4-bit codes hold two inputs per byte (low nibble: inputs
 Layout (:func:`pack`): rows padded to a multiple of 16; ``packed`` uint8, per (block of
 16 rows, group) ``16 * 32 * bits / 8`` bytes; ``scale``/``offset`` float32
 ``[N/16, G, 16]``. Up to 8 activation rows go through the integer kernel; more rows
-(prefill) expand 256 output rows at a time to float32 and run the float GEMM on
-unrounded activations, as the exact kernel does. Where no compiler is at hand,
+(prefill, large batches) run in float32 on unrounded activations: each pair of blocks
+decoded once into a cache-resident buffer and multiplied by every row
+(kernels/cpu_qmatmul_a8_rows.py), or, without a compiler, 256 output rows at a time
+expanded in torch and run through the float GEMM. Where no compiler is at hand,
 :func:`qmatmul_reference` (same rounding, plain torch) is used, with one log line;
 without VNNI the kernel is a plain loop.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_qmatmul_a8_rows
 from kernels.cpu_build import CppKernel
 
 GROUP, ROWS, GEMV_ROWS, SLICE_BLOCKS = 32, 16, 8, 16
@@ -266,6 +269,18 @@ def _dequantize_blocks(packed, scale, offset, bits, b0: int, nb: int) -> torch.T
     return w.mul_(s).add_(o).view(nb * ROWS, g * GROUP)
 
 
+def _expanded(x, packed, scale, offset, bits: int) -> torch.Tensor:
+    """More than 8 rows without a compiler: float GEMM on weight slices expanded in
+    torch, ``SLICE_BLOCKS`` blocks at a time (never a whole float copy)."""
+    nb = scale.shape[0]
+    y = x.new_empty(x.shape[0], nb * ROWS)
+    for b0 in range(0, nb, SLICE_BLOCKS):
+        n = min(SLICE_BLOCKS, nb - b0)
+        w = _dequantize_blocks(packed, scale, offset, bits, b0, n)
+        y[:, b0 * ROWS:(b0 + n) * ROWS] = x @ w.t()
+    return y
+
+
 def quantize_activations(x: torch.Tensor, levels: int = NARROW
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xq, dx, xsum)``: integer levels ``[M, K]`` (int8 for ``NARROW``, int16 for
@@ -300,15 +315,10 @@ def qmatmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             offset: torch.Tensor, bits: int, levels: int = NARROW) -> torch.Tensor:
     """``x`` float32 ``[M, K]`` times the packed weight: ``[M, N_padded]`` float32."""
     if x.shape[0] > GEMV_ROWS:
-        # Prefill and large batches: float GEMM on slices expanded in cache, activations
-        # unrounded (compute-bound there; rounding would buy nothing).
-        nb = scale.shape[0]
-        y = x.new_empty(x.shape[0], nb * ROWS)
-        for b0 in range(0, nb, SLICE_BLOCKS):
-            n = min(SLICE_BLOCKS, nb - b0)
-            w = _dequantize_blocks(packed, scale, offset, bits, b0, n)
-            y[:, b0 * ROWS:(b0 + n) * ROWS] = x @ w.t()
-        return y
+        # Prefill and large batches: compute-bound, activations unrounded (rounding would
+        # buy nothing); the many-row kernel where it builds, torch's expansion otherwise.
+        y = cpu_qmatmul_a8_rows.qmatmul_rows(x, packed, scale, offset, bits)
+        return _expanded(x, packed, scale, offset, bits) if y is None else y
     mod = _KERNEL.module()
     if mod is None:
         return qmatmul_reference(x, packed, scale, offset, bits, levels)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_qmatmul, cpu_qmatmul_a8
+from kernels import cpu_qmatmul, cpu_qmatmul_a8, cpu_qmatmul_a8_rows
 
 HAVE_CXX = shutil.which(os.environ.get("CXX", "c++")) is not None
 
@@ -106,3 +106,46 @@ def test_no_compiler_falls_back_to_the_reference(monkeypatch):
     wide = cpu_qmatmul_a8.WIDE
     assert torch.equal(cpu_qmatmul_a8.qmatmul(x, *packed, 4, wide),
                        cpu_qmatmul_a8.qmatmul_reference(x, *packed, 4, wide))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [9, 13, 25, 40])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (96, 1536)])
+def test_many_rows_kernel_equals_the_expansion(bits, m, n, k):
+    """More than 8 rows: tiles of up to 12 rows, an odd last block (n = 40), the float
+    product of the expanded weight up to summation order."""
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler: these rows take the torch expansion")
+    assert cpu_qmatmul_a8_rows.available()
+    codes, scale, offset = _weights(n, k, bits, seed=m * 7 + n + bits)
+    packed = cpu_qmatmul_a8.pack(codes, scale, offset, bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    got = cpu_qmatmul_a8.qmatmul(x, *packed, bits, cpu_qmatmul_a8.WIDE)
+    want = cpu_qmatmul_a8._expanded(x, *packed, bits)
+    assert got.shape == (m, -(-n // 16) * 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    w = cpu_qmatmul.dequantize(codes, scale, offset)
+    exact = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(got[:, :n], exact, rtol=1e-5,
+                               atol=1e-5 * float(exact.abs().max()))
+    # padded rows of the last block carry zero codes, scale and offset
+    assert not got[:, n:].any()
+
+
+def test_many_rows_reads_non_contiguous_activations():
+    codes, scale, offset = _weights(48, 64, 4, seed=6)
+    packed = cpu_qmatmul_a8.pack(codes, scale, offset, 4)
+    x = torch.randn(64, 40)[:, ::2].t()  # [20, 64] with strides (2, 40)
+    torch.testing.assert_close(cpu_qmatmul_a8.qmatmul(x, *packed, 4),
+                               cpu_qmatmul_a8._expanded(x.contiguous(), *packed, 4),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_without_a_compiler_expand_in_torch(monkeypatch):
+    codes, scale, offset = _weights(32, 64, 4, seed=7)
+    packed = cpu_qmatmul_a8.pack(codes, scale, offset, 4)
+    monkeypatch.setattr(cpu_qmatmul_a8_rows._KERNEL, "module", lambda: None)
+    x = torch.randn(12, 64)
+    assert cpu_qmatmul_a8_rows.qmatmul_rows(x, *packed, 4) is None
+    assert torch.equal(cpu_qmatmul_a8.qmatmul(x, *packed, 4),
+                       cpu_qmatmul_a8._expanded(x, *packed, 4))

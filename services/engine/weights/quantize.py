@@ -28,7 +28,8 @@ of ``_group_codes4``: a Q4_1 or Q4_0 block comes back as the file stores it; the
 head stays 8-bit), with each decode row's activations rounded per group of 32 to
 integers of +-16256 levels (about 15 bits), so that a group's product is integer dot
 products (kernels/cpu_qmatmul_a8.py, :class:`A8Linear`). Up to 8 rows a step take that
-path; prefill and larger batches run the float GEMM on unrounded activations. The
+path; prefill and larger batches multiply unrounded activations in float32
+(kernels/cpu_qmatmul_a8_rows.py: weights decoded a tile at a time in cache). The
 rounding moves an output by at most ``sum |w| * max|x| / 32512`` per group: on the
 default model the chat answers stay the float model's (tests/test_default_model.py).
 """
@@ -41,7 +42,7 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import cpu_qmatmul, cpu_qmatmul_a8
+from kernels import cpu_qmatmul, cpu_qmatmul_a8, cpu_qmatmul_a8_rows
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16")
 INT4_GROUP = 32
@@ -275,7 +276,8 @@ def quantize_model(model: nn.Module, method: str) -> None:
     if method == "none":
         return
     if method in ("w8a16", "w4a16"):
-        cpu_qmatmul_a8.available()  # as below
+        cpu_qmatmul_a8.available()  # as below, and the kernel for more than 8 rows
+        cpu_qmatmul_a8_rows.available()
     if method == "int8":
         # Build (or load the cached build of) the kernel now, at load, not inside the
         # first request's step: a cold build takes a minute or more.
