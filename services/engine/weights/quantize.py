@@ -25,11 +25,10 @@ decode row is rounded to bfloat16 on its way in and the product comes back as fl
 
 ``"w8a16"`` / ``"w4a16"``: the int8 codes above, or 4-bit codes in groups of 32 (the grid
 of ``_group_codes4``: a Q4_1 or Q4_0 block comes back as the file stores it; the output
-head stays 8-bit), with each decode row's activations rounded per group of 32 to
+head stays 8-bit), with each row's activations rounded per group of 32 to
 integers of +-16256 levels (about 15 bits), so that a group's product is integer dot
-products (kernels/cpu_qmatmul_a8.py, :class:`A8Linear`). Up to 8 rows a step take that
-path; prefill and larger batches multiply unrounded activations in float32
-(kernels/cpu_qmatmul_a8_rows.py: weights decoded a tile at a time in cache). The
+products (kernels/cpu_qmatmul_a8.py, :class:`A8Linear`): decode rows, prefill chunks
+and large batches alike (a prefill row gets the same output as it would alone). The
 rounding moves an output by at most ``sum |w| * max|x| / 32512`` per group: on the
 default model the chat answers stay the float model's (tests/test_default_model.py).
 """
@@ -42,7 +41,7 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import cpu_qmatmul, cpu_qmatmul_a8, cpu_qmatmul_a8_rows
+from kernels import cpu_qmatmul, cpu_qmatmul_a8
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16")
 INT4_GROUP = 32
@@ -110,7 +109,7 @@ def _group_codes4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class A8Linear(nn.Module):
     """``y = x @ W.T + b`` with W as 8- or 4-bit codes in groups of 32 (scale and offset
-    each) and decode rows' activations rounded per group (module docstring)."""
+    each) and activations rounded per group (module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> None:
         super().__init__()
@@ -276,8 +275,7 @@ def quantize_model(model: nn.Module, method: str) -> None:
     if method == "none":
         return
     if method in ("w8a16", "w4a16"):
-        cpu_qmatmul_a8.available()  # as below, and the kernel for more than 8 rows
-        cpu_qmatmul_a8_rows.available()
+        cpu_qmatmul_a8.available()  # as below
     if method == "int8":
         # Build (or load the cached build of) the kernel now, at load, not inside the
         # first request's step: a cold build takes a minute or more.
