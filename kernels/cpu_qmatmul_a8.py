@@ -24,11 +24,19 @@ reduced horizontally. 4-bit codes hold two inputs per byte (low nibble: inputs
 
 Layout (:func:`pack`): rows padded to a multiple of 16; ``packed`` uint8, per (block of
 16 rows, group) ``16 * 32 * bits / 8`` bytes; ``scale``/``offset`` float32
-``[N/16, G, 16]``. Up to 8 activation rows go through the integer kernel; more rows
-(prefill) expand 256 output rows at a time to float32 and run the float GEMM on
-unrounded activations, as the exact kernel does. Where no compiler is at hand,
-:func:`qmatmul_reference` (same rounding, plain torch) is used, with one log line;
-without VNNI the kernel is a plain loop.
+``[N/16, G, 16]``.
+
+Every step runs the integer kernel, however many rows it has. More than 8 rows (prefill
+chunks, large batches) go 8 at a time over tiles of 8 blocks (``TILE_BLOCKS``), so a tile's
+codes are decoded from cache by each chunk; a row's output is bit for bit the same in
+any batch. That beat float32 on the expanded weight at every size measured, 16 to
+1,024 rows (per 16 outputs and 32 inputs a row costs two 64-byte dot products where
+float needs 32 fused multiply-adds; docs/benchmarks.md), and rounds prefill's
+activations as decode's (the bound below holds for every row).
+Where no compiler is at hand, :func:`qmatmul_reference` (same rounding, plain torch) is
+used up to 8 rows and the float GEMM on slices expanded in torch above that (the
+reference's float64 products would be far too slow there), with one log line; without
+VNNI the kernel is a plain loop.
 """
 
 from __future__ import annotations
@@ -44,10 +52,15 @@ NARROW, WIDE = 127, 16256
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+// Blocks of 16 output rows a weight tile: 8 blocks' codes (36 KiB at K = 576, 4-bit)
+// stay in cache while every 8-row chunk of activations passes over them.
+static constexpr int64_t TILE_BLOCKS = 8;
 
 // One (block of 16 rows, group of 32 inputs): the 16 integer dot products with xq's group.
 template <int BITS>
@@ -137,13 +150,13 @@ static void blocks(const uint8_t* packed, const float* scale, const float* offse
   }
 }
 
-// x float32 [M <= 8, K] -> y float32 [M, Np]; rounds each group of 32 activations to
+// x float32 [M, K] -> y float32 [M, Np]; rounds each group of 32 activations to
 // integers of `levels` steps either side of zero: 127 (int8) or 16256 (128 * 127, split
-// into two int8 parts for two dot products).
+// into two int8 parts for two dot products). More than 8 rows: 8 at a time over each
+// tile of blocks, so a tile's codes are read from cache by every row.
 torch::Tensor qmatmul_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                          torch::Tensor offset, int64_t bits, int64_t levels) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(0) <= 8,
-              "x: 2-d float32, at most 8 rows");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x: 2-d float32");
   TORCH_CHECK(bits == 8 || bits == 4, "bits: 8 or 4");
   TORCH_CHECK(levels == 127 || levels == 16256, "levels: 127 or 16256");
   const bool wide = levels == 16256;
@@ -164,7 +177,9 @@ torch::Tensor qmatmul_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
   float* sp = xs.data_ptr<float>();
-  for (int64_t r = 0; r < M * G; ++r) {
+  // Groups are independent; more than 8 rows' worth are rounded on every thread.
+  at::parallel_for(0, M * G, 512, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
     const float* v = xp + r * 32;
     float amax = 0.f, sum = 0.f;
     for (int t = 0; t < 32; ++t) { amax = std::max(amax, std::fabs(v[t])); sum += v[t]; }
@@ -182,6 +197,7 @@ torch::Tensor qmatmul_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
     dp[r] = amax / float(levels);
     sp[r] = sum;
   }
+  });
   torch::Tensor y = torch::empty({M, NB * 16}, x.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* scp = scale.data_ptr<float>();
@@ -189,10 +205,21 @@ torch::Tensor qmatmul_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
     const int64_t Np = NB * 16;
-    if (bits == 8 && wide) blocks<8, true>(wp, scp, ofp, qp, lp, dp, sp, yp, M, Np, K, b0, b1);
-    else if (bits == 8) blocks<8, false>(wp, scp, ofp, qp, lp, dp, sp, yp, M, Np, K, b0, b1);
-    else if (wide) blocks<4, true>(wp, scp, ofp, qp, lp, dp, sp, yp, M, Np, K, b0, b1);
-    else blocks<4, false>(wp, scp, ofp, qp, lp, dp, sp, yp, M, Np, K, b0, b1);
+    for (int64_t t0 = b0; t0 < b1; t0 += TILE_BLOCKS) {
+      const int64_t t1 = std::min(b1, t0 + TILE_BLOCKS);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mc = std::min<int64_t>(8, M - m0);
+        const int8_t* q = qp + m0 * K;
+        const int8_t* l = lp + m0 * K;
+        const float* d = dp + m0 * G;
+        const float* s = sp + m0 * G;
+        float* o = yp + m0 * Np;
+        if (bits == 8 && wide) blocks<8, true>(wp, scp, ofp, q, l, d, s, o, mc, Np, K, t0, t1);
+        else if (bits == 8) blocks<8, false>(wp, scp, ofp, q, l, d, s, o, mc, Np, K, t0, t1);
+        else if (wide) blocks<4, true>(wp, scp, ofp, q, l, d, s, o, mc, Np, K, t0, t1);
+        else blocks<4, false>(wp, scp, ofp, q, l, d, s, o, mc, Np, K, t0, t1);
+      }
+    }
   });
   return y;
 }
@@ -200,7 +227,7 @@ torch::Tensor qmatmul_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmatmul_a8", &qmatmul_a8); }
 """
 
-_KERNEL = CppKernel("pdserve_cpu_qmatmul_a8_v2", _SOURCE,
+_KERNEL = CppKernel("pdserve_cpu_qmatmul_a8_v3", _SOURCE,
                     "w8a8/w4a8 weights run the slow torch path")
 
 
@@ -266,6 +293,18 @@ def _dequantize_blocks(packed, scale, offset, bits, b0: int, nb: int) -> torch.T
     return w.mul_(s).add_(o).view(nb * ROWS, g * GROUP)
 
 
+def _expanded(x, packed, scale, offset, bits: int) -> torch.Tensor:
+    """More than 8 rows without a compiler: float GEMM on weight slices expanded in
+    torch, ``SLICE_BLOCKS`` blocks at a time (never a whole float copy)."""
+    nb = scale.shape[0]
+    y = x.new_empty(x.shape[0], nb * ROWS)
+    for b0 in range(0, nb, SLICE_BLOCKS):
+        n = min(SLICE_BLOCKS, nb - b0)
+        w = _dequantize_blocks(packed, scale, offset, bits, b0, n)
+        y[:, b0 * ROWS:(b0 + n) * ROWS] = x @ w.t()
+    return y
+
+
 def quantize_activations(x: torch.Tensor, levels: int = NARROW
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(xq, dx, xsum)``: integer levels ``[M, K]`` (int8 for ``NARROW``, int16 for
@@ -284,8 +323,6 @@ def qmatmul_reference(x, packed, scale, offset, bits: int,
     """The kernel's definition in plain torch: ``[M, N_padded]`` float32."""
     m, k = x.shape
     nb, g, _ = scale.shape
-    if m > GEMV_ROWS:
-        return x @ _dequantize_blocks(packed, scale, offset, bits, 0, nb).t()
     codes = _dequantize_blocks(packed, torch.ones_like(scale), torch.zeros_like(offset),
                                bits, 0, nb).view(nb * ROWS, g, GROUP)
     xq, dx, xs = quantize_activations(x, levels)
@@ -299,17 +336,11 @@ def qmatmul_reference(x, packed, scale, offset, bits: int,
 def qmatmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
             offset: torch.Tensor, bits: int, levels: int = NARROW) -> torch.Tensor:
     """``x`` float32 ``[M, K]`` times the packed weight: ``[M, N_padded]`` float32."""
-    if x.shape[0] > GEMV_ROWS:
-        # Prefill and large batches: float GEMM on slices expanded in cache, activations
-        # unrounded (compute-bound there; rounding would buy nothing).
-        nb = scale.shape[0]
-        y = x.new_empty(x.shape[0], nb * ROWS)
-        for b0 in range(0, nb, SLICE_BLOCKS):
-            n = min(SLICE_BLOCKS, nb - b0)
-            w = _dequantize_blocks(packed, scale, offset, bits, b0, n)
-            y[:, b0 * ROWS:(b0 + n) * ROWS] = x @ w.t()
-        return y
     mod = _KERNEL.module()
-    if mod is None:
-        return qmatmul_reference(x, packed, scale, offset, bits, levels)
-    return mod.qmatmul_a8(x, packed, scale, offset, bits, levels)
+    if mod is not None:
+        return mod.qmatmul_a8(x, packed, scale, offset, bits, levels)
+    if x.shape[0] > GEMV_ROWS:
+        # No compiler, prefill: the reference's float64 dot products would be far too
+        # slow; the float GEMM on expanded slices, unrounded, is within the same bound.
+        return _expanded(x, packed, scale, offset, bits)
+    return qmatmul_reference(x, packed, scale, offset, bits, levels)

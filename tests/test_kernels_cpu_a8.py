@@ -48,7 +48,7 @@ def test_activation_rounding():
 
 @pytest.mark.parametrize("levels", [cpu_qmatmul_a8.NARROW, cpu_qmatmul_a8.WIDE])
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m", [1, 3, 8, 9])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 20])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (96, 1536)])
 def test_kernel_equals_reference(bits, m, n, k, levels):
     if not HAVE_CXX:
@@ -63,10 +63,10 @@ def test_kernel_equals_reference(bits, m, n, k, levels):
     # float32 sums of up to 48 group terms against a float64 reference
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 + 3e-5 * float(want.abs().max()))
     # The rounding's cost, stated: each activation moves by at most half its group's
-    # step (up to 8 rows; more rows are not rounded at all).
+    # step, however many rows the step has.
     w = cpu_qmatmul.dequantize(codes, scale, offset)
     _, dx, _ = cpu_qmatmul_a8.quantize_activations(x, levels)
-    half = (dx / 2).repeat_interleave(32, dim=1) if m <= 8 else torch.zeros_like(x)
+    half = (dx / 2).repeat_interleave(32, dim=1)
     err = (got[:, :n] - x @ w.t()).abs()
     assert (err <= half @ w.abs().t() + 1e-3).all()
 
@@ -106,3 +106,33 @@ def test_no_compiler_falls_back_to_the_reference(monkeypatch):
     wide = cpu_qmatmul_a8.WIDE
     assert torch.equal(cpu_qmatmul_a8.qmatmul(x, *packed, 4, wide),
                        cpu_qmatmul_a8.qmatmul_reference(x, *packed, 4, wide))
+
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [9, 13, 25])
+@pytest.mark.parametrize("n,k", [(40, 64), (160, 96)])
+def test_a_row_does_not_depend_on_its_batch(bits, m, n, k):
+    """More than 8 rows run 8 at a time over tiles of 8 blocks (n = 160: two tiles): each
+    row's output is bit for bit what it gets alone, as a decode step computes it."""
+    if not HAVE_CXX:
+        pytest.skip("no C++ compiler: these rows take the torch expansion")
+    codes, scale, offset = _weights(n, k, bits, seed=m * 7 + n + bits)
+    packed = cpu_qmatmul_a8.pack(codes, scale, offset, bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    got = cpu_qmatmul_a8.qmatmul(x, *packed, bits, cpu_qmatmul_a8.WIDE)
+    alone = torch.cat([cpu_qmatmul_a8.qmatmul(x[i:i + 1], *packed, bits, cpu_qmatmul_a8.WIDE)
+                       for i in range(m)])
+    assert torch.equal(got, alone)
+    assert got[:, :n].abs().sum() > 0 and not got[:, n:].any()  # padded rows: zero weights
+
+
+def test_many_rows_without_a_compiler_expand_in_torch(monkeypatch):
+    codes, scale, offset = _weights(32, 64, 4, seed=7)
+    packed = cpu_qmatmul_a8.pack(codes, scale, offset, 4)
+    monkeypatch.setattr(cpu_qmatmul_a8._KERNEL, "module", lambda: None)
+    x = torch.randn(12, 64)
+    got = cpu_qmatmul_a8.qmatmul(x, *packed, 4, cpu_qmatmul_a8.WIDE)
+    assert torch.equal(got, cpu_qmatmul_a8._expanded(x, *packed, 4))
+    torch.testing.assert_close(got[:, :32], x @ cpu_qmatmul.dequantize(codes, scale, offset).t(),
+                               rtol=1e-5, atol=1e-5)

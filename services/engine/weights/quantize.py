@@ -25,10 +25,10 @@ decode row is rounded to bfloat16 on its way in and the product comes back as fl
 
 ``"w8a16"`` / ``"w4a16"``: the int8 codes above, or 4-bit codes in groups of 32 (the grid
 of ``_group_codes4``: a Q4_1 or Q4_0 block comes back as the file stores it; the output
-head stays 8-bit), with each decode row's activations rounded per group of 32 to
+head stays 8-bit), with each row's activations rounded per group of 32 to
 integers of +-16256 levels (about 15 bits), so that a group's product is integer dot
-products (kernels/cpu_qmatmul_a8.py, :class:`A8Linear`). Up to 8 rows a step take that
-path; prefill and larger batches run the float GEMM on unrounded activations. The
+products (kernels/cpu_qmatmul_a8.py, :class:`A8Linear`): decode rows, prefill chunks
+and large batches alike (a prefill row gets the same output as it would alone). The
 rounding moves an output by at most ``sum |w| * max|x| / 32512`` per group: on the
 default model the chat answers stay the float model's (tests/test_default_model.py).
 """
@@ -109,7 +109,7 @@ def _group_codes4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class A8Linear(nn.Module):
     """``y = x @ W.T + b`` with W as 8- or 4-bit codes in groups of 32 (scale and offset
-    each) and decode rows' activations rounded per group (module docstring)."""
+    each) and activations rounded per group (module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> None:
         super().__init__()
