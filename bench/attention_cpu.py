@@ -3,6 +3,7 @@
     python bench/attention_cpu.py [--model smollm2-135m-instruct] [--batch 64]
                                   [--prompt-min 64] [--prompt-max 512] [--pairs 10]
                                   [--threads 1] [--paths gather,chunked]
+                                  [--quantization none|int8|w8a16|...]
                                   [--out attention_cpu.json]
 
 One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none",
+                    help="weights as EngineConfig.quantization (attention stays float32)")
     ap.add_argument("--paths", default="gather,chunked",
                     help="old,new TorchAttention decode paths (gather, chunked, paged)")
     ap.add_argument("--out", default="attention_cpu.json")
@@ -77,6 +80,7 @@ def main() -> None:
     block = 16
     engine = LLMEngine(EngineConfig(
         model=args.model, num_threads=args.threads, max_num_seqs=args.batch,
+        quantization=args.quantization,
         block_size=block, max_num_batched_tokens=4096,
         num_kv_blocks=sum(-(-(n + steps + 1) // block) for n in lens) + 1))
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
