@@ -3,7 +3,10 @@
 Each sequence walks its own block table one block at a time, straight out of the
 ``[num_blocks, block_size, kv_heads, head_dim]`` cache, with an online softmax (a
 running maximum and sum per query head, rescaled per block), and writes its heads'
-outputs into the step's output tensor. Nothing is gathered into a copy and no partial results are
+outputs into the step's output tensor. With AVX-512 the query heads of one KV head are
+taken together (one read of its K/V rows for all of them), a block's scores and their
+``exp`` are computed 16 tokens at a time, and threads split the batch by context
+length (docs/benchmarks.md, "Kernel v4"). Nothing is gathered into a copy and no partial results are
 merged: the K/V bytes of the step are read once, which is the floor for decode.
 
 Why a kernel of our own: torch has no gather-matmul, so every torch formulation either
