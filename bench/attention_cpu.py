@@ -3,6 +3,8 @@
     python bench/attention_cpu.py [--model smollm2-135m-instruct] [--batch 64]
                                   [--prompt-min 64] [--prompt-max 512] [--pairs 10]
                                   [--threads 1] [--paths gather,chunked]
+                                  [--quantization none|int8|w8a16|...]
+    python bench/attention_cpu.py --kernel-only [--batch 64] [--threads 1]
                                   [--out attention_cpu.json]
 
 One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
@@ -14,6 +16,11 @@ wall time of ``engine.step()``, of the attention calls in it (all layers), and t
 process's CPU time. Reported: each path's median [min, max] and the new/old ratio per
 pair, median [min, max]. Both paths write the same K/V, so the batch's context grows
 by one token per step whichever path runs it.
+
+``--kernel-only`` times the compiled paged kernel alone (no model): one layer of the
+default model's shape (9 query heads over 3 KV heads of 64) for ``--batch`` random
+contexts, over 12 layers' caches so K/V comes from memory, against ``torch.sum`` over
+the same bytes (the streaming floor); thread CPU time at one thread, wall time above.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,6 +62,43 @@ def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int) -> None:
+    from services.engine import attention_paged_cpu
+
+    torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    rng = random.Random(seed)
+    lens = [rng.randint(lo, hi) for _ in range(batch)]
+    bs, kv, heads, dim, layers = 16, 3, 9, 64, 12
+    need = [-(-n // bs) for n in lens]
+    tables = torch.zeros(batch, max(need), dtype=torch.long)
+    first = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = torch.arange(first, first + k)
+        first += k
+    caches = [(torch.randn(first, bs, kv, dim), torch.randn(first, bs, kv, dim))
+              for _ in range(layers)]
+    ctx = torch.tensor(lens)
+    q = torch.randn(batch, heads, dim)
+    out = torch.empty_like(q)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            t0 = clock()
+            for kc, vc in caches:
+                fn(kc, vc)
+            times.append((clock() - t0) / layers * 1e3)
+        return min(times)
+
+    attention_paged_cpu.paged_decode(q, *caches[0], tables, ctx, out)  # build, warm
+    kernel = best(lambda kc, vc: attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, out))
+    floor = best(lambda kc, vc: (kc.sum(), vc.sum()))
+    mb = 2 * sum(lens) * kv * dim * 4 / 1e6
+    print(f"one layer, batch {batch}, {mb:.1f} MB of K/V, {threads} thread(s): "
+          f"kernel {kernel:.2f} ms, torch.sum over the same K/V {floor:.2f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -62,10 +108,17 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none",
+                    help="weights as EngineConfig.quantization (attention stays float32)")
     ap.add_argument("--paths", default="gather,chunked",
                     help="old,new TorchAttention decode paths (gather, chunked, paged)")
     ap.add_argument("--out", default="attention_cpu.json")
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="time the compiled kernel alone against a streaming floor")
     args = ap.parse_args()
+    if args.kernel_only:
+        kernel_only(args.batch, args.prompt_min, args.prompt_max, args.threads, args.seed)
+        return
     paths = tuple(args.paths.split(","))
     if len(paths) != 2:
         raise SystemExit("--paths takes two paths: old,new")
@@ -77,6 +130,7 @@ def main() -> None:
     block = 16
     engine = LLMEngine(EngineConfig(
         model=args.model, num_threads=args.threads, max_num_seqs=args.batch,
+        quantization=args.quantization,
         block_size=block, max_num_batched_tokens=4096,
         num_kv_blocks=sum(-(-(n + steps + 1) // block) for n in lens) + 1))
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)

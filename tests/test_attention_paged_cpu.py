@@ -11,7 +11,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from services.engine import attention_paged_cpu
-from services.engine.attention import AttentionMetadata, DecodeGroup, TorchAttention
+from services.engine.attention import AttentionMetadata, DecodeGroup, PagedDecodes, TorchAttention
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler: decode takes the torch chunked path")
@@ -130,3 +130,53 @@ def test_engine_greedy_tokens_equal_on_kernel_and_gather(tiny_dirs, make_engine)
         tokens[path] = [c.token_ids for c in engine.generate(prompts, params)]
     assert tokens["paged"] == tokens["gather"]
     assert all(len(t) == 12 for t in tokens["paged"])
+
+
+@pytest.mark.parametrize("lens,block_size,kv_heads,heads,dim", [
+    ([16, 32, 48, 17, 33, 1], 16, 3, 9, 64),      # contexts on and just past block edges
+    ([700, 20, 641], 16, 3, 9, 64),                # 44 blocks: many online-softmax rescales
+    ([50, 24, 23, 25], 24, 2, 12, 32),             # 24-token blocks: a full and a part tile
+    ([37, 5], 16, 2, 12, 64),                      # 6 query heads per KV head: passes of 4+2
+    ([30, 61], 8, 1, 7, 128),                      # MQA, 7 heads: passes of 4+3, wide heads
+    ([19, 40], 16, 2, 4, 48),                      # head_dim 48: the portable loop
+])
+def test_kernel_cases_equal_reference(lens, block_size, kv_heads, heads, dim):
+    q, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=7)
+    out = torch.full_like(q, float("nan"))
+    attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, out)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_queries_are_read_in_place_and_threads_split_by_work():
+    # q as the model hands it over: rows of the fused QKV projection, not contiguous. One
+    # thread and two (the batch split by context length) give the same bits.
+    lens = [600, 3, 5, 400, 7, 9, 11, 250]
+    q, k_cache, v_cache, tables, ctx = _cache(lens, 16, 3, 9, 64, seed=3)
+    wide = torch.randn(len(lens), 9 * 64 + 2 * 3 * 64)
+    wide[:, :9 * 64] = q.reshape(len(lens), -1)
+    qv = wide[:, :9 * 64].view(len(lens), 9, 64)
+    assert not qv.is_contiguous()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty_like(q)
+            attention_paged_cpu.paged_decode(qv, k_cache, v_cache, tables, ctx, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), _reference(q, k_cache, v_cache, tables, ctx),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_groups_become_one_call_per_run():
+    a = DecodeGroup(0, 2, torch.tensor([[3, 4], [5, 0]]), torch.tensor([20, 9]), 20)
+    b = DecodeGroup(2, 1, torch.tensor([[6, 7, 8]]), torch.tensor([40]), 40)
+    c = DecodeGroup(7, 1, torch.tensor([[9]]), torch.tensor([2]), 2)  # not adjacent to b
+    (s0, n0, t0, l0), (s1, n1, t1, l1) = PagedDecodes.of([a, b, c]).calls
+    assert (s0, n0, s1, n1) == (0, 3, 7, 1)
+    assert t0.tolist() == [[3, 4, 0], [5, 0, 0], [6, 7, 8]]
+    assert l0.tolist() == [20, 9, 40] and l1.tolist() == [2] and t1.tolist() == [[9]]

@@ -57,6 +57,34 @@ class AttentionMetadata:
     prepared: object = None
 
 
+@dataclass(frozen=True, slots=True)
+class PagedDecodes:
+    """A step's decode groups as the compiled kernel's calls, built on the first layer and
+    reused by the others: groups that follow one another in the batch (the model runner
+    lays them out so) become one call with one ``[rows, width]`` table, so every layer
+    makes one call whose threads split the whole batch by work, not one per group."""
+
+    calls: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # start, size, tables, lens
+
+    @staticmethod
+    def of(groups: list[DecodeGroup]) -> PagedDecodes:
+        runs: list[list[DecodeGroup]] = []
+        for g in groups:
+            if runs and runs[-1][-1].start + runs[-1][-1].size == g.start:
+                runs[-1].append(g)
+            else:
+                runs.append([g])
+        calls = []
+        for run in runs:
+            width = max(g.block_tables.shape[1] for g in run)
+            tables = torch.cat([F.pad(g.block_tables, (0, width - g.block_tables.shape[1]))
+                                for g in run]) if len(run) > 1 else run[0].block_tables
+            lens = torch.cat([g.context_lens for g in run]) if len(run) > 1 else run[0].context_lens
+            calls.append((run[0].start, sum(g.size for g in run), tables.contiguous(),
+                          lens.contiguous()))
+        return PagedDecodes(tuple(calls))
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer and writes that layer's new K/V into the cache.
 
@@ -112,11 +140,13 @@ class TorchAttention(AttentionBackend):
             decode = ("paged" if attention_paged_cpu.supports(q, k_cache)
                       and attention_paged_cpu.ready() else "chunked")
         if decode == "paged":
-            for group in meta.decode_groups:
-                sl = slice(group.start, group.start + group.size)
-                attention_paged_cpu.paged_decode(
-                    q[sl].contiguous(), k_cache, v_cache, group.block_tables.contiguous(),
-                    group.context_lens, out[sl])
+            if not isinstance(meta.prepared, PagedDecodes):
+                meta.prepared = PagedDecodes.of(meta.decode_groups)
+            for start, size, tables, lens in meta.prepared.calls:
+                # q's rows are views into the fused QKV projection: the kernel reads them
+                # where they are, no copy.
+                attention_paged_cpu.paged_decode(q[start:start + size], k_cache, v_cache,
+                                                 tables, lens, out[start:start + size])
         elif decode == "chunked":
             if not isinstance(meta.prepared, DecodePlan):
                 meta.prepared = plan_decodes(meta.decode_groups, k_cache.shape[1], q.dtype,
