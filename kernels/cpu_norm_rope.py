@@ -127,8 +127,10 @@ void rotary(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("rotary", &rotary);
+  m.def("rms_norm", &rms_norm,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary", &rotary,
+        py::call_guard<py::gil_scoped_release>());
 }
 """
 

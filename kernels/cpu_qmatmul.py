@@ -123,7 +123,8 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmatmul", &qmatmul); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmatmul", &qmatmul,
+        py::call_guard<py::gil_scoped_release>()); }
 """
 
 _KERNEL = CppKernel("pdserve_cpu_qmatmul_v3", _SOURCE,

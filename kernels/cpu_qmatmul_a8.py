@@ -224,7 +224,8 @@ torch::Tensor qmatmul_a8(torch::Tensor x, torch::Tensor packed, torch::Tensor sc
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmatmul_a8", &qmatmul_a8); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("qmatmul_a8", &qmatmul_a8,
+        py::call_guard<py::gil_scoped_release>()); }
 """
 
 _KERNEL = CppKernel("pdserve_cpu_qmatmul_a8_v3", _SOURCE,

@@ -325,7 +325,8 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode,
+        py::call_guard<py::gil_scoped_release>()); }
 """
 
 _KERNEL = CppKernel("pdserve_paged_decode_v4", _SOURCE,
