@@ -47,9 +47,9 @@ def _weights(bits, heads, kv_heads, dim, hidden, inter, bias, seed):
 
 
 # The default model's shapes (9/3 heads of 64, width 576, 1,536 inside), and a narrow
-# one with a q/k/v bias, out widths off the 16-row blocks and 8-bit codes.
+# one with a q/k/v bias, a q/k/v width off the 16-row blocks (120) and 8-bit codes.
 @pytest.mark.parametrize("bits,heads,kv_heads,dim,hidden,inter,bias", [
-    (4, 9, 3, 64, 576, 1536, False), (8, 3, 1, 8, 64, 40, True)])
+    (4, 9, 3, 64, 576, 1536, False), (8, 8, 1, 12, 64, 32, True)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("first", [False, True])
 def test_layer_equals_the_per_op_path_bit_for_bit(bits, heads, kv_heads, dim, hidden,
@@ -134,3 +134,28 @@ def test_models_the_fused_path_does_not_take(kw, why, tiny_dirs, make_engine, mo
         engine = make_engine(tiny_dirs["llama"], dtype="float32", **kw)
     assert engine.model.fused_layers is None
     assert any(why in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_default_model_answers_equal_with_and_without(monkeypatch):
+    """The five chat prompts of tests/test_default_model.py, w4a16, batched (5 rows a
+    decode step: fused): the same tokens and log-probabilities as the op-by-op path."""
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.engine.weights import DEFAULT_MODEL
+    from tests.test_default_model import CHAT_PROMPTS, _chat_params
+
+    def answers():
+        engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
+                                        quantization="w4a16"))
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                   for p in CHAT_PROMPTS]
+        outs = engine.generate(prompts, _chat_params())
+        return (engine.model.fused_layers,
+                [o.token_ids for o in outs], [[lp.top for lp in o.logprobs] for o in outs])
+    fused, tokens, logprobs = answers()
+    assert isinstance(fused, FusedLayers) and fused._layers is not None  # it ran
+    monkeypatch.setenv(cpu_layer.ENV, "0")
+    plain, want_tokens, want_logprobs = answers()
+    assert plain is None
+    assert tokens == want_tokens and logprobs == want_logprobs
