@@ -25,11 +25,11 @@ $(STAMP): pyproject.toml
 # the host's C++ compiler (cached under ~/.cache/torch_extensions); built here, before
 # anything is timed, rather than in the background of the first engine that wants them.
 # Without a compiler this prints False and the engine keeps its torch paths.
-CPU_KERNELS := from kernels import cpu_qmatmul, cpu_qmatmul_a8, cpu_copysum, cpu_norm_rope; \
+CPU_KERNELS := from kernels import cpu_qmatmul, cpu_qmatmul_a8, cpu_copysum, cpu_norm_rope, cpu_layer; \
 	from kernels.cpu_build import build_all; \
 	from services.engine import attention_paged_cpu; \
 	print('cpu kernels built:', build_all([m._KERNEL for m in (cpu_qmatmul, cpu_qmatmul_a8, \
-	cpu_copysum, cpu_norm_rope, attention_paged_cpu)]))
+	cpu_copysum, cpu_norm_rope, cpu_layer, attention_paged_cpu)]))
 
 test: install
 	$(PY) -c "$(CPU_KERNELS)"

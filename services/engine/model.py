@@ -176,6 +176,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.lm_head = WideLinear(cfg.hidden_size, shard.vocab, bias=False)
+        # A callable running all layers for small steps in fewer native calls, or None:
+        # set by ModelRunner where kernels/cpu_layer.py takes the model; it answers None
+        # for a step it does not take, which then runs layer by layer here.
+        self.fused_layers = None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         inside = None
@@ -210,11 +214,16 @@ class LlamaModel(nn.Module):
         """
         k_all, v_all = kv_cache
         x, residual = self._embed(input_ids), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rotary, self.backend,
-                                k_all[i], v_all[i], meta)
-            if layer_hook is not None:
-                layer_hook(i)
+        fused = None if self.fused_layers is None else self.fused_layers(
+            x, positions, k_all, v_all, meta, layer_hook)
+        if fused is not None:
+            x, residual = fused
+        else:
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, positions, self.rotary, self.backend,
+                                    k_all[i], v_all[i], meta)
+                if layer_hook is not None:
+                    layer_hook(i)
         x, _ = self.norm(x.index_select(0, logits_indices), self.backend.ops,
                          residual.index_select(0, logits_indices))
         logits = self.tp.gather_last_dim(self.lm_head(x).float())

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import msgpack
 import torch
 
+from kernels import cpu_layer
 from services.engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.scheduler import ScheduledSeq
 from services.engine.sequence import Sequence
+from services.engine.weights.quantize import A8Linear
+
+log = logging.getLogger(__name__)
 
 # Decodes are attended in groups of similar context length so that padding each
 # group to its longest member wastes little.
@@ -46,6 +51,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.graphs = None  # DecodeGraphs, for decode-only steps (services/engine/cuda_graphs)
+        if model.fused_layers is None:
+            model.fused_layers = FusedLayers.for_model(model, device)
 
     def run(self, batch: list[ScheduledSeq],
             layer_hook=None) -> tuple[torch.Tensor, list[Sequence]]:
@@ -120,3 +127,94 @@ class ModelRunner:
         return self.model(tensor(inputs.ids), tensor(inputs.positions),
                           (self.kv_cache.k, self.kv_cache.v), meta,
                           tensor(inputs.logits_rows), layer_hook)
+
+
+class FusedLayers:
+    """All layers of a w8a16/w4a16 CPU model for steps of at most ``cpu_layer.MAX_ROWS``
+    tokens: per layer one native call before attention and one after
+    (kernels/cpu_layer.py), the backend's attention between them. Same results as the
+    layer-by-layer path, bit for bit; answers None (that path runs) for larger steps and
+    until the kernel is built."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self._layers: list | None = None
+        self._caches: tuple = (None, None, [], [])  # (K, V) and their per-layer views
+
+    @classmethod
+    def for_model(cls, model: LlamaModel, device: torch.device) -> FusedLayers | None:
+        """The fused path for ``model``, or None with one log line saying why not."""
+        why = _not_fusable(model, device)
+        if why is not None:
+            log.info("decode layers run op by op: %s", why)
+            return None
+        cpu_layer.ready()  # start the build (make test / run-local build it beforehand)
+        log.info("steps of up to %d tokens run each layer in two native calls "
+                 "(kernels/cpu_layer.py; %s=0 turns this off)", cpu_layer.MAX_ROWS,
+                 cpu_layer.ENV)
+        return cls(model)
+
+    def _build(self) -> list:
+        m = self.model
+        cos, sin = m.rotary.tables(torch.device("cpu"))
+
+        def proj(p: A8Linear) -> tuple:
+            return (p.packed, p.scale, p.offset, p.bits, p.out_features, p.bias)
+        layers = []
+        for layer in m.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            layers.append(cpu_layer.make_layer(
+                ln1.weight.detach(), ln1.eps, proj(attn.qkv_proj), proj(attn.o_proj),
+                ln2.weight.detach(), ln2.eps, proj(mlp.gate_up_proj), proj(mlp.down_proj),
+                cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter))
+        return layers
+
+    def _views(self, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[list, list]:
+        k0, v0, ks, vs = self._caches
+        if k0 is not k_all or v0 is not v_all:  # per-layer views once, not every step
+            ks, vs = list(k_all.unbind(0)), list(v_all.unbind(0))
+            self._caches = (k_all, v_all, ks, vs)
+        return ks, vs
+
+    def __call__(self, x, positions, k_all, v_all, meta, layer_hook=None):
+        if x.shape[0] > cpu_layer.MAX_ROWS or x.dtype != torch.float32:
+            return None
+        if self._layers is None:
+            if not cpu_layer.ready():
+                return None
+            self._layers = self._build()
+        attend = self.model.backend.forward
+        ks, vs = self._views(k_all, v_all)
+        residual = None
+        for i, layer in enumerate(self._layers):
+            if residual is None:  # the first layer: x is the stream itself
+                q, k, v = layer.pre(x, None, positions)
+                residual = x
+            else:
+                q, k, v = layer.pre(x, residual, positions)
+            x = layer.post(attend(q, k, v, ks[i], vs[i], meta), residual)
+            if layer_hook is not None:
+                layer_hook(i)
+        return x, residual
+
+
+def _not_fusable(model: LlamaModel, device: torch.device) -> str | None:
+    """Why the fused layers do not take ``model`` (None where they do)."""
+    if not cpu_layer.enabled():
+        return f"turned off ({cpu_layer.ENV}=0)"
+    if device.type != "cpu":
+        return "not on the CPU"
+    if model.tp.world_size != 1:
+        return "tensor parallel (each layer all-reduces between its halves)"
+    if not getattr(model.backend.ops, "fused", False):
+        return "the attention backend brings its own norm and rotary"
+    for layer in model.layers:
+        projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj)
+        if not all(isinstance(p, A8Linear) for p in projs):
+            return "weights not quantized w8a16/w4a16"
+        if any(n.weight.dtype != torch.float32 for n in (
+                layer.input_layernorm, layer.post_attention_layernorm)):
+            return "not float32"
+    return None
