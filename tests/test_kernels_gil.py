@@ -86,7 +86,7 @@ def test_python_runs_while_a_long_kernel_call_computes():
     def longest_pause(a: float, b: float) -> float:
         """This thread's longest stretch without running, as a share of the call."""
         ts = [a, *(t for t in stamps if a < t < b), b]
-        return max(y - x for x, y in zip(ts, ts[1:])) / (b - a)
+        return max(y - x for x, y in zip(ts, ts[1:], strict=False)) / (b - a)
 
     # Held through the call, the lock stops this thread for nearly all of it (0.86-0.9
     # measured); released, it runs on (0.01-0.05). A busy machine can pause it too, so
