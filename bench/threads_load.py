@@ -8,8 +8,9 @@ Each run is a fresh engine process (the OpenMP runtime reads its environment onc
 when torch loads it, so every variant needs its own process) timing a 256-token
 prefill and the median of 6 decode steps with 4 rows. Variants: 1 or 2 threads, with
 ``OMP_WAIT_POLICY`` unset (libgomp spins a while before sleeping) or ``PASSIVE``
-(threads sleep at once), and ``2t-spin10k`` (``GOMP_SPINCOUNT=10000``: a short spin). Conditions: ``quiet`` and ``loaded`` (two busy-loop processes,
-one per core, started by this script at its own niceness and stopped after the run).
+(threads sleep at once), and ``2t-spin10k`` (``GOMP_SPINCOUNT=10000``: a short
+spin). Conditions: ``quiet`` and ``loaded`` (two busy-loop processes, one per core,
+started by this script at its own niceness and stopped after the run).
 Variants and conditions alternate within each round so that other load on the host
 hits them alike. A run past ``--timeout`` is reported as such, not dropped.
 """
