@@ -281,3 +281,31 @@ def test_one_call_covers_the_step_only_without_gaps_or_prefills():
     assert PagedDecodes.of([a, b]).whole is None
     assert PagedDecodes.of([b], 1).whole is None  # starts at row 2, not 0
     assert PagedDecodes.of([], 0).whole is None
+
+
+def test_engine_tokens_and_logprobs_equal_with_one_call_and_two(tiny_dirs, make_engine,
+                                                                 monkeypatch):
+    # w4a16 batch decode (fused layers): every decode step's layers take write_decode;
+    # then the same with the one-call plan withheld (index_copy_s, then paged_decode).
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 8, 40, 41, 42, 7, 6, 5, 4, 3, 2, 100], [1, 77],
+               [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    calls = []
+    real = attention_paged_cpu.write_decode
+    monkeypatch.setattr(attention_paged_cpu, "write_decode",
+                        lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        engine = make_engine(tiny_dirs["llama"], dtype="float32", quantization="w4a16",
+                             block_size=4, num_kv_blocks=64)
+        engine.model.backend = TorchAttention("paged")
+        outs = engine.generate(prompts, params)
+        return [o.token_ids for o in outs], [[lp.top for lp in o.logprobs] for o in outs]
+    one = run()
+    assert calls
+    made = len(calls)
+    plan = PagedDecodes.of
+    monkeypatch.setattr(PagedDecodes, "of", staticmethod(lambda groups, n=-1: plan(groups)))
+    two = run()
+    assert len(calls) == made  # the two-call path ran throughout
+    assert one == two and all(len(t) == 12 for t in one[0])
