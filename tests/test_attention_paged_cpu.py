@@ -11,7 +11,13 @@ import torch
 
 from common.sampling_params import SamplingParams
 from services.engine import attention_paged_cpu
-from services.engine.attention import AttentionMetadata, DecodeGroup, PagedDecodes, TorchAttention
+from services.engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PagedDecodes,
+    PrefillSegment,
+    TorchAttention,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
                                 reason="no C++ compiler: decode takes the torch chunked path")
@@ -180,3 +186,126 @@ def test_decode_groups_become_one_call_per_run():
     assert (s0, n0, s1, n1) == (0, 3, 7, 1)
     assert t0.tolist() == [[3, 4, 0], [5, 0, 0], [6, 7, 8]]
     assert l0.tolist() == [20, 9, 40] and l1.tolist() == [2] and t1.tolist() == [[9]]
+
+
+def _qkv_rows(n, heads, kv_heads, dim, seed):
+    """q, k and v as the model hands them over: views into one fused projection's rows."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g)
+    q = wide[:, :heads * dim].view(n, heads, dim)
+    k = wide[:, heads * dim:(heads + kv_heads) * dim].view(n, kv_heads, dim)
+    return q, k, wide[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim)
+
+
+def _last_slots(tables, lens, block_size):
+    """Each sequence's newest token's slot: the first, last or a middle slot of a block."""
+    return torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size
+                         + (n - 1) % block_size for i, n in enumerate(lens)])
+
+
+# Contexts that end on a block's first token, its last, and one past it (a new block).
+@pytest.mark.parametrize("lens,block_size,kv_heads,heads,dim", [
+    ([1, 16, 17, 32, 33, 48], 16, 3, 9, 64), ([4, 5, 8, 1, 9], 4, 2, 4, 16)])
+def test_write_decode_equals_index_copy_then_paged_decode(lens, block_size, kv_heads, heads,
+                                                          dim):
+    _, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=11)
+    q, k, v = _qkv_rows(len(lens), heads, kv_heads, dim, seed=12)
+    assert not k.is_contiguous()
+    slots = _last_slots(tables, lens, block_size)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kc.view(-1, kv_heads, dim).index_copy_(0, slots, k)
+    vc.view(-1, kv_heads, dim).index_copy_(0, slots, v)
+    want = torch.empty(q.shape)
+    attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, want)
+    kg, vg = k_cache.clone(), v_cache.clone()
+    got = attention_paged_cpu.write_decode(q, k, v, kg, vg, slots, tables, ctx)
+    assert torch.equal(kg, kc) and torch.equal(vg, vc)  # the same bytes, the same places
+    assert torch.equal(got, want) and got.shape == q.shape
+
+
+@pytest.mark.parametrize("bad", ["past", "negative"])
+def test_write_decode_refuses_a_bad_slot_before_writing(bad):
+    lens = [20, 3]
+    _, k_cache, v_cache, tables, ctx = _cache(lens, 16, 1, 2, 16)
+    q, k, v = _qkv_rows(2, 2, 1, 16, seed=1)
+    slots = _last_slots(tables, lens, 16)
+    slots[1] = k_cache.shape[0] * 16 if bad == "past" else -1
+    kc, vc = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        attention_paged_cpu.write_decode(q, k, v, kc, vc, slots, tables, ctx)
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)  # row 0 not written either
+
+
+def test_backend_writes_and_attends_decode_only_steps_in_one_call(monkeypatch):
+    # A decode-only step: every layer (the first, which plans, included) makes one native
+    # call; with a prefill in the step the two-call path runs. Same bits either way.
+    lens = [9, 16, 17, 4]
+    _, k_cache, v_cache, tables, ctx = _cache(lens, 4, 2, 6, 16, seed=5)
+    q, k, v = _qkv_rows(4, 6, 2, 16, seed=6)
+    slots = _last_slots(tables, lens, 4)
+    calls = []
+    real = attention_paged_cpu.write_decode
+    monkeypatch.setattr(attention_paged_cpu, "write_decode",
+                        lambda *a: calls.append(1) or real(*a))
+    backend = TorchAttention("paged")
+    meta = AttentionMetadata(slots, [DecodeGroup(0, 2, tables[:2], ctx[:2], 16),
+                                     DecodeGroup(2, 2, tables[2:], ctx[2:], 17)], [])
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    outs = [backend.forward(q, k, v, kc, vc, meta) for kc, vc in caches]
+    assert len(calls) == 3 and meta.prepared.whole is not None
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kc.view(-1, 2, 16).index_copy_(0, slots, k)
+    vc.view(-1, 2, 16).index_copy_(0, slots, v)
+    want = torch.empty(q.shape)
+    attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, want)
+    for out, (kg, vg) in zip(outs, caches, strict=True):
+        assert torch.equal(out, want) and torch.equal(kg, kc) and torch.equal(vg, vc)
+    # Add a prefill segment (2 fresh tokens of a new sequence) after the decodes.
+    q2, k2, v2 = _qkv_rows(6, 6, 2, 16, seed=6)
+    q2[:4], k2[:4], v2[:4] = q, k, v
+    spare = [b for b in range(k_cache.shape[0]) if b not in tables.flatten().tolist()][0]
+    meta = AttentionMetadata(torch.cat([slots, torch.tensor([spare * 4, spare * 4 + 1])]),
+                             meta.decode_groups, [PrefillSegment(4, 2, 2, torch.tensor([spare]))])
+    kg, vg = k_cache.clone(), v_cache.clone()
+    out = backend.forward(q2, k2, v2, kg, vg, meta)
+    assert len(calls) == 3 and meta.prepared.whole is None
+    assert torch.equal(out[:4], want) and torch.equal(kg.view(-1, 2, 16)[slots], k)
+
+
+def test_one_call_covers_the_step_only_without_gaps_or_prefills():
+    a = DecodeGroup(0, 2, torch.tensor([[3, 4], [5, 0]]), torch.tensor([20, 9]), 20)
+    b = DecodeGroup(2, 1, torch.tensor([[6, 7, 8]]), torch.tensor([40]), 40)
+    tables, lens = PagedDecodes.of([a, b], 3).whole
+    assert tables.tolist() == [[3, 4, 0], [5, 0, 0], [6, 7, 8]] and lens.tolist() == [20, 9, 40]
+    assert PagedDecodes.of([a, b], 5).whole is None  # prefill tokens after the decodes
+    assert PagedDecodes.of([a, b]).whole is None
+    assert PagedDecodes.of([b], 1).whole is None  # starts at row 2, not 0
+    assert PagedDecodes.of([], 0).whole is None
+
+
+def test_engine_tokens_and_logprobs_equal_with_one_call_and_two(tiny_dirs, make_engine,
+                                                                 monkeypatch):
+    # w4a16 batch decode (fused layers): every decode step's layers take write_decode;
+    # then the same with the one-call plan withheld (index_copy_s, then paged_decode).
+    prompts = [[1, 5, 9, 200, 17, 3, 3, 8, 40, 41, 42, 7, 6, 5, 4, 3, 2, 100], [1, 77],
+               [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    calls = []
+    real = attention_paged_cpu.write_decode
+    monkeypatch.setattr(attention_paged_cpu, "write_decode",
+                        lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        engine = make_engine(tiny_dirs["llama"], dtype="float32", quantization="w4a16",
+                             block_size=4, num_kv_blocks=64)
+        engine.model.backend = TorchAttention("paged")
+        outs = engine.generate(prompts, params)
+        return [o.token_ids for o in outs], [[lp.top for lp in o.logprobs] for o in outs]
+    one = run()
+    assert calls
+    made = len(calls)
+    plan = PagedDecodes.of
+    monkeypatch.setattr(PagedDecodes, "of", staticmethod(lambda groups, n=-1: plan(groups)))
+    two = run()
+    assert len(calls) == made  # the two-call path ran throughout
+    assert one == two and all(len(t) == 12 for t in one[0])

@@ -65,9 +65,12 @@ class PagedDecodes:
     makes one call whose threads split the whole batch by work, not one per group."""
 
     calls: tuple[tuple[int, int, torch.Tensor, torch.Tensor], ...]  # start, size, tables, lens
+    # (tables, lens) where one call covers every token of the step (decodes only): each
+    # layer then writes its K/V and attends in one native call (``write_decode``).
+    whole: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
-    def of(groups: list[DecodeGroup]) -> PagedDecodes:
+    def of(groups: list[DecodeGroup], num_tokens: int = -1) -> PagedDecodes:
         runs: list[list[DecodeGroup]] = []
         for g in groups:
             if runs and runs[-1][-1].start + runs[-1][-1].size == g.start:
@@ -82,7 +85,9 @@ class PagedDecodes:
             lens = torch.cat([g.context_lens for g in run]) if len(run) > 1 else run[0].context_lens
             calls.append((run[0].start, sum(g.size for g in run), tables.contiguous(),
                           lens.contiguous()))
-        return PagedDecodes(tuple(calls))
+        whole = (calls[0][2], calls[0][3]) if (
+            len(calls) == 1 and calls[0][:2] == (0, num_tokens)) else None
+        return PagedDecodes(tuple(calls), whole)
 
 
 class AttentionBackend(ABC):
@@ -131,18 +136,27 @@ class TorchAttention(AttentionBackend):
         self.decode = decode
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
+        prepared = meta.prepared
+        # A step's first layer picks the path; the others, alike in dtype and shape, follow.
+        if isinstance(prepared, PagedDecodes):
+            decode = "paged"
+        else:
+            decode = self.decode
+            if decode == "auto":
+                decode = ("paged" if attention_paged_cpu.supports(q, k_cache)
+                          and attention_paged_cpu.ready() else "chunked")
+            if decode == "paged":
+                prepared = meta.prepared = PagedDecodes.of(
+                    meta.decode_groups, -1 if meta.prefills else q.shape[0])
+        if decode == "paged" and prepared.whole is not None:
+            return attention_paged_cpu.write_decode(q, k, v, k_cache, v_cache,
+                                                    meta.slot_mapping, *prepared.whole)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        decode = self.decode
-        if decode == "auto":
-            decode = ("paged" if attention_paged_cpu.supports(q, k_cache)
-                      and attention_paged_cpu.ready() else "chunked")
         if decode == "paged":
-            if not isinstance(meta.prepared, PagedDecodes):
-                meta.prepared = PagedDecodes.of(meta.decode_groups)
-            for start, size, tables, lens in meta.prepared.calls:
+            for start, size, tables, lens in prepared.calls:
                 # q's rows are views into the fused QKV projection: the kernel reads them
                 # where they are, no copy.
                 attention_paged_cpu.paged_decode(q[start:start + size], k_cache, v_cache,

@@ -260,8 +260,9 @@ static void seq_avx512(const Args& a, int64_t i, int64_t after, float* acc, floa
 
 // out[i, h*R + r, :] = softmax(q_r . K^T * scale) V over sequence i's first lens[i]
 // cached tokens, for every KV head h; K/V rows read from the cache through the table.
-void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor tables, torch::Tensor lens, torch::Tensor out, double scale) {
+void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& tables,
+                  const torch::Tensor& lens, const torch::Tensor& out, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
               "paged_decode: float32 only");
@@ -325,11 +326,42 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode,
-        py::call_guard<py::gil_scoped_release>()); }
+// A decode-only step's layer in one call: k/v rows (views of the fused q/k/v projection)
+// copied into the cache at slots[t] as index_copy_ would, every slot checked first, then
+// paged_decode into a new output: the two-call path's bytes, without its Python.
+torch::Tensor write_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& slots, const torch::Tensor& tables,
+                           const torch::Tensor& lens) {
+  const int64_t T = slots.size(0), KV = k_cache.size(2), D = k_cache.size(3), row = KV * D;
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.sizes() == v_cache.sizes() && slots.dtype() == torch::kInt64 &&
+              slots.is_contiguous() && slots.dim() == 1 && q.dim() == 3 && q.size(0) == T &&
+              k.dim() == 3 && k.size(0) == T && k.size(1) == KV && k.size(2) == D &&
+              k.sizes() == v.sizes() && k.stride(2) == 1 && k.stride(1) == D &&
+              v.stride(2) == 1 && v.stride(1) == D, "write_decode: k/v, slots or cache shape");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0) * k_cache.size(1),
+                "write_decode: slot out of range");
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy_n(k.data_ptr<float>() + t * k.stride(0), row, kc + sp[t] * row);
+    std::copy_n(v.data_ptr<float>() + t * v.stride(0), row, vc + sp[t] * row);
+  }
+  torch::Tensor out = torch::empty(q.sizes(), q.options());  // scale: as Python's D ** -0.5
+  paged_decode(q, k_cache, v_cache, tables, lens, out, std::pow(static_cast<double>(D), -0.5));
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("write_decode", &write_decode, py::call_guard<py::gil_scoped_release>());
+}
 """
 
-_KERNEL = CppKernel("pdserve_paged_decode_v4", _SOURCE,
+_KERNEL = CppKernel("pdserve_paged_decode_v5", _SOURCE,
                     "decode attention gathers K/V chunks in torch instead")
 
 
@@ -339,26 +371,30 @@ def available() -> bool:
 
 
 def ready() -> bool:
-    """Whether the kernel is built, without waiting (the first call starts the build in
-    a thread): an engine decodes on the torch path meanwhile."""
+    """Whether it is built, without waiting (starts the build in a thread; the torch path
+    decodes meanwhile)."""
     return _KERNEL.ready()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this layer: float32 on the CPU, a contiguous cache,
-    ``head_dim`` a multiple of 16."""
+    """Whether it takes this layer: float32 CPU, contiguous cache, ``head_dim`` % 16 == 0."""
     _, _, kv_heads, head_dim = k_cache.shape
     return (q.device.type == "cpu" and q.dtype == torch.float32
             and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
             and head_dim % 16 == 0 and q.shape[1] % kv_heads == 0)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 out: torch.Tensor) -> None:
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
     """Write into ``out`` ``[n, heads, dim]`` the attention of ``q`` ``[n, heads, dim]``
-    (one query per sequence) over each sequence's first ``context_lens[i]`` cached
-    tokens, found through ``block_tables`` ``[n, width]``. Block ids and lengths are
-    checked against the cache first (``RuntimeError``)."""
+    (one query per sequence) over each sequence's first ``context_lens[i]`` cached tokens,
+    through ``block_tables`` ``[n, width]``; bad ids or lengths: ``RuntimeError``."""
     _KERNEL.module().paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
                            q.shape[-1] ** -0.5)
+
+
+def write_decode(q, k, v, k_cache, v_cache, slots, tables, lens):
+    """Decodes only: ``k``/``v`` ``[n, kv_heads, dim]`` written at ``slots`` ``[n]`` (as
+    ``index_copy_``), then :func:`paged_decode` of ``q`` into a new tensor. A bad slot:
+    ``RuntimeError``, nothing written; a bad block id or length: the same before any
+    read (as ``index_copy_`` then :func:`paged_decode` did)."""
+    return _KERNEL.module().write_decode(q, k, v, k_cache, v_cache, slots, tables, lens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from typing import NamedTuple
 
 import msgpack
@@ -111,22 +112,25 @@ class ModelRunner:
             logits = self.graphs.run(inputs, layer_hook)
             if logits is not None:
                 return logits
-        dev = self.device
-
-        def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
-        groups = [DecodeGroup(start=start, size=size, block_tables=tensor(tables),
-                              context_lens=tensor(ctx), max_context_len=max_ctx)
-                  for start, size, tables, ctx, max_ctx in inputs.decode_groups]
+        # Every integer of the step in one tensor (one creation, one copy to a GPU), cut
+        # into views: a batch-1 CPU step made six small tensors here.
+        parts = [inputs.ids, inputs.positions, inputs.slots, inputs.logits_rows]
+        for _, _, tables, ctx, _ in inputs.decode_groups:
+            parts += (list(chain.from_iterable(tables)), ctx)
+        parts += (table for *_, table in inputs.prefills)
+        views = iter(torch.tensor(list(chain.from_iterable(parts)), dtype=torch.long,
+                                  device=self.device).split([len(p) for p in parts]))
+        ids, positions, slots, logits_rows = (next(views) for _ in range(4))
+        groups = [DecodeGroup(start=start, size=size,
+                              block_tables=next(views).view(size, len(tables[0])),
+                              context_lens=next(views), max_context_len=max_ctx)
+                  for start, size, tables, _, max_ctx in inputs.decode_groups]
         segments = [PrefillSegment(start=start, query_len=n, context_len=end,
-                                   block_table=tensor(table))
-                    for start, n, end, table in inputs.prefills]
-        meta = AttentionMetadata(slot_mapping=tensor(inputs.slots), decode_groups=groups,
-                                 prefills=segments)
-        return self.model(tensor(inputs.ids), tensor(inputs.positions),
-                          (self.kv_cache.k, self.kv_cache.v), meta,
-                          tensor(inputs.logits_rows), layer_hook)
+                                   block_table=next(views))
+                    for start, n, end, _ in inputs.prefills]
+        meta = AttentionMetadata(slot_mapping=slots, decode_groups=groups, prefills=segments)
+        return self.model(ids, positions, (self.kv_cache.k, self.kv_cache.v), meta,
+                          logits_rows, layer_hook)
 
 
 class FusedLayers:
