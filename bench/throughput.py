@@ -63,7 +63,8 @@ def run_ours(args) -> dict:
     engine = LLMEngine(EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_mib << 20,
                                     dtype=args.dtype, num_threads=args.threads,
                                     max_num_batched_tokens=args.max_batched_tokens,
-                                    enable_prefix_caching=False))
+                                    enable_prefix_caching=False,
+                                    quantization=args.quantization))
     load_s = time.perf_counter() - start
     prompts = make_prompts(args.num_prompts, engine.model_config.vocab_size, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -137,7 +138,7 @@ def child_cmd(side: str, args, seed: int) -> list[str]:
             "--output-len", str(args.output_len), "--model", args.model, "--seed", str(seed),
             "--kv-cache-mib", str(args.kv_cache_mib), "--dtype", args.dtype,
             "--max-batched-tokens", str(args.max_batched_tokens),
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads), "--quantization", args.quantization]
 
 
 def side_runner(side: str, args, outputs: dict):
@@ -202,6 +203,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
     ap.add_argument("--quick", action="store_true",
                     help="small profile: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    ap.add_argument("--quantization", default="none",
+                    help="pdserve's weights (none, int8, int4, w8a16, w4a16); transformers "
+                         "stays in --dtype")
     ap.add_argument("--side", choices=["ours", "transformers"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
@@ -214,10 +218,13 @@ def main() -> None:
             setattr(args, k, v)
 
     settings = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+                "quantization": args.quantization,
                 "num_prompts": args.num_prompts, "output_len": args.output_len,
                 "max_batched_tokens": args.max_batched_tokens,
                 "transformers": "one left-padded generate batch; prefill logits_to_keep=1"}
-    session = Session(f"throughput-{args.dtype}", settings, seed=args.seed)
+    name = f"throughput-{args.dtype}" + ("" if args.quantization == "none"
+                                         else f"-{args.quantization}")
+    session = Session(name, settings, seed=args.seed)
     print(settings_line(settings), flush=True)
     outputs: dict[int, dict] = {}
     runs = session.run({"pdserve": side_runner("ours", args, outputs),
@@ -230,8 +237,8 @@ def main() -> None:
     print_summary(report)
     print(f"identical greedy outputs: {report['identical_outputs']}")
     out = Path(args.out)
-    path = write(report, out / f"throughput-{args.dtype}.json")
-    plot(report, out / f"throughput-{args.dtype}.png")
+    path = write(report, out / f"{name}.json")
+    plot(report, out / f"{name}.png")
     print(f"wrote {path}")
 
 
