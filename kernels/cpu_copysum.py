@@ -32,7 +32,6 @@ import sys
 from kernels.cpu_build import CppKernel
 
 SHORT = 240  # XXH3's short-input paths end here
-STATE_BYTES = 72  # eight accumulators and the count of bytes folded in
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -94,20 +93,6 @@ static inline void stripe(uint64_t* acc, const uint8_t* in, uint64_t s) {
   if (n == PER_BLOCK - 1) scramble(acc);
 }
 
-static State* state_of(py::buffer& buf) {
-  py::buffer_info info = buf.request(true);
-  if (info.size * info.itemsize < (py::ssize_t)sizeof(State))
-    throw std::invalid_argument("copysum state too small");
-  return reinterpret_cast<State*>(info.ptr);
-}
-
-static void start(py::buffer st) {
-  State* s = state_of(st);
-  const uint64_t init[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
-  std::memcpy(s->acc, init, sizeof(init));
-  s->folded = 0;
-}
-
 // Copy the `n` bytes at `in` to `base[at:]`, folding in every stripe [s, s + 64) with
 // s + 64 < total that is now wholly in `base`. The caller has checked the range.
 static void copy_raw(uint8_t* base, int64_t at, const uint8_t* in, int64_t n, State* s,
@@ -153,15 +138,6 @@ static void copy_raw(uint8_t* base, int64_t at, const uint8_t* in, int64_t n, St
   }
 }
 
-static void copy(py::buffer dst, int64_t at, py::buffer src, py::buffer st, int64_t total) {
-  py::buffer_info d = dst.request(true), r = src.request(false);
-  State* s = state_of(st);
-  const int64_t n = r.size * r.itemsize;
-  if (at < 0 || at + n > d.size * d.itemsize || at + n > total || (int64_t)s->folded > at)
-    throw std::invalid_argument("copysum: bytes out of range");
-  copy_raw(static_cast<uint8_t*>(d.ptr), at, static_cast<const uint8_t*>(r.ptr), n, s, total);
-}
-
 static uint64_t fold128(uint64_t a, uint64_t b) {
   const unsigned __int128 p = (unsigned __int128)a * b;
   return (uint64_t)p ^ (uint64_t)(p >> 64);
@@ -180,16 +156,7 @@ static uint64_t digest_raw(const uint8_t* base, const State* s, int64_t total) {
   return h ^ (h >> 32);
 }
 
-// The digest of the `total` bytes at the start of `dst`, all copied by now.
-static uint64_t digest(py::buffer dst, py::buffer st, int64_t total) {
-  py::buffer_info d = dst.request(false);
-  State* s = state_of(st);
-  if (total <= 240 || total > d.size * d.itemsize || (int64_t)s->folded + STRIPE <= total - 1)
-    throw std::invalid_argument("copysum: digest before every stripe is in");
-  return digest_raw(static_cast<const uint8_t*>(d.ptr), s, total);
-}
-
-// start, one copy per source and digest in one call: a batch's 30 chunks cost one
+// Start, one copy per source and the digest in one call: a batch's 30 chunks cost one
 // crossing into C++ rather than 32. The buffers are all requested (and the lengths
 // checked) before the first byte moves, so a bad source copies nothing.
 static uint64_t copy_all(py::buffer dst, py::sequence sources) {
@@ -223,9 +190,6 @@ static uint64_t copy_all(py::buffer dst, py::sequence sources) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_all", &copy_all);
-  m.def("start", &start);
-  m.def("copy", &copy);
-  m.def("digest", &digest);
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;
 #else

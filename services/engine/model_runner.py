@@ -192,11 +192,9 @@ class FusedLayers:
         ks, vs = self._views(k_all, v_all)
         residual = None
         for i, layer in enumerate(self._layers):
+            q, k, v = layer.pre(x, residual, positions)
             if residual is None:  # the first layer: x is the stream itself
-                q, k, v = layer.pre(x, None, positions)
                 residual = x
-            else:
-                q, k, v = layer.pre(x, residual, positions)
             x = layer.post(attend(q, k, v, ks[i], vs[i], meta), residual)
             if layer_hook is not None:
                 layer_hook(i)
