@@ -3,7 +3,7 @@ from ``bench/serve.py``'s random generator, what ``pdserve advise`` predicts for
 workers colocated and split 1P+1D, and what the same requests measure live.
 
     python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
-        [--deployment 1P+1D] [--logs DIR]
+        [--deployment 1P+1D] [--logs DIR [--step-trace]]
 
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
@@ -139,13 +139,16 @@ def _per_request(results: list) -> list:
     return rows
 
 
-def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None) -> dict:
+def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
+         step_trace: bool = False) -> dict:
     roles = ["unified"] * dep.decode if dep.colocated else \
         ["prefill"] * dep.prefill + ["decode"] * dep.decode
     settings = plan.conductor_settings(dep)
     with tempfile.TemporaryDirectory(prefix="advise-check-") as tmp:
         cluster = Cluster(DEFAULT_MODEL, Path(tmp), roles, policy=settings.policy,
                           kv_cache_mib=plan.kv_cache_mib,
+                          # debug: a log line per engine step (what it carried, its ms)
+                          worker_args=["--log-level", "debug"] if step_trace else [],
                           conductor_args=["--cost-profile", settings.cost_profile],
                           gateway_args=["--tokenizer-dir", tokenizer_dir_for(DEFAULT_MODEL),
                                         "--max-model-len", "4096"])
@@ -219,6 +222,9 @@ def main() -> None:
                     help="only this deployment (default: both)")
     ap.add_argument("--logs", type=Path,
                     help="keep the live processes' logs in this folder")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="workers log every engine step (with --logs: compare the live "
+                    "steps with the simulator's, bench/sim_steps.py)")
     ap.add_argument("--profile", default=PROFILE,
                     help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
@@ -236,7 +242,7 @@ def main() -> None:
                         "slo_tpot_ms": plan.slo.tpot_s * 1e3},
                "predicted": predict(specs, plan, deps)}
         if not args.predict_only:
-            row["live"] = {label: live(specs, plan, dep, args.logs)
+            row["live"] = {label: live(specs, plan, dep, args.logs, args.step_trace)
                            for label, dep in deps.items()}
             pred, real = row["predicted"], row["live"]
             row["ranking"] = {"predicted": ranking(pred), "live": ranking(real)}
