@@ -97,6 +97,8 @@ class PrefillRole:
         pass  # the sender connects per peer, on first use
 
     async def close(self) -> None:
+        if self._freeing:  # the engine loop runs until after this: let them finish
+            await asyncio.wait(set(self._freeing.values()), timeout=5)
         await self.sender.close()
 
     @property
