@@ -140,7 +140,7 @@ def _per_request(results: list) -> list:
 
 
 def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
-         step_trace: bool = False) -> dict:
+         step_trace: bool = False, workload: str = "") -> dict:
     roles = ["unified"] * dep.decode if dep.colocated else \
         ["prefill"] * dep.prefill + ["decode"] * dep.decode
     settings = plan.conductor_settings(dep)
@@ -166,7 +166,7 @@ def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
         if logs is not None:
             logs.mkdir(parents=True, exist_ok=True)
             for f in Path(tmp).glob("*.log"):
-                shutil.copy(f, logs / f"{dep.name.replace(' ', '_')}-{f.name}")
+                shutil.copy(f, logs / log_name(workload, dep.name, f.name))
     slo = serve_report.Slo(plan.slo.ttft_s * 1e3, plan.slo.tpot_s * 1e3)
     s = serve_report.summarize(results, serve_report.results_duration(results), slo)
     return {"goodput": s["goodput"], "good": round(s["goodput_fraction"] * len(results)),
@@ -177,6 +177,11 @@ def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
             **routing, "requests": _per_request(results),
             # per request in the order routed (= sent): [to a prefill worker, the reason]
             "routing": decisions}
+
+
+def log_name(workload: str, deployment: str, name: str) -> str:
+    """A live process's log kept under ``--logs``: one folder serves both workloads."""
+    return "-".join(filter(None, (workload, deployment.replace(" ", "_"), name)))
 
 
 ROUTED = re.compile(r"\brouted\b.*?\bprefill=(\S+) reason=(.*) request_id=(\S+)")
@@ -242,7 +247,7 @@ def main() -> None:
                         "slo_tpot_ms": plan.slo.tpot_s * 1e3},
                "predicted": predict(specs, plan, deps)}
         if not args.predict_only:
-            row["live"] = {label: live(specs, plan, dep, args.logs, args.step_trace)
+            row["live"] = {label: live(specs, plan, dep, args.logs, args.step_trace, name)
                            for label, dep in deps.items()}
             pred, real = row["predicted"], row["live"]
             row["ranking"] = {"predicted": ranking(pred), "live": ranking(real)}

@@ -60,12 +60,17 @@ def simulated(name: str, deployment: str, requests: int, seed: int) -> dict:
     return table(rows)
 
 
-def live(logs: Path, deployment: str) -> dict:
+def live(logs: Path, deployment: str, workload: str = "") -> dict:
+    """The step lines of ``deployment``'s workers in ``logs`` (``workload``'s, as
+    advise_check names them; without it, or where it has none, unprefixed names)."""
     rows = []
-    for log in sorted(logs.glob(f"{deployment.replace(' ', '_')}-*.log")):
-        if "conductor" in log.name or "gateway" in log.name:
+    pattern = ac.log_name("", deployment, "*.log")
+    found = sorted(logs.glob(f"{workload}-{pattern}")) if workload else []
+    for log in found or sorted(logs.glob(pattern)):
+        role = log.name[:-len(".log")].split("-")[-2]  # <role>-<index>.log: a worker's
+        if role not in ("prefill", "decode", "unified"):
             continue
-        where = "prefill worker" if "-prefill-" in log.name else "decode worker"
+        where = "prefill worker" if role == "prefill" else "decode worker"
         for m in map(STEP.search, log.read_text(errors="replace").splitlines()):
             if m is None:
                 continue
@@ -90,7 +95,7 @@ def main() -> None:
     ap.add_argument("--logs", type=Path, help="a live run's logs (advise_check --logs)")
     args = ap.parse_args()
     sim = simulated(args.only, args.deployment, args.requests, args.seed)
-    real = live(args.logs, args.deployment) if args.logs else {}
+    real = live(args.logs, args.deployment, args.only) if args.logs else {}
     if args.logs and not real:
         sys.exit(f"no step lines in {args.logs}: run advise_check with --step-trace")
     print(f"{args.only}, {args.deployment}: median (steps)")

@@ -75,7 +75,14 @@ def test_live_step_trace_is_read_per_worker_and_kind(tmp_path):
         "2026-12-02T09:17:14Z [debug    ] step     chunks=2 decode=0 ms=4000.0 prefill=2000\n")
     (tmp_path / "colocated_x2-unified-0.log").write_text(
         "2026-12-02T09:17:14Z [debug    ] step     chunks=0 decode=1 ms=9.0 prefill=0\n")
-    got = sim_steps.live(tmp_path, "1P+1D")
+    (tmp_path / "prefill-heavy-1P+1D-prefill-0.log").write_text(
+        "2026-12-02T09:17:14Z [debug    ] step     chunks=1 decode=0 ms=500.0 prefill=100\n")
+    # A workload's own logs where it has them (advise_check names them so), else all.
+    assert sim_steps.live(tmp_path, "1P+1D", "prefill-heavy") == {
+        ("prefill worker", "prefill ms/token"): [5.0]}
+    assert ac.log_name("prefill-heavy", "colocated x2", "gateway.log") == \
+        "prefill-heavy-colocated_x2-gateway.log"
+    got = sim_steps.live(tmp_path, "1P+1D", "decode-heavy")
     assert got == {("decode worker", "prefill ms/token"): [3.0, 3.0],
                    ("decode worker", "decode B=1 ms"): [50.0, 70.0],
                    ("decode worker", "decode B=4-7 ms"): [150.0],
