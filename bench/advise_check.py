@@ -3,7 +3,7 @@ from ``bench/serve.py``'s random generator, what ``pdserve advise`` predicts for
 workers colocated and split 1P+1D, and what the same requests measure live.
 
     python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
-        [--deployment 1P+1D] [--logs DIR]
+        [--deployment 1P+1D] [--logs DIR [--step-trace]]
 
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
@@ -139,13 +139,16 @@ def _per_request(results: list) -> list:
     return rows
 
 
-def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None) -> dict:
+def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
+         step_trace: bool = False, workload: str = "") -> dict:
     roles = ["unified"] * dep.decode if dep.colocated else \
         ["prefill"] * dep.prefill + ["decode"] * dep.decode
     settings = plan.conductor_settings(dep)
     with tempfile.TemporaryDirectory(prefix="advise-check-") as tmp:
         cluster = Cluster(DEFAULT_MODEL, Path(tmp), roles, policy=settings.policy,
                           kv_cache_mib=plan.kv_cache_mib,
+                          # debug: a log line per engine step (what it carried, its ms)
+                          worker_args=["--log-level", "debug"] if step_trace else [],
                           conductor_args=["--cost-profile", settings.cost_profile],
                           gateway_args=["--tokenizer-dir", tokenizer_dir_for(DEFAULT_MODEL),
                                         "--max-model-len", "4096"])
@@ -163,7 +166,7 @@ def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None) -> 
         if logs is not None:
             logs.mkdir(parents=True, exist_ok=True)
             for f in Path(tmp).glob("*.log"):
-                shutil.copy(f, logs / f"{dep.name.replace(' ', '_')}-{f.name}")
+                shutil.copy(f, logs / log_name(workload, dep.name, f.name))
     slo = serve_report.Slo(plan.slo.ttft_s * 1e3, plan.slo.tpot_s * 1e3)
     s = serve_report.summarize(results, serve_report.results_duration(results), slo)
     return {"goodput": s["goodput"], "good": round(s["goodput_fraction"] * len(results)),
@@ -174,6 +177,11 @@ def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None) -> 
             **routing, "requests": _per_request(results),
             # per request in the order routed (= sent): [to a prefill worker, the reason]
             "routing": decisions}
+
+
+def log_name(workload: str, deployment: str, name: str) -> str:
+    """A live process's log kept under ``--logs``: one folder serves both workloads."""
+    return "-".join(filter(None, (workload, deployment.replace(" ", "_"), name)))
 
 
 ROUTED = re.compile(r"\brouted\b.*?\bprefill=(\S+) reason=(.*) request_id=(\S+)")
@@ -219,6 +227,9 @@ def main() -> None:
                     help="only this deployment (default: both)")
     ap.add_argument("--logs", type=Path,
                     help="keep the live processes' logs in this folder")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="workers log every engine step (with --logs: compare the live "
+                    "steps with the simulator's, bench/sim_steps.py)")
     ap.add_argument("--profile", default=PROFILE,
                     help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
@@ -236,7 +247,7 @@ def main() -> None:
                         "slo_tpot_ms": plan.slo.tpot_s * 1e3},
                "predicted": predict(specs, plan, deps)}
         if not args.predict_only:
-            row["live"] = {label: live(specs, plan, dep, args.logs)
+            row["live"] = {label: live(specs, plan, dep, args.logs, args.step_trace, name)
                            for label, dep in deps.items()}
             pred, real = row["predicted"], row["live"]
             row["ranking"] = {"predicted": ranking(pred), "live": ranking(real)}

@@ -60,3 +60,34 @@ def test_live_routing_is_read_from_the_conductors_log(tmp_path):
         [False, "local 3.255s <= remote 3.297s; prefill on decode-1 hit 0/56 blocks"],
         [True, "local prefill would stall 1 decodes 6.173s"]]
     assert ac.routes_logged(tmp_path / "missing.log") == []
+
+
+def test_live_step_trace_is_read_per_worker_and_kind(tmp_path):
+    from bench import sim_steps
+    (tmp_path / "1P+1D-decode-1.log").write_text(
+        "2026-12-02T09:17:14Z [debug    ] step     chunks=1 decode=0 ms=3000.0 prefill=1000\n"
+        "2026-12-02T09:17:15Z [debug    ] step     chunks=0 decode=1 ms=50.0 prefill=0\n"
+        "2026-12-02T09:17:15Z [debug    ] step     chunks=0 decode=1 ms=70.0 prefill=0\n"
+        "2026-12-02T09:17:16Z [debug    ] step     chunks=0 decode=5 ms=150.0 prefill=0\n"
+        "2026-12-02T09:17:17Z [debug    ] step     chunks=1 decode=5 ms=2100.0 prefill=700\n"
+        "2026-12-02T09:17:18Z [info     ] routed   decode=decode-1 prefill=None\n")
+    (tmp_path / "1P+1D-prefill-0.log").write_text(
+        "2026-12-02T09:17:14Z [debug    ] step     chunks=2 decode=0 ms=4000.0 prefill=2000\n")
+    (tmp_path / "colocated_x2-unified-0.log").write_text(
+        "2026-12-02T09:17:14Z [debug    ] step     chunks=0 decode=1 ms=9.0 prefill=0\n")
+    (tmp_path / "prefill-heavy-1P+1D-prefill-0.log").write_text(
+        "2026-12-02T09:17:14Z [debug    ] step     chunks=1 decode=0 ms=500.0 prefill=100\n")
+    # A workload's own logs where it has them (advise_check names them so), else all.
+    assert sim_steps.live(tmp_path, "1P+1D", "prefill-heavy") == {
+        ("prefill worker", "prefill ms/token"): [5.0]}
+    assert ac.log_name("prefill-heavy", "colocated x2", "gateway.log") == \
+        "prefill-heavy-colocated_x2-gateway.log"
+    got = sim_steps.live(tmp_path, "1P+1D", "decode-heavy")
+    assert got == {("decode worker", "prefill ms/token"): [3.0, 3.0],
+                   ("decode worker", "decode B=1 ms"): [50.0, 70.0],
+                   ("decode worker", "decode B=4-7 ms"): [150.0],
+                   ("prefill worker", "prefill ms/token"): [2.0]}
+    # The simulator's side of the same deployment reports both kinds of steps.
+    sim = sim_steps.simulated("prefill-heavy", "1P+1D", 8, 0)
+    assert ("prefill worker", "prefill ms/token") in sim
+    assert any(kind.startswith("decode B=") for _, kind in sim)

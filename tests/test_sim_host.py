@@ -233,3 +233,22 @@ def test_per_kind_factors_come_from_the_calibrations_host_fit():
     # calibrate_host chains a kind's ratios as it does the median ones.
     assert chained([1.4, 1.25, 1.5]) == pytest.approx([1.4, 1.75, 2.1])
     assert chained([0.9, 0.95, 1.3]) == pytest.approx([1.0, 1.0, 1.3])
+
+
+def test_in_1p1d_decode_steps_beside_a_remote_prefill_take_the_two_busy_factor():
+    # a decodes alone on decode-0; b's Prefill is reserved at a's next step boundary
+    # and computes on prefill-0 (1.6 s x 2.0), its KV landing 1 s later; a's steps in
+    # between run at the two-busy factor, before and after at the one-busy one.
+    prof = dataclasses.replace(HOST, contention=(1.0, 2.0), token_overhead_s=0.0)
+    a, b = SimRequest(0, 0.0, 1000, 301, [0, 1]), SimRequest(1, 2.0, 1000, 2, [2, 3])
+
+    def route(views, req):
+        by_id = {v.worker_id: v for v in views}
+        return Decision(by_id["decode-0"], by_id["prefill-0"] if req.rid else None, "x")
+    steps: list = []
+    Simulator(prof, route, prefill=1, decode=1, shared_host=True, steps=steps).run([a, b])
+    runs = [(s.batch, s.seconds / prof.decode_step_s(s.batch, s.context))
+            for w, kind, s in steps if kind == "decode"]
+    assert [n for n, _ in runs[:3]] == [1, 1, 2]
+    assert [round(f, 3) for _, f in runs[:3]] == [1.0, 2.0, 1.0]
+    assert b.ttft == pytest.approx(2.00071 + 3.2 + 1.0 - 2.0, abs=1e-4)

@@ -169,3 +169,16 @@ def test_bad_input_is_an_explicit_error():
         load_trace("unused", speed=0)
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and math.isnan(percentile([], 99))
     assert isinstance(Rejection("x", 1.0), tuple)
+
+
+def test_the_step_samples_the_workers_report_are_kept_for_a_step_trace():
+    a = SimRequest(0, 0.0, 1000, 3, [0, 1])
+    steps: list = []
+    Simulator(TINY, fixed("prefill-0"), prefill=1, decode=1, steps=steps).run([a])
+    # The prefill of 1000 tokens (1.6 s) on the prefill worker; then one run of two
+    # decode steps at B = 1 from K = 1000 (0.021 and 0.02101 s), its mean.
+    assert [(w, kind) for w, kind, _ in steps] == [("prefill-0", "prefill"),
+                                                   ("decode-0", "decode")]
+    (_, _, pre), (_, _, dec) = steps
+    assert (pre.tokens, pre.cached, pre.seconds) == ([1000], [0], pytest.approx(1.6))
+    assert (dec.batch, dec.context, dec.seconds) == (1, 1000, pytest.approx(0.021005))

@@ -120,10 +120,11 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan,
-             decisions: dict[str, str] | None = None) -> Outcome:
+             decisions: dict[str, str] | None = None, steps: list | None = None) -> Outcome:
     """One simulated run of ``reqs`` (fresh records; filled in) on ``dep``; with
     ``decisions``, each request's routing reason is put there by its id, as the live
-    conductor logs it (``routed ... reason=``)."""
+    conductor logs it (``routed ... reason=``); with ``steps``, the workers' step
+    samples (``Simulator(steps=...)``)."""
     settings = plan.conductor_settings(dep)
     router = Router(settings.router_config(), load_profile(plan.profile_spec))
 
@@ -141,7 +142,8 @@ def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan,
               pool_blocks=plan.pool_blocks() if dep.pool else 0,
               kv_lease_s=plan.kv_lease_s, noise=plan.noise, seed=plan.seed,
               shared_host=plan.shared_host,
-              correction=router.correction if settings.ttft_correction else None).run(reqs)
+              correction=router.correction if settings.ttft_correction else None,
+              steps=steps).run(reqs)
     done = [r for r in reqs if r.done is not None]
     good = sum(1 for r in done if r.ttft <= plan.slo.ttft_s and r.tbt <= plan.slo.tpot_s)
     start = min(r.arrival for r in reqs)

@@ -101,7 +101,8 @@ class Simulator:
                  heartbeat_s: float = 1.0, pool_blocks: int = 0,
                  stage_reject_wait_s: float | None = None, kv_lease_s: float = 10.0,
                  noise: float = 0.0, seed: int = 0, shared_host: bool = False,
-                 correction: TtftCorrection | None = None) -> None:
+                 correction: TtftCorrection | None = None,
+                 steps: list | None = None) -> None:
         if decode <= 0 or prefill < 0 or heartbeat_s <= 0:
             raise ValueError("need decode >= 1, prefill >= 0 workers and heartbeat_s > 0")
         if pool_blocks and profile.pool_bandwidth <= 0:
@@ -132,6 +133,9 @@ class Simulator:
         self._heap: list = []
         self._seq = self.open = 0
         self.bad_samples = 0
+        # With a list: every step sample the workers report, as (worker id, "prefill" or
+        # "decode", StepSample), to hold against a live worker's step trace.
+        self.steps = steps
 
     def jitter(self) -> float:
         """A lognormal factor of mean 1 (1.0 without noise)."""
@@ -195,6 +199,10 @@ class Simulator:
     def _heartbeat(self, now: float, seq: int) -> None:
         for w in self.workers.values():
             hb = w.heartbeat(seq, now)
+            if self.steps is not None:
+                self.steps += [(hb.worker_id, kind, s) for kind, samples in
+                               (("prefill", hb.prefill_steps), ("decode", hb.decode_steps))
+                               for s in samples]
             if self.registry.heartbeat(hb, now=now) and self.cost is not None:
                 self.bad_samples += fit_step_samples(self.cost, hb.prefill_steps,
                                                      hb.decode_steps)[1]

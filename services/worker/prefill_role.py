@@ -87,6 +87,7 @@ class PrefillRole:
         self.paths: collections.Counter[str] = collections.Counter()  # of a TP engine
         self.done = 0
         self._slicing: tuple | None = None  # (each rank's heads, tensor-parallel?)
+        self._freeing: dict[str, asyncio.Task] = {}  # finished jobs' blocks being freed
         self._aio = asyncio.get_running_loop()
         s = ctx.settings
         forced = None if s.transfer_backend == "auto" else s.transfer_backend
@@ -96,6 +97,8 @@ class PrefillRole:
         pass  # the sender connects per peer, on first use
 
     async def close(self) -> None:
+        if self._freeing:  # the engine loop runs until after this: let them finish
+            await asyncio.wait(set(self._freeing.values()), timeout=5)
         await self.sender.close()
 
     @property
@@ -158,6 +161,9 @@ class PrefillRole:
 
     async def _handle(self, rid: str, rec: Prefill, arrived: float, span: Span):
         ctx = self.ctx
+        freeing = self._freeing.get(rid)
+        if freeing is not None:  # the same id's last job still holds its blocks
+            await asyncio.wait({freeing})
         if rid in self.jobs:  # a re-routed request while its first prefill still runs
             return Error("bad_request", f"request id {rid!r} is already being prefilled here")
         try:
@@ -211,7 +217,21 @@ class PrefillRole:
         finally:
             sending.cancel()
             self.jobs.pop(rid, None)
-            await ctx.loop.run(_drop, rid)
+            self._free(rid)
+
+    def _free(self, rid: str) -> None:
+        """Free ``rid``'s blocks on the engine thread without waiting for it: the command
+        runs only between steps, and the reply (the decode worker's word that the KV is
+        complete) waiting for it waited for the next queued prompt's whole prefill."""
+        task = self._freeing[rid] = asyncio.ensure_future(self.ctx.loop.run(_drop, rid))
+
+        def freed(t: asyncio.Task) -> None:
+            if self._freeing.get(rid) is t:
+                del self._freeing[rid]
+            if not t.cancelled() and t.exception() is not None:
+                log.error("freeing a prefill's blocks failed", request_id=rid,
+                          error=repr(t.exception()))
+        task.add_done_callback(freed)
 
     async def _choose_path(self, rid: str, job: Job, backend: str) -> None:
         """On any backend, to a decode worker that takes slices, each rank sends its heads'
