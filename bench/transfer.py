@@ -9,6 +9,9 @@ send them as batches of up to 4 MiB: ``common/transfer/batch.py``), then ``finis
 The receiving sink does nothing (the worker's copy into its KV blocks is the same whatever
 the backend). Figures are medians over repetitions after a warm-up, backend and limit
 alternating; a repetition ends when the receiving process says (a stdout line) it has all.
+A round of each side is as many whole transfers, one after another, as make
+``--round-mib`` (8 MiB: six 1.4 MiB transfers, one of 16 MiB or more), the same count
+on both sides; ``--round-mib 0`` times one transfer a round.
 
 Limits: tcp, blocking ``sendall`` of each layer / ``recv_into`` one buffer; shm,
 ``memcpy`` of each layer into a pre-faulted segment the receiver maps; ucx, the whole
@@ -50,6 +53,10 @@ from bench.machine import load_average, machine_line  # noqa: E402
 LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
 MIB = 1 << 20
+# A round of one 1.4 MiB transfer lasts about a millisecond: one burst of the machine's
+# other work in it moves that round's ratio by 2-3x either way. Rounds of several
+# transfers, the same number on both sides, average such bursts out.
+ROUND_MIB = 8.0
 
 
 def goal(kind: str, mib: int) -> float | None:
@@ -243,23 +250,29 @@ METRICS = [Metric("gbps", "throughput", "GB/s"),
 
 
 def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, repeats: int,
-                 warmup: int, settings: dict) -> dict:
-    """The harness report of (backend, limit) for one backend and size, interleaved."""
+                 warmup: int, settings: dict, per_round: int = 1) -> dict:
+    """The harness report of (backend, limit) for one backend and size, interleaved;
+    each side's round is ``per_round`` transfers, one after another."""
     peers, stack = (Peer(), Peer()), contextlib.AsyncExitStack()
 
     async def open_both():
         ours = await stack.enter_async_context(
-            backend(peers[0], kind, chunks, blocks, warmup + repeats))
+            backend(peers[0], kind, chunks, blocks, (warmup + repeats) * per_round))
         limit = await stack.enter_async_context(LIMITS[kind](peers[1], chunks, payload))
         return ours, limit
 
+    async def several(one, first: int) -> None:
+        for rep in range(first, first + per_round):
+            await one(rep)
+
     def side(one, peer: Peer):
         def run(ctx) -> dict:
+            before = peer.cpu
             wall, cpu = time.perf_counter(), time.process_time()
-            runner.run(one(ctx.round))
+            runner.run(several(one, ctx.round * per_round))
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            return {"gbps": payload.nbytes / wall / 1e9,
-                    "cpu_ms": 1e3 * (cpu + peer.cpu_spent), "seconds": wall}
+            return {"gbps": per_round * payload.nbytes / wall / 1e9,
+                    "cpu_ms": 1e3 * (cpu + peer.cpu - before) / per_round, "seconds": wall}
         return run
 
     try:
@@ -275,7 +288,7 @@ def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, rep
 
 
 def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: float,
-            out: Path) -> list:
+            out: Path, round_mib: float = ROUND_MIB) -> list:
     """One row per backend and size; each cell's harness report also goes to
     ``out/transfer-<kind>-<mib>mib.json``, which bench/report.py turns into its table in
     docs/benchmarks.md."""
@@ -287,14 +300,15 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
         warmup = max(1, round(scale * (10 if mib <= 1 else 3 if mib <= 16 else 1)))
         copies = math.ceil(LAYERS * layer_bytes / MIB)
         payload = memoryview(os.urandom(MIB) * copies)[: LAYERS * layer_bytes]
+        per_round = max(1, math.ceil(round_mib * MIB / payload.nbytes))
         chunks = [payload[i * layer_bytes : (i + 1) * layer_bytes] for i in range(LAYERS)]
         for kind in kinds:
             settings = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
                         "messages": LAYERS, "message_bytes": layer_bytes,
-                        "blocks": len(blocks), "limit": LIMIT_NAMES[kind],
-                        "goal": goal(kind, mib)}
+                        "blocks": len(blocks), "transfers_per_round": per_round,
+                        "limit": LIMIT_NAMES[kind], "goal": goal(kind, mib)}
             report = measure_pair(runner, kind, chunks, payload, blocks, repeats, warmup,
-                                  settings)
+                                  settings, per_round)
             write(report, out / f"transfer-{kind}-{mib}mib.json")
             ratio = report["ratios"]["backend/limit"]
             row = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
@@ -340,6 +354,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--scale", type=float, default=1.0,
                         help="repeats and warm-ups times this (0.3: a quick look)")
+    parser.add_argument("--round-mib", type=float, default=ROUND_MIB,
+                        help="each side's round moves at least this many MiB, as whole "
+                        "transfers one after another (0: one transfer a round)")
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -373,7 +390,8 @@ def main() -> None:
     started, load_before = time.perf_counter(), load_average()
     out = Path(args.out)
     with asyncio.Runner() as runner:
-        rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale, out)
+        rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale, out,
+                       args.round_mib)
     machine = rows[0]["report"]["machine"] if rows else {}
     machine = {**machine, "load_before": load_before, "load_after": load_average()}
     meta = {"cpus": os.cpu_count(), "seconds": time.perf_counter() - started, "layout": LAYOUT,
