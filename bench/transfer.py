@@ -246,7 +246,11 @@ LIMITS = {"tcp": tcp_limit, "shm": shm_limit, "ucx": ucx_limit}
 
 
 METRICS = [Metric("gbps", "throughput", "GB/s"),
-           Metric("cpu_ms", "CPU of both processes per transfer", "ms", higher_is_better=False)]
+           Metric("cpu_ms", "CPU of both processes per transfer", "ms", higher_is_better=False),
+           # Where that CPU goes: what a side's fixed per-request cost is made of shows
+           # in which process it is spent.
+           Metric("send_cpu_ms", "of it, the sending process", "ms", higher_is_better=False),
+           Metric("recv_cpu_ms", "of it, the receiving process", "ms", higher_is_better=False)]
 
 
 def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, repeats: int,
@@ -271,8 +275,9 @@ def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, rep
             wall, cpu = time.perf_counter(), time.process_time()
             runner.run(several(one, ctx.round * per_round))
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            return {"gbps": per_round * payload.nbytes / wall / 1e9,
-                    "cpu_ms": 1e3 * (cpu + peer.cpu - before) / per_round, "seconds": wall}
+            send, recv = 1e3 * cpu / per_round, 1e3 * (peer.cpu - before) / per_round
+            return {"gbps": per_round * payload.nbytes / wall / 1e9, "cpu_ms": send + recv,
+                    "send_cpu_ms": send, "recv_cpu_ms": recv, "seconds": wall}
         return run
 
     try:
@@ -321,11 +326,17 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
                    "cpu_ratio": ratio["cpu_ms"]["median"], "report": report}
             rows.append(row)
             spread = ratio["gbps"]
+
+            def med(side: str, key: str, sides=report["sides"]) -> float:
+                return sides[side][key]["median"]
             print(f"{kind:>4} {mib:>4} MiB ({len(blocks):>3} blocks) "
                   f"{row['backend_gbps']:7.2f} GB/s  limit {row['limit_gbps']:7.2f} GB/s  "
                   f"{row['ratio']:4.2f}x [{spread['q1']:.2f}-{spread['q3']:.2f}, "
                   f"n={spread['n']}]  CPU {row['backend_cpu_ms']:.2f} vs "
-                  f"{row['limit_cpu_ms']:.2f} ms ({row['cpu_ratio']:.2f}x)  " + (
+                  f"{row['limit_cpu_ms']:.2f} ms ({row['cpu_ratio']:.2f}x; send "
+                  f"{med('backend', 'send_cpu_ms'):.2f} vs {med('limit', 'send_cpu_ms'):.2f}, "
+                  f"receive {med('backend', 'recv_cpu_ms'):.2f} vs "
+                  f"{med('limit', 'recv_cpu_ms'):.2f})  " + (
                       "no goal" if row["goal"] is None else f"goal {row['goal']}x "
                       f"{'met' if row['ratio'] >= row['goal'] else 'MISSED'}"),
                   flush=True)
