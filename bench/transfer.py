@@ -20,6 +20,7 @@ and 0.85x at 16 MiB, tcp 0.9x at 256 MiB; ucx is reported beside them. The limit
 the same bytes in the same messages (one per layer, the same sizes) between the same two
 kinds of process, and its receiver says it has all the same way. Writes
 bench/results/transfer.* and one harness report per cell, transfer-<kind>-<mib>mib.json.
+The limits are in bench/transfer_limits.py.
 
 Runs on bench/harness.py: backend and limit interleaved round by round, the ratio taken
 per round, its median and spread reported, the machine and its load recorded. Besides
@@ -37,7 +38,6 @@ import logging
 import math
 import os
 import secrets
-import socket
 import sys
 import time
 from pathlib import Path
@@ -49,6 +49,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import Metric, Session, write  # noqa: E402
 from bench.machine import load_average, machine_line  # noqa: E402
+from bench.transfer_limits import (  # noqa: E402
+    LIMIT_NAMES,
+    LIMITS,
+    serve_raw_shm,
+    serve_raw_tcp,
+    serve_raw_ucx,
+)
 
 LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
@@ -64,9 +71,6 @@ def goal(kind: str, mib: int) -> float | None:
     if kind == "ucx" or (kind == "shm" and mib > 16):
         return None
     return 0.7 if mib <= 1 else 0.85 if mib <= 16 else 0.9
-LIMIT_NAMES = {"tcp": "blocking sendall of each message / recv_into",
-               "shm": "memcpy of each message into a mapped segment, a pipe line to wake",
-               "ucx": "the whole payload in one ucxx send"}
 
 
 async def serve_backend(kind: str, count: str) -> None:
@@ -85,50 +89,6 @@ async def serve_backend(kind: str, count: str) -> None:
     await rx.close()
 
 
-def serve_raw_tcp() -> None:
-    from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
-
-    listener = socket.socket()
-    tune_socket(listener, SOCKET_BUFFER_BYTES)  # before listen, as the tcp backend does
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    print(f"addr {listener.getsockname()[1]}", flush=True)
-    conn, buffer = listener.accept()[0], memoryview(bytearray(64 * MIB))
-    while total := int.from_bytes(conn.recv(8, socket.MSG_WAITALL) or b"", "little"):
-        while total:
-            total -= conn.recv_into(buffer[: min(total, len(buffer))])
-        print(f"done {time.process_time()}", flush=True)
-
-
-def serve_raw_shm(name: str) -> None:
-    from common.transfer.shm_segment import SHM_DIR, Segment
-
-    segment = Segment.attach(SHM_DIR, name)
-    print("addr mapped", flush=True)
-    for _line in sys.stdin:  # one line a repetition: the bytes are in place
-        print(f"done {time.process_time()}", flush=True)
-    segment.close()
-
-
-async def serve_raw_ucx(max_bytes: str) -> None:
-    import ucxx
-
-    buffer, finished = bytearray(int(max_bytes)), asyncio.Event()
-
-    async def handler(ep) -> None:
-        try:
-            while True:
-                await ep.recv(buffer)
-                print(f"done {time.process_time()}", flush=True)
-        except Exception:
-            finished.set()
-
-    listener = ucxx.create_listener(handler)
-    print(f"addr {listener.port}", flush=True)
-    await finished.wait()
-    del listener  # stops listening
-
-
 class Peer:
     """A receiving process: its first line is its address, then one line a repetition,
     ending with the CPU seconds the process has used so far (``cpu``: at the last one)."""
@@ -145,7 +105,8 @@ class Peer:
     async def start(self, *args: str) -> str:
         pipe = asyncio.subprocess.PIPE
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--serve", *args, cwd=ROOT, stdin=pipe, stdout=pipe)
+            sys.executable, __file__, "--serve", *args, cwd=ROOT, stdin=pipe, stdout=pipe,
+            limit=1 << 20)  # the tokens line: 33 bytes a transfer
         return (await self.line()).removeprefix("addr ")
 
     async def line(self) -> str:
@@ -182,67 +143,6 @@ async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[
         yield one
     finally:
         await sender.close()
-
-
-@contextlib.asynccontextmanager
-async def tcp_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
-    from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
-
-    sock = socket.socket()
-    tune_socket(sock, SOCKET_BUFFER_BYTES)  # before connect, as the tcp backend does
-    sock.connect(("127.0.0.1", int(await peer.start("raw", "tcp"))))
-
-    async def one(rep: int) -> None:
-        sock.sendall(payload.nbytes.to_bytes(8, "little"))
-        for chunk in chunks:
-            sock.sendall(chunk)
-        await peer.done()
-
-    with sock:
-        yield one
-
-
-@contextlib.asynccontextmanager
-async def shm_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
-    from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix
-
-    segment = Segment.create(SHM_DIR, new_prefix(), payload.nbytes)
-    segment.view[:] = payload  # every page faulted in once, as the backend's ring is
-
-    async def one(rep: int) -> None:
-        offset = 0
-        for chunk in chunks:
-            segment.view[offset : offset + chunk.nbytes] = chunk
-            offset += chunk.nbytes
-        peer.proc.stdin.write(b"go\n")
-        await peer.done()
-
-    try:
-        await peer.start("raw", "shm", segment.name)
-        yield one
-    finally:
-        segment.unlink()
-        segment.close()
-
-
-@contextlib.asynccontextmanager
-async def ucx_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
-    import ucxx
-
-    port = await peer.start("raw", "ucx", str(payload.nbytes))
-    ep = await ucxx.create_endpoint("127.0.0.1", int(port))
-
-    async def one(rep: int) -> None:
-        await ep.send(payload)
-        await peer.done()
-
-    try:
-        yield one
-    finally:
-        await ep.close()
-
-
-LIMITS = {"tcp": tcp_limit, "shm": shm_limit, "ucx": ucx_limit}
 
 
 METRICS = [Metric("gbps", "throughput", "GB/s"),
