@@ -9,6 +9,9 @@ send them as batches of up to 4 MiB: ``common/transfer/batch.py``), then ``finis
 The receiving sink does nothing (the worker's copy into its KV blocks is the same whatever
 the backend). Figures are medians over repetitions after a warm-up, backend and limit
 alternating; a repetition ends when the receiving process says (a stdout line) it has all.
+A round of each side is as many whole transfers, one after another, as make
+``--round-mib`` (8 MiB: six 1.4 MiB transfers, one of 16 MiB or more), the same count
+on both sides; ``--round-mib 0`` times one transfer a round.
 
 Limits: tcp, blocking ``sendall`` of each layer / ``recv_into`` one buffer; shm,
 ``memcpy`` of each layer into a pre-faulted segment the receiver maps; ucx, the whole
@@ -17,6 +20,7 @@ and 0.85x at 16 MiB, tcp 0.9x at 256 MiB; ucx is reported beside them. The limit
 the same bytes in the same messages (one per layer, the same sizes) between the same two
 kinds of process, and its receiver says it has all the same way. Writes
 bench/results/transfer.* and one harness report per cell, transfer-<kind>-<mib>mib.json.
+The limits are in bench/transfer_limits.py.
 
 Runs on bench/harness.py: backend and limit interleaved round by round, the ratio taken
 per round, its median and spread reported, the machine and its load recorded. Besides
@@ -34,7 +38,6 @@ import logging
 import math
 import os
 import secrets
-import socket
 import sys
 import time
 from pathlib import Path
@@ -46,10 +49,21 @@ sys.path.insert(0, str(ROOT))
 
 from bench.harness import Metric, Session, write  # noqa: E402
 from bench.machine import load_average, machine_line  # noqa: E402
+from bench.transfer_limits import (  # noqa: E402
+    LIMIT_NAMES,
+    LIMITS,
+    serve_raw_shm,
+    serve_raw_tcp,
+    serve_raw_ucx,
+)
 
 LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
 MIB = 1 << 20
+# A round of one 1.4 MiB transfer lasts about a millisecond: one burst of the machine's
+# other work in it moves that round's ratio by 2-3x either way. Rounds of several
+# transfers, the same number on both sides, average such bursts out.
+ROUND_MIB = 8.0
 
 
 def goal(kind: str, mib: int) -> float | None:
@@ -57,9 +71,6 @@ def goal(kind: str, mib: int) -> float | None:
     if kind == "ucx" or (kind == "shm" and mib > 16):
         return None
     return 0.7 if mib <= 1 else 0.85 if mib <= 16 else 0.9
-LIMIT_NAMES = {"tcp": "blocking sendall of each message / recv_into",
-               "shm": "memcpy of each message into a mapped segment, a pipe line to wake",
-               "ucx": "the whole payload in one ucxx send"}
 
 
 async def serve_backend(kind: str, count: str) -> None:
@@ -78,50 +89,6 @@ async def serve_backend(kind: str, count: str) -> None:
     await rx.close()
 
 
-def serve_raw_tcp() -> None:
-    from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
-
-    listener = socket.socket()
-    tune_socket(listener, SOCKET_BUFFER_BYTES)  # before listen, as the tcp backend does
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    print(f"addr {listener.getsockname()[1]}", flush=True)
-    conn, buffer = listener.accept()[0], memoryview(bytearray(64 * MIB))
-    while total := int.from_bytes(conn.recv(8, socket.MSG_WAITALL) or b"", "little"):
-        while total:
-            total -= conn.recv_into(buffer[: min(total, len(buffer))])
-        print(f"done {time.process_time()}", flush=True)
-
-
-def serve_raw_shm(name: str) -> None:
-    from common.transfer.shm_segment import SHM_DIR, Segment
-
-    segment = Segment.attach(SHM_DIR, name)
-    print("addr mapped", flush=True)
-    for _line in sys.stdin:  # one line a repetition: the bytes are in place
-        print(f"done {time.process_time()}", flush=True)
-    segment.close()
-
-
-async def serve_raw_ucx(max_bytes: str) -> None:
-    import ucxx
-
-    buffer, finished = bytearray(int(max_bytes)), asyncio.Event()
-
-    async def handler(ep) -> None:
-        try:
-            while True:
-                await ep.recv(buffer)
-                print(f"done {time.process_time()}", flush=True)
-        except Exception:
-            finished.set()
-
-    listener = ucxx.create_listener(handler)
-    print(f"addr {listener.port}", flush=True)
-    await finished.wait()
-    del listener  # stops listening
-
-
 class Peer:
     """A receiving process: its first line is its address, then one line a repetition,
     ending with the CPU seconds the process has used so far (``cpu``: at the last one)."""
@@ -138,7 +105,8 @@ class Peer:
     async def start(self, *args: str) -> str:
         pipe = asyncio.subprocess.PIPE
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--serve", *args, cwd=ROOT, stdin=pipe, stdout=pipe)
+            sys.executable, __file__, "--serve", *args, cwd=ROOT, stdin=pipe, stdout=pipe,
+            limit=1 << 20)  # the tokens line: 33 bytes a transfer
         return (await self.line()).removeprefix("addr ")
 
     async def line(self) -> str:
@@ -177,89 +145,39 @@ async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[
         await sender.close()
 
 
-@contextlib.asynccontextmanager
-async def tcp_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
-    from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
-
-    sock = socket.socket()
-    tune_socket(sock, SOCKET_BUFFER_BYTES)  # before connect, as the tcp backend does
-    sock.connect(("127.0.0.1", int(await peer.start("raw", "tcp"))))
-
-    async def one(rep: int) -> None:
-        sock.sendall(payload.nbytes.to_bytes(8, "little"))
-        for chunk in chunks:
-            sock.sendall(chunk)
-        await peer.done()
-
-    with sock:
-        yield one
-
-
-@contextlib.asynccontextmanager
-async def shm_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
-    from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix
-
-    segment = Segment.create(SHM_DIR, new_prefix(), payload.nbytes)
-    segment.view[:] = payload  # every page faulted in once, as the backend's ring is
-
-    async def one(rep: int) -> None:
-        offset = 0
-        for chunk in chunks:
-            segment.view[offset : offset + chunk.nbytes] = chunk
-            offset += chunk.nbytes
-        peer.proc.stdin.write(b"go\n")
-        await peer.done()
-
-    try:
-        await peer.start("raw", "shm", segment.name)
-        yield one
-    finally:
-        segment.unlink()
-        segment.close()
-
-
-@contextlib.asynccontextmanager
-async def ucx_limit(peer: Peer, chunks: list[memoryview], payload: memoryview):
-    import ucxx
-
-    port = await peer.start("raw", "ucx", str(payload.nbytes))
-    ep = await ucxx.create_endpoint("127.0.0.1", int(port))
-
-    async def one(rep: int) -> None:
-        await ep.send(payload)
-        await peer.done()
-
-    try:
-        yield one
-    finally:
-        await ep.close()
-
-
-LIMITS = {"tcp": tcp_limit, "shm": shm_limit, "ucx": ucx_limit}
-
-
 METRICS = [Metric("gbps", "throughput", "GB/s"),
-           Metric("cpu_ms", "CPU of both processes per transfer", "ms", higher_is_better=False)]
+           Metric("cpu_ms", "CPU of both processes per transfer", "ms", higher_is_better=False),
+           # Where that CPU goes: what a side's fixed per-request cost is made of shows
+           # in which process it is spent.
+           Metric("send_cpu_ms", "of it, the sending process", "ms", higher_is_better=False),
+           Metric("recv_cpu_ms", "of it, the receiving process", "ms", higher_is_better=False)]
 
 
 def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, repeats: int,
-                 warmup: int, settings: dict) -> dict:
-    """The harness report of (backend, limit) for one backend and size, interleaved."""
+                 warmup: int, settings: dict, per_round: int = 1) -> dict:
+    """The harness report of (backend, limit) for one backend and size, interleaved;
+    each side's round is ``per_round`` transfers, one after another."""
     peers, stack = (Peer(), Peer()), contextlib.AsyncExitStack()
 
     async def open_both():
         ours = await stack.enter_async_context(
-            backend(peers[0], kind, chunks, blocks, warmup + repeats))
+            backend(peers[0], kind, chunks, blocks, (warmup + repeats) * per_round))
         limit = await stack.enter_async_context(LIMITS[kind](peers[1], chunks, payload))
         return ours, limit
 
+    async def several(one, first: int) -> None:
+        for rep in range(first, first + per_round):
+            await one(rep)
+
     def side(one, peer: Peer):
         def run(ctx) -> dict:
+            before = peer.cpu
             wall, cpu = time.perf_counter(), time.process_time()
-            runner.run(one(ctx.round))
+            runner.run(several(one, ctx.round * per_round))
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            return {"gbps": payload.nbytes / wall / 1e9,
-                    "cpu_ms": 1e3 * (cpu + peer.cpu_spent), "seconds": wall}
+            send, recv = 1e3 * cpu / per_round, 1e3 * (peer.cpu - before) / per_round
+            return {"gbps": per_round * payload.nbytes / wall / 1e9, "cpu_ms": send + recv,
+                    "send_cpu_ms": send, "recv_cpu_ms": recv, "seconds": wall}
         return run
 
     try:
@@ -275,7 +193,7 @@ def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, rep
 
 
 def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: float,
-            out: Path) -> list:
+            out: Path, round_mib: float = ROUND_MIB) -> list:
     """One row per backend and size; each cell's harness report also goes to
     ``out/transfer-<kind>-<mib>mib.json``, which bench/report.py turns into its table in
     docs/benchmarks.md."""
@@ -287,14 +205,15 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
         warmup = max(1, round(scale * (10 if mib <= 1 else 3 if mib <= 16 else 1)))
         copies = math.ceil(LAYERS * layer_bytes / MIB)
         payload = memoryview(os.urandom(MIB) * copies)[: LAYERS * layer_bytes]
+        per_round = max(1, math.ceil(round_mib * MIB / payload.nbytes))
         chunks = [payload[i * layer_bytes : (i + 1) * layer_bytes] for i in range(LAYERS)]
         for kind in kinds:
             settings = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
                         "messages": LAYERS, "message_bytes": layer_bytes,
-                        "blocks": len(blocks), "limit": LIMIT_NAMES[kind],
-                        "goal": goal(kind, mib)}
+                        "blocks": len(blocks), "transfers_per_round": per_round,
+                        "limit": LIMIT_NAMES[kind], "goal": goal(kind, mib)}
             report = measure_pair(runner, kind, chunks, payload, blocks, repeats, warmup,
-                                  settings)
+                                  settings, per_round)
             write(report, out / f"transfer-{kind}-{mib}mib.json")
             ratio = report["ratios"]["backend/limit"]
             row = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
@@ -307,11 +226,17 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
                    "cpu_ratio": ratio["cpu_ms"]["median"], "report": report}
             rows.append(row)
             spread = ratio["gbps"]
+
+            def med(side: str, key: str, sides=report["sides"]) -> float:
+                return sides[side][key]["median"]
             print(f"{kind:>4} {mib:>4} MiB ({len(blocks):>3} blocks) "
                   f"{row['backend_gbps']:7.2f} GB/s  limit {row['limit_gbps']:7.2f} GB/s  "
                   f"{row['ratio']:4.2f}x [{spread['q1']:.2f}-{spread['q3']:.2f}, "
                   f"n={spread['n']}]  CPU {row['backend_cpu_ms']:.2f} vs "
-                  f"{row['limit_cpu_ms']:.2f} ms ({row['cpu_ratio']:.2f}x)  " + (
+                  f"{row['limit_cpu_ms']:.2f} ms ({row['cpu_ratio']:.2f}x; send "
+                  f"{med('backend', 'send_cpu_ms'):.2f} vs {med('limit', 'send_cpu_ms'):.2f}, "
+                  f"receive {med('backend', 'recv_cpu_ms'):.2f} vs "
+                  f"{med('limit', 'recv_cpu_ms'):.2f})  " + (
                       "no goal" if row["goal"] is None else f"goal {row['goal']}x "
                       f"{'met' if row['ratio'] >= row['goal'] else 'MISSED'}"),
                   flush=True)
@@ -340,6 +265,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--scale", type=float, default=1.0,
                         help="repeats and warm-ups times this (0.3: a quick look)")
+    parser.add_argument("--round-mib", type=float, default=ROUND_MIB,
+                        help="each side's round moves at least this many MiB, as whole "
+                        "transfers one after another (0: one transfer a round)")
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -373,7 +301,8 @@ def main() -> None:
     started, load_before = time.perf_counter(), load_average()
     out = Path(args.out)
     with asyncio.Runner() as runner:
-        rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale, out)
+        rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale, out,
+                       args.round_mib)
     machine = rows[0]["report"]["machine"] if rows else {}
     machine = {**machine, "load_before": load_before, "load_after": load_average()}
     meta = {"cpus": os.cpu_count(), "seconds": time.perf_counter() - started, "layout": LAYOUT,

@@ -1,0 +1,36 @@
+"""bench/transfer.py end to end on tcp at its smallest: a round is as many whole
+transfers as ``--round-mib`` asks, the same count on both sides, and each side's CPU
+is split into its two processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/transfer.py", "--sizes", "1", "--backends", "tcp",
+         "--scale", "0.1", "--round-mib", "3", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "transfer-tcp-1mib.json").read_text())
+    settings = report["settings"]
+    # 30 layers of two 24 KiB blocks: 1,474,560 bytes, so 3 MiB takes three of them.
+    assert settings["bytes"] == 1_474_560
+    assert settings["transfers_per_round"] == math.ceil(3 * (1 << 20) / 1_474_560) == 3
+    for side in ("backend", "limit"):
+        runs = report["runs"][side]
+        assert len(runs) == 3  # max(3, round(0.1 * 31)) measured rounds
+        for run in runs:
+            assert run["cpu_ms"] == run["send_cpu_ms"] + run["recv_cpu_ms"]
+            assert run["send_cpu_ms"] > 0 and run["recv_cpu_ms"] > 0
+            # Three transfers' bytes in the round's wall time.
+            assert math.isclose(run["gbps"], 3 * 1_474_560 / run["seconds"] / 1e9)
+    assert {m["key"] for m in report["metrics"]} == {
+        "gbps", "cpu_ms", "send_cpu_ms", "recv_cpu_ms"}
