@@ -32,7 +32,10 @@ For one request (``P`` prompt tokens, chain of block hashes, ``O`` output tokens
     prompt's prefix (the one that served the previous turn) replaces the choice when it
     is predicted sooner and its stall keeps within that worker's budget.
 
-Every TTFT above is multiplied by the learned factor of its path and worker
+The cost model predicts a worker alone on its host; every compute time above (not the
+link transfer) is multiplied by the profile's contention factor for the workers busy on
+the worker's host, it counted (``contention.py``; 1.0 without factors). Every TTFT
+above is then multiplied by the learned factor of its path and worker
 (``ttft_correction.py``: "remote" and the prefill worker, "local" and the decode
 worker; 1.0 until enough first tokens were observed), before the choice.
 
@@ -69,6 +72,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from services.conductor.contention import busy_by_host, busy_on_host, host_factor
 from services.conductor.cost_model import CostModel, pool_fetch_time, transfer_time
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import Inflight, WorkerView
@@ -173,7 +177,7 @@ class CacheAwarePolicy(RoutingPolicy):
             raise ValueError(f"bad request sizes: prompt {prompt_tokens}, block {block_size}, "
                              f"output {output_tokens}")
         usable, decoders = candidates(workers, request)
-        self._busy = _busy_by_host(workers)
+        self._busy = busy_by_host(workers)
         decode, tbt, fits, roomy = self._pick_decode(decoders, prompt_tokens, output_tokens)
         admit = admission and (math.isfinite(slo_ttft_s) or math.isfinite(slo_tbt_s))
         if admit and not fits:
@@ -295,6 +299,7 @@ class CacheAwarePolicy(RoutingPolicy):
             local_s = self.cost.prefill_queue_time(d.waiting + local,
                                                    d.queued_prefill_tokens + d.pending_tokens)
             tbt += local_s / max(1, output - 1)  # its local prefills will stall this request
+            tbt *= self._contention(d)  # the model is of a worker alone (contention.py)
             if free >= need:
                 roomy.append((d, tbt))
                 if best_key is None or (tbt, -free, d.worker_id) < best_key:
@@ -346,12 +351,7 @@ class CacheAwarePolicy(RoutingPolicy):
         return Estimate(raw * f, w, own + fetch, uncached, queue, step, raw, f)
 
     def _contention(self, w: WorkerView) -> float:
-        factors = self.config.contention
-        if not factors:
-            return 1.0
-        busy = self._busy.get(w.host_id, set())
-        k = len(busy) + (w.worker_id not in busy)
-        return factors[min(k, len(factors)) - 1]
+        return host_factor(self.config.contention, busy_on_host(self._busy, w))
 
     def _account(self, best: Estimate, decode: WorkerView, kv_tokens: int,
                  ahead_s: float, r: PolicyRequest) -> None:
@@ -382,15 +382,6 @@ class CacheAwarePolicy(RoutingPolicy):
             led = self._ledger(decode)
             led.kv_blocks += kv_blocks
             led.kv_tokens += kv_tokens
-
-
-def _busy_by_host(workers: list[WorkerView]) -> dict[str, set[str]]:
-    """Per host id, the live workers with work: running, queued or routed there."""
-    busy: dict[str, set[str]] = {}
-    for w in workers:
-        if w.alive and (w.load or w.queued_prefill_tokens or w.pending_tokens):
-            busy.setdefault(w.host_id, set()).add(w.worker_id)
-    return busy
 
 
 def _times(factor: float, margin: float) -> str:

@@ -16,11 +16,20 @@ calibration counts as ``prior_weight`` observations and fades like the rest; a t
 constant pull towards it keeps the 3x3 system solvable when the observations do not span
 all three terms (every prompt the same length, say). Pure Python.
 
+Units: one worker alone on its host. Where the profile measured its host
+(``contention``: ``contention[k-1]`` with k workers busy on it), each observation is
+divided by the factor of the ``busy`` count it ran under (``contention.py``), so that
+the policy, which multiplies predictions by the factor of the host as it stands, counts
+contention once; a model refitted on contended steps without it predicted them slowed
+twice. Without factors (the default) nothing is divided.
+
 Contract: inputs are non-negative (``ValueError`` otherwise); predictions are never
 negative (a fitted coefficient below zero is clamped to zero).
 """
 
 from __future__ import annotations
+
+import math
 
 from common.cost_profile import (
     cost,
@@ -29,6 +38,7 @@ from common.cost_profile import (
     prefill_terms,
 )
 from common.records import CostCoefficients
+from services.conductor.contention import host_factor
 
 
 def transfer_time(nbytes: float, bandwidth: float) -> float:
@@ -124,7 +134,10 @@ class CostModel:
     """Predicts prefill and decode-step seconds; refits as workers report timings."""
 
     def __init__(self, calibration: CostCoefficients, *, forgetting: float = 0.999,
-                 prior_weight: float = 1.0) -> None:
+                 prior_weight: float = 1.0, contention: tuple[float, ...] = ()) -> None:
+        if not all(1.0 <= f < math.inf for f in contention):
+            raise ValueError(f"contention factors must be >= 1, got {contention!r}")
+        self.contention = tuple(contention)
         c = calibration
         self._prefill = _RelativeRLS(
             (c.prefill_fixed_s, c.prefill_per_token_s, c.prefill_per_pair_s),
@@ -133,24 +146,33 @@ class CostModel:
             (c.decode_fixed_s, c.decode_per_seq_s, c.decode_per_ctx_token_s),
             forgetting, prior_weight)
 
-    def observe_prefill(self, n: int, c: int, seconds: float) -> None:
-        _check(uncached=n, cached=c)
+    # ``busy``: the workers busy on the reporting worker's host while the step ran (it
+    # counted), as the policy counts them; the step is divided by its factor.
+    def observe_prefill(self, n: int, c: int, seconds: float, busy: int = 1) -> None:
+        _check(uncached=n, cached=c, busy=busy)
         if n > 0:
-            self._prefill.observe(prefill_terms(n, c), seconds)
+            self._prefill.observe(prefill_terms(n, c), self._alone(seconds, busy))
 
-    def observe_prefill_step(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+    def observe_prefill_step(self, chunks: list[tuple[int, int]], seconds: float,
+                             busy: int = 1) -> None:
         """One engine step that prefilled several prompt chunks at once, each ``(n, c)``:
         its fixed cost counts once, the token and pair terms of the chunks add up."""
         for n, c in chunks:
             _check(uncached=n, cached=c)
+        _check(busy=busy)
         x = prefill_step_terms(chunks)
         if x[1] > 0:
-            self._prefill.observe(x, seconds)
+            self._prefill.observe(x, self._alone(seconds, busy))
 
-    def observe_decode(self, batch: int, context_tokens: int, seconds: float) -> None:
-        _check(batch=batch, context_tokens=context_tokens)
+    def observe_decode(self, batch: int, context_tokens: int, seconds: float,
+                       busy: int = 1) -> None:
+        _check(batch=batch, context_tokens=context_tokens, busy=busy)
         if batch > 0:
-            self._decode.observe(decode_terms(batch, context_tokens), seconds)
+            self._decode.observe(decode_terms(batch, context_tokens),
+                                 self._alone(seconds, busy))
+
+    def _alone(self, seconds: float, busy: int) -> float:
+        return seconds / host_factor(self.contention, busy)
 
     # The three predictors below run per candidate per routing decision: no kwargs
     # checks on their path, and nothing built but the terms' one small tuple.

@@ -36,6 +36,7 @@ from common.cost_profile import CostProfile
 from common.protocol import StepSample, TtftSample
 from common.records import CostCoefficients
 from services.conductor.cache_policy import CacheAwarePolicy, PolicyConfig
+from services.conductor.contention import busy_by_host, busy_on_host
 from services.conductor.cost_model import CostModel
 from services.conductor.policy import PICKERS, StaticDisaggregation, make_picker
 from services.conductor.prefix_index import PrefixIndex
@@ -101,7 +102,9 @@ class Router:
         self.config = config
         self.profile = profile
         self.index = PrefixIndex() if index is None else index
-        self.cost = CostModel(CostCoefficients(*profile.coefficients()))
+        # In one-worker-alone units: samples are divided by their host's factor.
+        self.cost = CostModel(CostCoefficients(*profile.coefficients()),
+                              contention=tuple(getattr(profile, "contention", ())))
         self.bad_samples = 0
         self.correction = TtftCorrection(config.correction)
         self.policy = (make_policy(config, profile, self.index, self.cost, self.correction)
@@ -144,17 +147,31 @@ class Router:
         return self.correction.observe(worker_id, samples)
 
     def observe(self, prefill_steps: Sequence[StepSample],
-                decode_steps: Sequence[StepSample]) -> int:
-        """Fit the cost model on a heartbeat's step samples; returns how many were used
-        (``fit_step_samples``; the senseless ones are counted in ``bad_samples``)."""
-        used, bad = fit_step_samples(self.cost, prefill_steps, decode_steps)
+                decode_steps: Sequence[StepSample], worker_id: str = "",
+                workers: Sequence[WorkerView] = ()) -> int:
+        """Fit the cost model on a heartbeat's step samples of worker ``worker_id``, its
+        host's busy workers counted among ``workers`` (``reporting_busy``); returns how
+        many were used (``fit_step_samples``; the senseless ones are counted in
+        ``bad_samples``)."""
+        used, bad = fit_step_samples(self.cost, prefill_steps, decode_steps,
+                                     reporting_busy(workers, worker_id))
         self.bad_samples += bad
         return used
 
 
+def reporting_busy(workers: Sequence[WorkerView], worker_id: str) -> int:
+    """The workers busy on ``worker_id``'s host, it counted, as the policy counts them
+    (``contention.py``), at the heartbeat that brings its step samples: a sample carries
+    no count of its own time, and this one, taken after the heartbeat updated the
+    worker's view, is the nearest to when its steps ran. 1 for a worker not listed."""
+    w = next((v for v in workers if v.worker_id == worker_id), None)
+    return 1 if w is None else busy_on_host(busy_by_host(workers), w)
+
+
 def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
-                     decode_steps: Sequence[StepSample]) -> tuple[int, int]:
-    """Fit ``cost`` on a heartbeat's step samples, as the conductor and the simulator do;
+                     decode_steps: Sequence[StepSample], busy: int = 1) -> tuple[int, int]:
+    """Fit ``cost`` on a heartbeat's step samples, as the conductor and the simulator do,
+    run with ``busy`` workers busy on the reporting worker's host (``reporting_busy``);
     returns (used, skipped). A sample whose values make no sense (counts that are not
     ints >= 0, chunk lists of different lengths, a time that is not finite) is skipped:
     the codec checks types, but a record built in process is not."""
@@ -164,7 +181,7 @@ def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
             chunks = list(zip(s.tokens, s.cached, strict=True))
             if not all(_count(n) and _count(c) for n, c in chunks):
                 raise ValueError("token counts must be ints >= 0")
-            cost.observe_prefill_step(chunks, _seconds(s.seconds))
+            cost.observe_prefill_step(chunks, _seconds(s.seconds), busy)
             used += 1
         except (TypeError, ValueError):
             bad += 1
@@ -172,7 +189,7 @@ def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
         try:
             if not (_count(s.batch) and _count(s.context)):
                 raise ValueError("batch and context must be ints >= 0")
-            cost.observe_decode(s.batch, s.context, _seconds(s.seconds))
+            cost.observe_decode(s.batch, s.context, _seconds(s.seconds), busy)
             used += 1
         except (TypeError, ValueError):
             bad += 1

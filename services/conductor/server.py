@@ -291,7 +291,8 @@ class Conductor:
         if self.registry.heartbeat(hb):
             # The router's fitting reads samples as mappings (it also takes them from
             # the simulator and tests), so the records are handed over as such.
-            self.router.observe(hb.prefill_steps, hb.decode_steps)
+            self.router.observe(hb.prefill_steps, hb.decode_steps, hb.worker_id,
+                                list(self.registry.workers.values()))
             if hb.ttft_samples:
                 self.router.observe_ttft(hb.worker_id, hb.ttft_samples)
             return True

@@ -38,7 +38,9 @@ workers follow (services/sim/workers.py):
 * Caches publish ``stored``/``removed`` to the prefix index at once (KV events); load
   and step timings reach the policy only in heartbeats every ``heartbeat_s`` through
   ``Registry`` and the conductor's sample fitting, so the policy sees stale counters
-  plus its own in-flight accounting, and a duration only after the work ran.
+  plus its own in-flight accounting, and a duration only after the work ran, divided
+  by the contention factor of its host's busy workers at that heartbeat as the policy
+  counts them (``router.reporting_busy``), the cost model's units being one worker's.
   Heartbeats acknowledge the requests taken in (``Heartbeat.admitted``), so a route
   that passes the request's id (``SimRequest.request_id``, routed at ``arrival``)
   gets the conductor's per-request in-flight accounting; decode workers' first-token
@@ -64,7 +66,7 @@ from services.conductor.cache_policy import Rejection
 from services.conductor.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.registry import Registry, WorkerView
-from services.conductor.router import fit_step_samples
+from services.conductor.router import fit_step_samples, reporting_busy
 from services.conductor.ttft_correction import TtftCorrection
 from services.sim.kv_blocks import PoolTier
 from services.sim.profiles import Profile
@@ -204,8 +206,9 @@ class Simulator:
                                (("prefill", hb.prefill_steps), ("decode", hb.decode_steps))
                                for s in samples]
             if self.registry.heartbeat(hb, now=now) and self.cost is not None:
-                self.bad_samples += fit_step_samples(self.cost, hb.prefill_steps,
-                                                     hb.decode_steps)[1]
+                self.bad_samples += fit_step_samples(
+                    self.cost, hb.prefill_steps, hb.decode_steps,
+                    reporting_busy(self.views, hb.worker_id))[1]
             if hb.ttft_samples and self.correction is not None:
                 self.correction.observe(hb.worker_id, hb.ttft_samples)
         if self.open > 0:
