@@ -246,33 +246,45 @@ static uint64_t scatter_all(py::buffer source, py::sequence dests) {
   const __m512i prime = _mm512_set1_epi64(P32_1);
   const __m512i skey = _mm512_loadu_si512(SECRET + 192 - STRIPE);
 #endif
-  for (; pos + STRIPE < total; pos += STRIPE) {
+  while (pos + STRIPE < total) {
     while (pos >= p.at[p.k + 1]) ++p.k;
+    // The stripes wholly inside this piece, with no boundary check each.
+    const int64_t end = std::min(p.at[p.k + 1], total - 1);
+    uint8_t* out = p.ptr[p.k] + (pos - p.at[p.k]);
+    for (; pos + STRIPE <= end; pos += STRIPE, out += STRIPE) {
 #if defined(__AVX512F__)
-    const uint64_t k = (pos / STRIPE) % PER_BLOCK;
-    const __m512i v = _mm512_loadu_si512(in + pos);
-    if (pos + STRIPE <= p.at[p.k + 1]) {
-      _mm512_storeu_si512(p.ptr[p.k] + (pos - p.at[p.k]), v);
-    } else {  // the stripe straddles two pieces
-      _mm512_store_si512(tmp, v);
-      p.put(pos, tmp, STRIPE);
-    }
-    const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
-    const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
-    const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
-    acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
-    if (k == PER_BLOCK - 1) {
-      __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
-      a = _mm512_xor_si512(a, skey);
-      const __m512i lo = _mm512_mul_epu32(a, prime);
-      const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
-      acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
-    }
+      const uint64_t k = (pos / STRIPE) % PER_BLOCK;
+      const __m512i v = _mm512_loadu_si512(in + pos);
+      _mm512_storeu_si512(out, v);
+      const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
+      const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+      const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+      acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
+      if (k == PER_BLOCK - 1) {
+        __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+        a = _mm512_xor_si512(a, skey);
+        const __m512i lo = _mm512_mul_epu32(a, prime);
+        const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+        acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+      }
 #else
-    std::memcpy(tmp, in + pos, STRIPE);
-    p.put(pos, tmp, STRIPE);
-    stripe(s.acc, tmp, pos);
+      std::memcpy(out, in + pos, STRIPE);
+      stripe(s.acc, out, pos);  // what landed, not the source a second time
 #endif
+    }
+    if (pos + STRIPE < total && pos < p.at[p.k + 1] && pos + STRIPE > p.at[p.k + 1]) {
+      // A stripe across two pieces: stored through a buffer, folded from the same buffer.
+      std::memcpy(tmp, in + pos, STRIPE);
+      p.put(pos, tmp, STRIPE);
+#if defined(__AVX512F__)
+      _mm512_storeu_si512(s.acc, acc);
+      stripe(s.acc, tmp, pos);
+      acc = _mm512_loadu_si512(s.acc);
+#else
+      stripe(s.acc, tmp, pos);
+#endif
+      pos += STRIPE;
+    }
   }
 #if defined(__AVX512F__)
   _mm512_storeu_si512(s.acc, acc);
