@@ -121,7 +121,7 @@ class _Peer(asyncio.Protocol):
                 view = self._view(slot, generation, offset, length)
                 # Copying out of the segment is the one pass over the bytes: hash them
                 # as they land where the sink wants them (where it names a place).
-                kernel = cpu_copysum.kernel()
+                kernel = cpu_copysum.kernel() if table.lands else None
                 scatter = None if kernel is None else kernel.scatter_all
                 if type(msg) is Batch:
                     verdict = table.on_batch(msg, view, None, scatter)

@@ -45,6 +45,7 @@ class TransferTable:
         # and hashed in the same pass where the backend can (``scatter``), instead.
         self._landing = getattr(sink, "landing", None)
         self._landed = getattr(sink, "landed", None) if self._landing else None
+        self.lands = self._landed is not None  # whether a backend's fused pass is of use
         self._slice_sink = slice_sink  # None: head slices are refused
         # Per live transfer sent as head slices (slices.py): the heads landed so far.
         self._slices: dict[str, SliceLedger] = {}
@@ -209,7 +210,7 @@ class TransferTable:
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
         take = self._sink
-        if actual is None and scatter is not None and self._landing is not None:
+        if actual is None and scatter is not None and self.lands:
             try:
                 entries = zip(batch.layers, batch.block_ids, batch.sizes, strict=True)
                 actual = self._scatter(request_id, entries, payload, scatter)
@@ -266,7 +267,7 @@ class TransferTable:
     ) -> Verdict:
         request_id = transfer.request_id
         take = self._sink
-        if actual is None and scatter is not None and self._landing is not None:
+        if actual is None and scatter is not None and self.lands:
             try:
                 actual = self._scatter(request_id, ((layer, block_ids, payload.nbytes),),
                                        payload, scatter)
