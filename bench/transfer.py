@@ -6,16 +6,21 @@ Payloads: a request's whole KV in the default model's layout (30 layers, 16-toke
 3 KV heads x 64 dims, fp32: 46,080 bytes a token), rounded up to whole blocks, sent as one
 chunk per layer for non-contiguous block ids, all handed to one ``send_many`` (tcp and shm
 send them as batches of up to 4 MiB: ``common/transfer/batch.py``), then ``finish``.
-The receiving sink does nothing (the worker's copy into its KV blocks is the same whatever
-the backend). Figures are medians over repetitions after a warm-up, backend and limit
-alternating; a repetition ends when the receiving process says (a stdout line) it has all.
-A round of each side is as many whole transfers, one after another, as make
-``--round-mib`` (8 MiB: six 1.4 MiB transfers, one of 16 MiB or more), the same count
-on both sides; ``--round-mib 0`` times one transfer a round.
+Every receiver lands the bytes in a destination buffer once, as a decode worker lands
+them in its KV blocks: tcp, its read out of the socket (the sink then does nothing); shm,
+a copy of each message out of the segment into the destination the sink names
+(``LandingSink``: the receiver copies and checksums in one pass where its kernel is
+built, else it hashes the segment and the sink copies). Figures are medians over
+repetitions after a warm-up, backend and limit alternating; a repetition ends when the
+receiving process says (a stdout line) it has all. A round of each side is as many whole
+transfers, one after another, as make ``--round-mib`` (8 MiB: six 1.4 MiB transfers, one
+of 16 MiB or more), the same count on both sides; ``--round-mib 0`` times one transfer a
+round.
 
 Limits: tcp, blocking ``sendall`` of each layer / ``recv_into`` one buffer; shm,
-``memcpy`` of each layer into a pre-faulted segment the receiver maps; ucx, the whole
-payload in one ucxx send. Goals (``goal``): tcp and shm at least 0.7x the limit at 1 MiB
+``memcpy`` of each layer into a pre-faulted segment the receiver maps, a pipe line to
+wake it, and its copy of each layer out of the segment into a destination buffer; ucx,
+the whole payload in one ucxx send. Goals (``goal``): tcp and shm at least 0.7x the limit at 1 MiB
 and 0.85x at 16 MiB, tcp 0.9x at 256 MiB; ucx is reported beside them. The limit moves
 the same bytes in the same messages (one per layer, the same sizes) between the same two
 kinds of process, and its receiver says it has all the same way. Writes
@@ -73,10 +78,39 @@ def goal(kind: str, mib: int) -> float | None:
     return 0.7 if mib <= 1 else 0.85 if mib <= 16 else 0.9
 
 
+class Landing:
+    """The receiving side's sink: each layer's bytes land at ``layer x size`` of one
+    destination buffer (pre-faulted, as a worker's KV cache is), where a backend that
+    copies them out of somewhere (shm) puts them, or, called with them, it copies them
+    there itself; tcp's read out of the socket is its landing (``land=False``)."""
+
+    def __init__(self, land: bool) -> None:
+        self.land, self.buffer = land, memoryview(bytearray())
+
+    def __call__(self, rid: str, layer: int, blocks: list[int], payload: memoryview) -> None:
+        if self.land:
+            self.landing(rid, layer, blocks, payload.nbytes)[0][:] = payload
+
+    def landing(self, rid: str, layer: int, blocks: list[int], nbytes: int) -> list | None:
+        if not self.land:
+            return None
+        if (layer + 1) * nbytes > len(self.buffer):  # in the warm-up: zeroed, so faulted in
+            self.buffer = memoryview(bytearray(max(layer + 1, LAYERS) * nbytes))
+        return [self.buffer[layer * nbytes : (layer + 1) * nbytes]]
+
+    def landed(self, rid: str, layer: int, blocks: list[int], nbytes: int) -> None:
+        pass
+
+
 async def serve_backend(kind: str, count: str) -> None:
     from common.transfer import make_receiver
 
-    rx = make_receiver(kind, sink=lambda *args: None)
+    with contextlib.suppress(ImportError):  # a receiver is a model worker, torch loaded:
+        import torch  # noqa: F401  the shm receiver lands and checks with its kernel
+
+        from kernels import cpu_copysum
+        cpu_copysum.kernel(wait=True)
+    rx = make_receiver(kind, sink=Landing(kind == "shm"))
     await rx.start()
     # One token a transfer, drawn here and told to the sender, as a decode worker does.
     tokens = [secrets.token_bytes(16) for _ in range(int(count))]

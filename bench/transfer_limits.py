@@ -17,7 +17,8 @@ import time
 MIB = 1 << 20
 
 LIMIT_NAMES = {"tcp": "blocking sendall of each message / recv_into",
-               "shm": "memcpy of each message into a mapped segment, a pipe line to wake",
+               "shm": "memcpy of each message into a mapped segment, a pipe line to wake, "
+                      "memcpy of each message out of it into a destination buffer",
                "ucx": "the whole payload in one ucxx send"}
 
 
@@ -40,8 +41,13 @@ def serve_raw_shm(name: str) -> None:
     from common.transfer.shm_segment import SHM_DIR, Segment
 
     segment = Segment.attach(SHM_DIR, name)
+    # Where a worker lands KV (its cache): zeroed, so faulted in, as the backend's sink's.
+    destination = memoryview(bytearray(segment.size))
     print("addr mapped", flush=True)
-    for _line in sys.stdin:  # one line a repetition: the bytes are in place
+    for line in sys.stdin:  # one line a repetition, "<messages> <bytes each>": in place
+        count, size = map(int, line.split())
+        for at in range(0, count * size, size):  # each message copied out, as it lands
+            destination[at : at + size] = segment.view[at : at + size]
         print(f"done {time.process_time()}", flush=True)
     segment.close()
 
@@ -95,7 +101,7 @@ async def shm_limit(peer, chunks: list[memoryview], payload: memoryview):
         for chunk in chunks:
             segment.view[offset : offset + chunk.nbytes] = chunk
             offset += chunk.nbytes
-        peer.proc.stdin.write(b"go\n")
+        peer.proc.stdin.write(f"{len(chunks)} {chunks[0].nbytes}\n".encode())
         await peer.done()
 
     try:

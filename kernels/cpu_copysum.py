@@ -1,5 +1,8 @@
 """Copy and checksum in one pass over the bytes: the shm sender's staging of a payload
-into its ring (common/transfer/shm_sender.py).
+into its ring (common/transfer/shm_sender.py, ``copy_all``: several sources, one
+destination), and the shm receiver's copy of it out of the segment into the places its
+sink names (common/transfer/shm_receiver.py, ``scatter_all``: one source, several
+destinations, the digest of the bytes as they landed).
 
 The checksum is the data plane's own, XXH3-64 with seed 0 (``wire.checksum``, the BATCH
 checksum of ``batch.py``): nothing on the wire changes, and the receiver checks it as
@@ -35,6 +38,8 @@ SHORT = 240  # XXH3's short-input paths end here
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -143,10 +148,11 @@ static uint64_t fold128(uint64_t a, uint64_t b) {
   return (uint64_t)p ^ (uint64_t)(p >> 64);
 }
 
-static uint64_t digest_raw(const uint8_t* base, const State* s, int64_t total) {
+// `last`: the input's last 64 bytes, folded in with their own key.
+static uint64_t digest_raw(const uint8_t* last, const State* s, int64_t total) {
   uint64_t acc[8];
   std::memcpy(acc, s->acc, sizeof(acc));
-  fold(acc, base + total - STRIPE, SECRET + 192 - STRIPE - 7);
+  fold(acc, last, SECRET + 192 - STRIPE - 7);
   uint64_t h = (uint64_t)total * P64_1;
   for (int i = 0; i < 4; ++i)
     h += fold128(acc[2 * i] ^ rd64(SECRET + 11 + 16 * i),
@@ -185,11 +191,119 @@ static uint64_t copy_all(py::buffer dst, py::sequence sources) {
     copy_raw(base, at, static_cast<const uint8_t*>(r.ptr), n, &s, total);
     at += n;
   }
-  return digest_raw(base, &s, total);
+  return digest_raw(base + total - STRIPE, &s, total);
+}
+
+// Destination pieces of one payload: piece k holds payload bytes [at[k], at[k + 1]).
+struct Pieces {
+  std::vector<uint8_t*> ptr;
+  std::vector<int64_t> at;
+  size_t k = 0;  // the piece the cursor is in; moves forward only
+  // Copy `n` bytes from `in` to payload offset `pos` (>= the cursor's), across pieces.
+  void put(int64_t pos, const uint8_t* in, int64_t n) {
+    while (n > 0) {
+      while (pos >= at[k + 1]) ++k;
+      const int64_t m = std::min(n, at[k + 1] - pos);
+      std::memcpy(ptr[k] + (pos - at[k]), in, m);
+      pos += m; in += m; n -= m;
+    }
+  }
+};
+
+// The receiving side's fused pass: copy the contiguous `source` into the `dests` pieces
+// (back to back, as many bytes as the source) and hash what was stored. Each stripe is
+// loaded from the source once, and the register that is folded in is the one stored, so
+// the digest is of the bytes that landed even if the source changes meanwhile (a shared
+// segment its sender can still write). The input's last 64 bytes, hashed with their own
+// key, are read back from the destination. Buffers and lengths are checked before the
+// first byte moves.
+static uint64_t scatter_all(py::buffer source, py::sequence dests) {
+  py::buffer_info src = source.request(false);
+  const int64_t total = src.size * src.itemsize;
+  std::vector<py::buffer_info> infos;
+  infos.reserve(dests.size());
+  Pieces p;
+  p.at.push_back(0);
+  for (py::handle d : dests) {
+    infos.push_back(py::reinterpret_borrow<py::buffer>(d).request(true));
+    p.ptr.push_back(static_cast<uint8_t*>(infos.back().ptr));
+    p.at.push_back(p.at.back() + infos.back().size * infos.back().itemsize);
+  }
+  if (total <= 240 || p.at.back() != total)
+    throw std::invalid_argument("scatter: a source of " + std::to_string(total) +
+                                " bytes for destinations of " + std::to_string(p.at.back()) +
+                                " bytes (equal, and more than 240, needed)");
+  p.ptr.push_back(nullptr);
+  p.at.push_back(INT64_MAX);  // a sentinel: the cursor never runs off the end
+  State s;
+  const uint64_t init[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+  std::memcpy(s.acc, init, sizeof(init));
+  const uint8_t* in = static_cast<const uint8_t*>(src.ptr);
+  alignas(64) uint8_t tmp[STRIPE];
+  int64_t pos = 0;
+#if defined(__AVX512F__)
+  __m512i acc = _mm512_loadu_si512(s.acc);
+  const __m512i prime = _mm512_set1_epi64(P32_1);
+  const __m512i skey = _mm512_loadu_si512(SECRET + 192 - STRIPE);
+#endif
+  while (pos + STRIPE < total) {
+    while (pos >= p.at[p.k + 1]) ++p.k;
+    // The stripes wholly inside this piece, with no boundary check each.
+    const int64_t end = std::min(p.at[p.k + 1], total - 1);
+    uint8_t* out = p.ptr[p.k] + (pos - p.at[p.k]);
+    for (; pos + STRIPE <= end; pos += STRIPE, out += STRIPE) {
+#if defined(__AVX512F__)
+      const uint64_t k = (pos / STRIPE) % PER_BLOCK;
+      const __m512i v = _mm512_loadu_si512(in + pos);
+      _mm512_storeu_si512(out, v);
+      const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
+      const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+      const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+      acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
+      if (k == PER_BLOCK - 1) {
+        __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+        a = _mm512_xor_si512(a, skey);
+        const __m512i lo = _mm512_mul_epu32(a, prime);
+        const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+        acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+      }
+#else
+      std::memcpy(out, in + pos, STRIPE);
+      stripe(s.acc, out, pos);  // what landed, not the source a second time
+#endif
+    }
+    if (pos + STRIPE < total && pos < p.at[p.k + 1] && pos + STRIPE > p.at[p.k + 1]) {
+      // A stripe across two pieces: stored through a buffer, folded from the same buffer.
+      std::memcpy(tmp, in + pos, STRIPE);
+      p.put(pos, tmp, STRIPE);
+#if defined(__AVX512F__)
+      _mm512_storeu_si512(s.acc, acc);
+      stripe(s.acc, tmp, pos);
+      acc = _mm512_loadu_si512(s.acc);
+#else
+      stripe(s.acc, tmp, pos);
+#endif
+      pos += STRIPE;
+    }
+  }
+#if defined(__AVX512F__)
+  _mm512_storeu_si512(s.acc, acc);
+#endif
+  p.put(pos, in + pos, total - pos);
+  // Read the last 64 bytes back from where they landed (they may span pieces).
+  size_t k = 0;
+  for (int64_t at = total - STRIPE, n = STRIPE, o = 0; n > 0;) {
+    while (at >= p.at[k + 1]) ++k;
+    const int64_t m = std::min(n, p.at[k + 1] - at);
+    std::memcpy(tmp + o, p.ptr[k] + (at - p.at[k]), m);
+    at += m; o += m; n -= m;
+  }
+  return digest_raw(tmp, &s, total);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_all", &copy_all);
+  m.def("scatter_all", &scatter_all);
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;
 #else
@@ -198,7 +312,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_KERNEL = CppKernel("pdserve_cpu_copysum", _SOURCE, "shm staging copies, then hashes")
+_KERNEL = CppKernel("pdserve_cpu_copysum", _SOURCE, "shm copies, then hashes")
 
 
 def kernel(wait: bool = False):
@@ -212,6 +326,14 @@ def kernel(wait: bool = False):
     # Without AVX-512 the fold runs one lane at a time and loses to xxhash's own SIMD code
     # plus a memcpy, so only the vectorized build is worth using.
     return mod if mod is not None and getattr(mod, "vectorized", False) else None
+
+
+def scatter_sum(mod, source: memoryview, destinations) -> int:
+    """Copy ``source`` into ``destinations`` (writable buffers that, back to back, are
+    exactly as long) with ``mod`` (from :func:`kernel`); return XXH3-64 (seed 0) of the
+    bytes as they landed. The source must pass ``SHORT`` bytes. ValueError for lengths
+    that do not add up (nothing copied then)."""
+    return mod.scatter_all(source, destinations)
 
 
 def copy_sum(mod, destination: memoryview, sources) -> int:

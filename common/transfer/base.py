@@ -42,6 +42,7 @@ import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
 ChunkSink = Callable[[str, int, list[int], memoryview], None]
 """``sink(request_id, layer, block_ids, payload)``.
@@ -57,6 +58,32 @@ SliceSink = Callable[[str, int, list[int], tuple[int, int, int], memoryview], No
 a ``ChunkSink`` for chunks that hold a slice of the KV heads; the same rules. It
 raises (failing the transfer, writing nothing) for a slice that does not fit its layout.
 """
+
+
+class LandingSink(Protocol):
+    """A ``ChunkSink`` that can also name where a chunk's bytes belong, so a receiver
+    that must copy them out of somewhere anyway (shm: the sender's segment) copies them
+    there and hashes them in the same pass (``kernels/cpu_copysum.py``), instead of
+    hashing them where they lie and the sink copying them after.
+
+    ``landing(request_id, layer, block_ids, nbytes)``: writable buffers in the request's
+    own reserved destination that, back to back, hold the chunk's ``nbytes`` bytes in
+    payload order; or None to take this chunk through the call instead. Bytes written
+    there are not yet the chunk's: they may be corrupt, and nothing may read them as
+    KV (no prefix index, no pool write-back, no "KV complete") until ``landed(request_id,
+    layer, block_ids, nbytes)`` says they were verified. A chunk that fails
+    verification is never ``landed``: it is sent again into the same place, or the
+    transfer fails as on any checksum mismatch. Either method raising fails the transfer
+    as the call raising does. Backends without such a pass call the sink as usual.
+    """
+
+    def __call__(self, request_id: str, layer: int, block_ids: list[int],
+                 payload: memoryview) -> None: ...
+
+    def landing(self, request_id: str, layer: int, block_ids: list[int],
+                nbytes: int) -> list | None: ...
+
+    def landed(self, request_id: str, layer: int, block_ids: list[int], nbytes: int) -> None: ...
 
 
 class TransferState(enum.Enum):

@@ -43,9 +43,12 @@ waits for room while no slot can take its chunk or the bytes in flight would pas
 sender's ``max_in_flight_bytes`` (backpressure: a receiver that falls behind holds its
 senders back, and nothing buffers without bound); its verdict comes later. On "resend"
 the sender stages the caller's payload again (wherever there is room) as attempt 1.
-One copy: the sender copies the payload into its slot, hashing it in the same pass
-(``kernels/cpu_copysum.py`` where torch is loaded); the receiver verifies it and hands the
-sink a read-only view of the mapped segment, copying nothing itself.
+The sender copies the payload into its slot, hashing it in the same pass
+(``kernels/cpu_copysum.py`` where torch is loaded). The receiver, where its sink names
+where a chunk belongs (``base.LandingSink``) and the kernel is built, copies it out of the
+segment there, hashing what lands in the same pass, and tells the sink it is valid only
+once the checksum matched (a mismatch leaves the bytes in that place, never ``landed``);
+otherwise it verifies the segment and hands the sink a read-only view of it.
 
 Segment lifetime (nothing left in /dev/shm):
 - the sender creates a slot's segment at the slot's first use, and a larger one (new

@@ -18,6 +18,7 @@ from common.transfer.shm_segment import (
     unlink_prefix,
 )
 from common.transfer.table_receiver import TableReceiver
+from kernels import cpu_copysum
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -118,12 +119,16 @@ class _Peer(asyncio.Protocol):
                 verdict = table.fail(rid, f"chunk of {length} bytes exceeds the {limit}-byte limit")
             else:
                 view = self._view(slot, generation, offset, length)
+                # Copying out of the segment is the one pass over the bytes: hash them
+                # as they land where the sink wants them (where it names a place).
+                kernel = cpu_copysum.kernel() if table.lands else None
+                scatter = None if kernel is None else kernel.scatter_all
                 if type(msg) is Batch:
-                    verdict = table.on_batch(msg, view)
+                    verdict = table.on_batch(msg, view, None, scatter)
                 else:
                     verdict = table.on_chunk(rid, msg.layer, msg.block_ids, view,
                                              msg.checksum, msg.attempt, msg.token,
-                                             msg.heads)
+                                             msg.heads, None, scatter)
         except (OSError, ValueError) as exc:
             name = segment_name(self.prefix, slot, generation)
             verdict = table.fail(rid, f"shared-memory segment {name!r} unusable: {exc}")

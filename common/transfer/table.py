@@ -41,6 +41,11 @@ class TransferTable:
         if not callable(sink):
             raise TypeError(f"sink must be callable, got {sink!r}")
         self._sink = sink
+        # A sink that offers destinations (base.LandingSink) has a chunk copied into them
+        # and hashed in the same pass where the backend can (``scatter``), instead.
+        self._landing = getattr(sink, "landing", None)
+        self._landed = getattr(sink, "landed", None) if self._landing else None
+        self.lands = self._landed is not None  # whether a backend's fused pass is of use
         self._slice_sink = slice_sink  # None: head slices are refused
         # Per live transfer sent as head slices (slices.py): the heads landed so far.
         self._slices: dict[str, SliceLedger] = {}
@@ -127,10 +132,13 @@ class TransferTable:
         token: bytes = b"",
         heads: tuple[int, int, int] = WHOLE,
         actual: int | None = None,
+        scatter=None,
     ) -> Verdict:
         """Verify one chunk and hand it to the sink; ``payload`` is borrowed for the call.
         ``actual``: the payload's checksum where the receiver hashed it as it came in
-        (its own bytes, not the sender's word), else it is hashed here.
+        (its own bytes, not the sender's word), else it is hashed here. ``scatter(payload,
+        destinations)``: copies the payload into a ``LandingSink``'s destinations and
+        returns the digest of what landed (the shm receiver's fused pass), else None.
 
         A checksum mismatch on any attempt but the last asks for the chunk again and
         leaves the transfer as it was; on the last attempt it fails the transfer. A chunk
@@ -146,10 +154,10 @@ class TransferTable:
                                          expected_checksum, attempt, heads)
         elif attempt == 0:
             return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0,
-                                actual)
+                                actual, scatter)
         else:
             verdict = self._verify(transfer, layer, block_ids, payload, expected_checksum,
-                                   attempt, actual)
+                                   attempt, actual, scatter)
         if attempt:
             self._resent_in(transfer)
         elif request_id in self._finish_due and request_id not in self._resends_due \
@@ -180,17 +188,18 @@ class TransferTable:
         try:
             self._slice_sink(request_id, layer, block_ids, heads, payload)
         except Exception as exc:
-            log.exception("kv_transfer.sink_raised", request_id=request_id, layer=layer)
-            return self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
+            return self._sink_raised(request_id, layer, exc)
         ledger.land(layer, block_ids, heads)
         transfer._accept_chunk(payload.nbytes)
         return OK
 
-    def on_batch(self, batch: Batch, payload: memoryview, actual: int | None = None) -> Verdict:
+    def on_batch(self, batch: Batch, payload: memoryview, actual: int | None = None,
+                 scatter=None) -> Verdict:
         """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
         ``payload`` (their bytes back to back) is borrowed for the call. Its one checksum
         is checked before the first sink call: a mismatch asks for the whole batch again
-        (or fails the transfer on the last attempt) having changed nothing. ``actual`` as
+        (or fails the transfer on the last attempt) having changed nothing but the bytes
+        of a ``LandingSink``'s destinations, never ``landed``. ``actual``, ``scatter`` as
         for ``on_chunk``."""
         request_id = batch.request_id
         transfer = self._live.get(request_id)
@@ -200,6 +209,14 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
+        take = self._sink
+        if actual is None and scatter is not None and self.lands:
+            try:
+                entries = zip(batch.layers, batch.block_ids, batch.sizes, strict=True)
+                actual = self._scatter(request_id, entries, payload, scatter)
+            except Exception as exc:
+                return self._sink_raised(request_id, batch.layers[0], exc)
+            take = self._take_landed if actual is not None else take
         if actual is None:
             actual = checksum(payload)  # one pass over every byte the batch holds
         if actual != batch.checksum:
@@ -209,7 +226,7 @@ class TransferTable:
                                      f"layers {layers[0]}..{layers[-1]} ({len(layers)} chunks)")
         else:
             verdict = OK
-            sink, layers, blocks, i, start = self._sink, batch.layers, batch.block_ids, 0, 0
+            sink, layers, blocks, i, start = take, batch.layers, batch.block_ids, 0, 0
             try:
                 for i, size in enumerate(batch.sizes):
                     sink(request_id, layers[i], blocks[i], payload[start : start + size])
@@ -246,19 +263,48 @@ class TransferTable:
         expected_checksum: int,
         attempt: int,
         actual: int | None = None,
+        scatter=None,
     ) -> Verdict:
         request_id = transfer.request_id
+        take = self._sink
+        if actual is None and scatter is not None and self.lands:
+            try:
+                actual = self._scatter(request_id, ((layer, block_ids, payload.nbytes),),
+                                       payload, scatter)
+            except Exception as exc:
+                return self._sink_raised(request_id, layer, exc)
+            take = self._take_landed if actual is not None else take
         if actual is None:
             actual = checksum(payload)
         if actual != expected_checksum:
             return self._mismatch(transfer, layer, block_ids, expected_checksum, actual, attempt)
         try:
-            self._sink(request_id, layer, block_ids, payload)
+            take(request_id, layer, block_ids, payload)
         except Exception as exc:
-            log.exception("kv_transfer.sink_raised", request_id=request_id, layer=layer)
-            return self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
+            return self._sink_raised(request_id, layer, exc)
         transfer._accept_chunk(payload.nbytes)
         return OK
+
+    def _scatter(self, request_id: str, entries, payload: memoryview, scatter) -> int | None:
+        """The digest of ``payload`` as ``scatter`` landed it in the sink's destinations
+        for ``entries`` (``(layer, block_ids, size)`` each, back to back), or None, having
+        copied nothing, where the sink declines one: the sink call takes them then."""
+        destinations = []
+        for layer, block_ids, size in entries:
+            views = self._landing(request_id, layer, block_ids, size)
+            if views is None:
+                return None
+            destinations.extend(views)
+        return scatter(payload, destinations)
+
+    def _take_landed(self, request_id: str, layer: int, block_ids: list[int],
+                     payload: memoryview) -> None:
+        """The sink call of a verified chunk its ``landing`` destinations already hold."""
+        self._landed(request_id, layer, block_ids, payload.nbytes)
+
+    def _sink_raised(self, request_id: str, layer: int, exc: Exception) -> Verdict:
+        log.exception("kv_transfer.sink_raised", request_id=request_id, layer=layer)
+        return self.fail(request_id, f"sink raised {type(exc).__name__}: {exc}")
 
     def _mismatch(self, transfer: Transfer, layer: int, block_ids: list[int], expected: int,
                   actual: int, attempt: int, where: str | None = None) -> Verdict:
