@@ -57,6 +57,7 @@ from common.zmq_rpc import RemoteError, RpcTimeout
 from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
 from services.worker.decode_ranks import drop_ranks, expect_ranks, landed, listen_ranks
+from services.worker.decode_sink import DecodeSink
 from services.worker.decode_state import Remote, Stream
 from services.worker.migrate_in import Arrivals
 from services.worker.migrate_out import Departures
@@ -77,7 +78,6 @@ class DecodeRole:
         self.streams: dict[str, Stream] = {}
         self.remote: dict[str, Remote] = {}
         self.local_fallbacks = 0
-        self.received_bytes = 0
         self.admitting = 0  # Generates between arrival and the engine's queue
         self.leaving = False
         self.aborted = Tombstones()  # aborts that may have overtaken their Generate
@@ -86,12 +86,13 @@ class DecodeRole:
         self.ttft_samples: collections.deque[TtftSample] = collections.deque(maxlen=64)
         s = ctx.settings
         kinds = None if s.transfer_backend == "auto" else (s.transfer_backend,)
-        self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
-                                      sink=self.on_kv_chunk, slice_sink=self.on_kv_slice,
-                                      host_id=s.resolved_host_id)
-        ctx.metrics.kv_refused.read = lambda: self.receiver.refused
         # Each TP rank's (endpoints, heads): tp_recv.py; empty: rank 0 takes every head.
         self._ranks: list[tuple[dict, int, int]] = []
+        self.sink = DecodeSink(self.remote, ctx.loop, ctx.metrics, lambda: bool(self._ranks))
+        self.receiver = MultiReceiver(kinds, host=s.kv_host, port=s.kv_port,
+                                      sink=self.sink, slice_sink=self.sink.on_slice,
+                                      host_id=s.resolved_host_id)
+        ctx.metrics.kv_refused.read = lambda: self.receiver.refused
         self.arrivals = Arrivals(self)  # requests moved here by stopping workers
         self.departures = Departures(ctx, self.streams, self.remote)  # and from here
 
@@ -126,7 +127,7 @@ class DecodeRole:
         """``stats`` with this role's counters filled in."""
         return dataclasses.replace(
             stats, live_transfers=self.receiver.live(), local_fallbacks=self.local_fallbacks,
-            kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
+            kv_bytes_received=self.sink.received_bytes, kv_chunks_retried=self.receiver.retried,
             kv_messages_refused=self.receiver.refused, kv_advert=self.kv_advert(),
             kv_migrated_in=self.arrivals.adopted, kv_migrated_out=self.departures.moved)
 
@@ -257,8 +258,7 @@ class DecodeRole:
                 missing, nbytes = await landed(ctx.loop, rid, remote.transfer.token, lease)
                 if missing:
                     raise TransferError(missing)
-                self.received_bytes += nbytes
-                ctx.metrics.kv_transfer_bytes.inc(nbytes)
+                self.sink.count(nbytes)
             if rid not in self.remote:  # aborted meanwhile
                 return
             if stream is not None:
@@ -289,32 +289,6 @@ class DecodeRole:
         # The prefill worker may be gone; then there is nothing left to free there.
         with contextlib.suppress(Exception):
             await self.ctx.peer(addr).send(Abort(reason="decode gave up"), request_id=rid)
-
-    def on_kv_chunk(self, rid: str, layer: int, block_ids: list[int], payload: memoryview,
-                    heads: tuple[int, int, int] | None = None):
-        """Data-plane sink: write one layer's KV (or, with ``heads``, one rank's slice of
-        its heads) straight into the reserved blocks."""
-        remote = self.remote.get(rid)
-        if remote is None:
-            raise TransferError(f"no KV expected for {rid}")
-        want = remote.slots.block_ids[remote.slots.num_cached_blocks:]
-        if block_ids != want:
-            raise TransferError(f"KV for blocks {block_ids[:4]}…, reserved {want[:4]}…")
-        try:
-            # Safe off the engine thread: see EngineLoop.import_layer. Every path that
-            # ends the wait (complete, fall back, abort) stops this sink first.
-            if heads is None:
-                self.ctx.loop.import_layer(layer, block_ids, payload)
-            else:
-                self.ctx.loop.import_layer_slice(layer, block_ids, heads, payload)
-        except ValueError as exc:
-            raise TransferError(str(exc)) from exc
-        self.received_bytes += len(payload)
-        self.ctx.metrics.kv_transfer_bytes.inc(len(payload))
-
-    def on_kv_slice(self, rid: str, layer: int, block_ids: list[int],
-                    heads: tuple[int, int, int], payload: memoryview):
-        self.on_kv_chunk(rid, layer, block_ids, payload, heads)
 
     def on_output(self, out) -> None:
         stream = self.streams.get(out.request_id)

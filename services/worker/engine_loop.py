@@ -12,8 +12,8 @@ that thread between steps; each step's outputs are handed back to the event loop
 Nothing else holds the engine: its parts reach it through ``run`` (reads and writes
 alike), read its fixed facts from ``facts``, and its load from ``load``. Two calls touch
 the KV store off the command queue, each where no step can race it: ``export_layer``
-from an engine hook (the engine thread itself) and ``import_layer`` from the data
-plane's sink (see there).
+from an engine hook (the engine thread itself) and ``import_layer`` (or a write through
+``landing``'s views) from the data plane's sink (see there).
 
 Each step is also kept as a timing sample for the conductor's cost model: a step that
 only prefilled as a prefill sample, one that only decoded as a decode sample (a step
@@ -37,6 +37,7 @@ import structlog
 from common.protocol import StepSample
 from services.engine.outputs import EngineDeadError, RequestOutput
 from services.engine.sequence import SequenceStatus
+from services.worker.kv_landing import KVLanding
 
 if TYPE_CHECKING:
     from services.engine.core import EngineCore
@@ -107,6 +108,7 @@ class EngineLoop:
     def __init__(self, on_outputs: OutputHandler, *, name: str = "engine") -> None:
         self._engine: EngineCore | None = None
         self._facts: EngineFacts | None = None
+        self._landing: KVLanding | None = None  # set once built, where the cache allows
         self._on_outputs = on_outputs
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._name = name
@@ -205,6 +207,14 @@ class EngineLoop:
         ``abort``, and the caller stops writing (drops the request from what it
         expects) before it asks for any of those."""
         self._engine.kv_store.import_layer_bytes(layer, block_ids, payload)
+
+    def landing(self, layer: int, block_ids: Sequence[int],
+                nbytes: int) -> list[memoryview] | None:
+        """Writable views of ``block_ids``' K, then V, in ``layer``, where the data plane
+        may copy a received chunk (``kv_landing.py``); None where the cache is not laid
+        out for it. ``import_layer``'s rules hold for what is written through them."""
+        landing = self._landing
+        return None if landing is None else landing.views(layer, block_ids, nbytes)
 
     def import_layer_slice(self, layer: int, block_ids: Sequence[int],
                            heads: tuple[int, int, int], payload: memoryview) -> None:
@@ -314,6 +324,7 @@ class EngineLoop:
         self._facts = EngineFacts(engine.block_manager.block_size,
                                   engine.block_manager.num_blocks, engine.kv_store.num_layers,
                                   engine.kv_store.block_nbytes, engine.fingerprint)
+        self._landing = KVLanding.of(engine.kv_store)
         self._engine = engine
         self.load = self._snapshot()
         self._settle(built)
