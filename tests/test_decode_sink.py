@@ -1,0 +1,148 @@
+"""The decode worker's data-plane sink lands KV in the reserved blocks' own memory
+(services/worker/kv_landing.py, services/worker/decode_sink.py): the views it names are
+exactly those blocks' K and V, in payload order; it checks the request and its blocks as
+the sink call does; and it declines every layout it cannot name (a device, tensor-
+parallel or simulated store, a quantized dtype, strided tensors)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from common.transfer import TransferError
+from services.engine.kv_cache import KVCache
+from services.worker.decode_sink import DecodeSink
+from services.worker.decode_state import Remote
+from services.worker.engine_loop import EngineLoop
+from services.worker.kv_landing import KVLanding
+from services.worker.server import build_engine
+from services.worker.settings import WorkerSettings
+from tests.tiny_models import random_prompts
+
+LAYERS, BLOCKS, SIZE, HEADS, DIM = 3, 10, 4, 2, 8
+
+
+def write_through(views: list[memoryview], payload: bytes) -> None:
+    at = 0
+    for view in views:
+        view[:] = payload[at : at + view.nbytes]
+        at += view.nbytes
+    assert at == len(payload)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_views_are_the_blocks_k_then_v(dtype):
+    cache = KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, dtype)
+    ids = [6, 2, 3, 4, 9]  # out of order, with a run of three
+    payload = torch.randn(2, len(ids), SIZE, HEADS, DIM).to(dtype)
+    raw = payload.view(torch.uint8).numpy().tobytes()
+    views = KVLanding.of(cache).views(1, ids, len(raw))
+    block = SIZE * HEADS * DIM * payload.element_size()
+    # One view per run: 6 | 2 3 4 | 9, for K and again for V.
+    assert [v.nbytes for v in views] == [block, 3 * block, block] * 2
+    write_through(views, raw)
+    assert torch.equal(cache.k[1, ids], payload[0]) and torch.equal(cache.v[1, ids], payload[1])
+    # Nothing else moved: other blocks of the layer, other layers.
+    others = [b for b in range(BLOCKS) if b not in ids]
+    assert not cache.k[1, others].any() and not cache.v[1, others].any()
+    assert not cache.k[[0, 2]].any() and not cache.v[[0, 2]].any()
+    # The same cache as the sink call's import makes.
+    other = KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, dtype)
+    other.import_layer_bytes(1, ids, raw)
+    assert torch.equal(other.k, cache.k) and torch.equal(other.v, cache.v)
+
+
+def test_the_views_refuse_what_does_not_fit():
+    landing = KVLanding.of(KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, torch.float32))
+    block = SIZE * HEADS * DIM * 4
+    with pytest.raises(ValueError, match="layer 3 outside 0..2"):
+        landing.views(3, [1], 2 * block)
+    with pytest.raises(ValueError, match=r"block ids out of range 0..9"):
+        landing.views(0, [1, 10], 4 * block)
+    with pytest.raises(ValueError, match=f"KV payload of {2 * block - 4} bytes for 1 blocks"):
+        landing.views(0, [1], 2 * block - 4)
+    assert landing.views(0, [], 0) == []
+
+
+def test_unusual_caches_are_declined():
+    def cache(**kw):
+        return KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, kw.pop("dtype", torch.float32), **kw)
+    assert KVLanding.of(cache()) is not None
+    assert KVLanding.of(cache(dtype=torch.int8)) is None  # a quantized cache
+    assert KVLanding.of(cache(dtype=torch.float8_e4m3fn)) is None
+    assert KVLanding.of(cache(device="meta")) is None  # not host memory (as CUDA)
+    strided = cache()
+    strided.v = torch.zeros(LAYERS, BLOCKS, HEADS, SIZE, DIM).transpose(2, 3)
+    assert KVLanding.of(strided) is None
+    sim = build_engine(WorkerSettings(executor="sim", sim_time_scale=0))
+    assert KVLanding.of(sim.kv_store) is None  # the simulated store
+    assert KVLanding.of(object()) is None  # e.g. a tensor-parallel ShardedKVStore
+
+
+class Bytes:
+    def __init__(self) -> None:
+        self.total = 0
+
+    def inc(self, n: int) -> None:
+        self.total += n
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.kv_transfer_bytes = Bytes()
+
+
+def test_the_decode_sink_lands_in_the_reserved_blocks_only(tiny_dirs, make_engine):
+    engine = make_engine(tiny_dirs["llama"], dtype="float32")
+    prompt = random_prompts([70], seed=3)[0]
+    other = make_engine(tiny_dirs["llama"], dtype="float32")  # the sink-call reference
+    ranks: list[int] = []
+
+    async def go():
+        loop = EngineLoop(lambda outputs, step_s: None)
+        await loop.start(lambda: engine)
+        try:
+            slots = await loop.run(lambda e: e.reserve_remote_prefill(
+                "r", prompt, SamplingParams(max_tokens=2)))
+            metrics = Metrics()
+            sink = DecodeSink({"r": Remote(slots, None, "", 0.0)}, loop, metrics,
+                              lambda: bool(ranks))
+            want = slots.block_ids[slots.num_cached_blocks:]
+            store = engine.kv_store
+            size = store.block_nbytes // store.num_layers * len(want)
+            landed = []
+            for layer in range(store.num_layers):
+                payload = torch.randn(2, len(want), *store.k.shape[2:]).view(torch.uint8)
+                raw = payload.numpy().tobytes()
+                write_through(sink.landing("r", layer, want, size), raw)
+                assert sink.received_bytes == layer * size  # not counted before landed
+                sink.landed("r", layer, want, size)
+                other.kv_store.import_layer_bytes(layer, want, raw)
+                landed.append(raw)
+            errors = []
+            for rid, blocks, n in (("x", want, size), ("r", want[1:], size),
+                                   ("r", want, size + 1)):
+                with pytest.raises(TransferError) as err:
+                    sink.landing(rid, 0, blocks, n)
+                errors.append(str(err.value))
+            with pytest.raises(TransferError, match="no KV expected for x"):
+                sink.landed("x", 0, want, size)
+            ranks.append(1)  # other ranks hold heads of their own: the sink call then
+            declined = sink.landing("r", 0, want, size)
+            await loop.run(lambda e: e.abort("r"))
+        finally:
+            await loop.stop()
+        return want, landed, sink.received_bytes, metrics.kv_transfer_bytes.total, \
+            errors, declined
+    want, landed, received, counted, errors, declined = asyncio.run(go())
+    assert want and received == counted == sum(map(len, landed))
+    for layer, raw in enumerate(landed):
+        assert bytes(engine.kv_store.export_layer_bytes(layer, want)) == raw
+    assert torch.equal(engine.kv_store.k[:, want], other.kv_store.k[:, want])
+    assert torch.equal(engine.kv_store.v[:, want], other.kv_store.v[:, want])
+    assert errors[0] == "no KV expected for x" and "reserved" in errors[1]
+    assert "KV payload of" in errors[2]
+    assert declined is None
