@@ -123,11 +123,20 @@ class DecodeRole:
                         slices=self.ctx.settings.tensor_parallel_size == 1 or bool(ranks),
                         ranks=ranks)
 
+    @property
+    def received_bytes(self) -> int:
+        """Verified KV bytes taken into reserved blocks (counted by the sink)."""
+        return self.sink.received_bytes
+
+    @received_bytes.setter
+    def received_bytes(self, value: int) -> None:
+        self.sink.received_bytes = value
+
     def report(self, stats: WorkerStats) -> WorkerStats:
         """``stats`` with this role's counters filled in."""
         return dataclasses.replace(
             stats, live_transfers=self.receiver.live(), local_fallbacks=self.local_fallbacks,
-            kv_bytes_received=self.sink.received_bytes, kv_chunks_retried=self.receiver.retried,
+            kv_bytes_received=self.received_bytes, kv_chunks_retried=self.receiver.retried,
             kv_messages_refused=self.receiver.refused, kv_advert=self.kv_advert(),
             kv_migrated_in=self.arrivals.adopted, kv_migrated_out=self.departures.moved)
 
