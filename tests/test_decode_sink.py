@@ -146,3 +146,65 @@ def test_the_decode_sink_lands_in_the_reserved_blocks_only(tiny_dirs, make_engin
     assert errors[0] == "no KV expected for x" and "reserved" in errors[1]
     assert "KV payload of" in errors[2]
     assert declined is None
+
+
+async def test_an_shm_transfer_lands_through_the_fused_pass(tiny_dirs, make_engine,
+                                                            monkeypatch):
+    """End to end over shared memory: every chunk is copied out of the segment straight
+    into the reserved blocks (no sink call, no import), and they then hold the bytes the
+    prefill side exported."""
+    import secrets
+    import types
+
+    from common.transfer import make_receiver, make_sender
+    from kernels import cpu_copysum
+
+    mod = cpu_copysum._KERNEL.module()
+    if mod is None:
+        pytest.skip("no C++ compiler: the shm receiver hashes the segment, the sink copies")
+    scattered = []
+
+    def scatter_all(source, destinations):
+        scattered.append(len(destinations))
+        return mod.scatter_all(source, destinations)
+    monkeypatch.setattr(cpu_copysum, "kernel", lambda wait=False: types.SimpleNamespace(
+        copy_all=mod.copy_all, scatter_all=scatter_all))
+    a = make_engine(tiny_dirs["llama"], dtype="float32")
+    b = make_engine(tiny_dirs["llama"], dtype="float32")
+    prompt = random_prompts([90], seed=5)[0]
+    a.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    while a.has_unfinished_requests():
+        a.step()
+    loop = EngineLoop(lambda outputs, step_s: None)
+    await loop.start(lambda: b)
+    imported = []
+    monkeypatch.setattr(loop, "import_layer", lambda *args: imported.append(args))
+    token = secrets.token_bytes(16)
+    rx = tx = None
+    try:
+        slots = await loop.run(lambda e: e.reserve_remote_prefill(
+            "d", prompt, SamplingParams(max_tokens=2)))
+        want = slots.block_ids[slots.num_cached_blocks:]
+        src = a.requests["p"].block_table[:len(want)]
+        chunks = [(layer, want, bytes(a.kv_store.export_layer_bytes(layer, src)))
+                  for layer in range(a.kv_store.num_layers)]
+        remote: dict[str, Remote] = {}
+        sink = DecodeSink(remote, loop, Metrics(), lambda: False)
+        rx = make_receiver("shm", sink=sink)
+        await rx.start()
+        tx = make_sender("shm")
+        remote["d"] = Remote(slots, rx.expect("d", lease_s=30, token=token), "", 0.0)
+        await tx.send_many(rx.address, "d", chunks, token=token)
+        await tx.finish(rx.address, "d", len(chunks), token=token)
+        await remote["d"].transfer.wait()
+        await loop.run(lambda e: e.abort("d"))
+    finally:
+        for part in (tx, rx):
+            if part is not None:
+                await part.close()
+        await loop.stop()
+        a.release("p")
+    assert imported == [] and scattered and sum(scattered) >= 2 * len(chunks)
+    assert sink.received_bytes == sum(len(c[2]) for c in chunks)
+    for layer, _, raw in chunks:
+        assert bytes(b.kv_store.export_layer_bytes(layer, want)) == raw
