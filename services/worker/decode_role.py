@@ -54,6 +54,7 @@ from common.protocol import (
 )
 from common.transfer import MultiReceiver, TransferError
 from common.zmq_rpc import RemoteError, RpcTimeout
+from kernels import cpu_copysum
 from services.engine.sequence import SequenceStatus
 from services.worker.context import RoleContext
 from services.worker.decode_ranks import drop_ranks, expect_ranks, landed, listen_ranks
@@ -100,6 +101,8 @@ class DecodeRole:
         await self.receiver.start()
         s = self.ctx.settings
         kinds = list(self.receiver.advert().endpoints)  # the followers serve what rank 0 does
+        if "shm" in kinds and self.ctx.loop.lands and s.tensor_parallel_size == 1:
+            cpu_copysum.kernel()  # its build starts now, in a thread, not at the first KV
         if s.tensor_parallel_size > 1 and kinds:  # every rank receives its own heads
             self._ranks = await self.ctx.loop.run(
                 listen_ranks, kinds, s.kv_host, s.resolved_host_id)

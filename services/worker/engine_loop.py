@@ -208,6 +208,11 @@ class EngineLoop:
         expects) before it asks for any of those."""
         self._engine.kv_store.import_layer_bytes(layer, block_ids, payload)
 
+    @property
+    def lands(self) -> bool:
+        """Whether ``landing`` can name views (the built engine's cache allows them)."""
+        return self._landing is not None
+
     def landing(self, layer: int, block_ids: Sequence[int],
                 nbytes: int) -> list[memoryview] | None:
         """Writable views of ``block_ids``' K, then V, in ``layer``, where the data plane
