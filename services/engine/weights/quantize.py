@@ -128,7 +128,7 @@ class A8Linear(nn.Module):
                              f"{cpu_qmatmul_a8.NARROW}, got {levels}")
         out_features, in_features = weight.shape
         if in_features % INT8_GROUP:
-            raise ValueError(f"w{bits}a16 needs input features divisible by {INT8_GROUP}, "
+            raise ValueError(f"w{bits} needs input features divisible by {INT8_GROUP}, "
                              f"got {in_features}")
         grouped = weight.detach().float().reshape(out_features, -1, INT8_GROUP)
         codes, scale, offset = (_group_codes if bits == 8 else _group_codes4)(grouped)
@@ -313,7 +313,7 @@ def quantize_model(model: nn.Module, method: str) -> None:
             model.embed_tokens = Int8Embedding(_weight(model.lm_head))
         # w4a16 keeps the head (and the embedding it doubles as) at 8 bits, as 4-bit GGUF
         # files keep theirs at Q8_0/Q6_K: the logits are where 4 bits hurt most; w8a8 and
-        # w4a8 keep its activations wide too (one row a step in decode, cheap either way).
+        # w4a8 keep its activations wide too (only sampled positions reach the head).
         swap(model, "lm_head", "w8a16" if method in A8_MODES else method)
         if tied and method == "int8":
             model.embed_tokens = Int8HeadEmbedding(model.lm_head)
