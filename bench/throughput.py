@@ -204,8 +204,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="small profile: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     ap.add_argument("--quantization", default="none",
-                    help="pdserve's weights (none, int8, int4, w8a16, w4a16); transformers "
-                         "stays in --dtype")
+                    help="pdserve's weights (none, int8, int4, w8a16, w4a16, w8a8, w4a8); "
+                         "transformers stays in --dtype")
     ap.add_argument("--side", choices=["ours", "transformers"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()

@@ -89,3 +89,26 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(arch, tiny_dirs, 
             assert isinstance(engine.model.backend, TritonAttention)
         tokens[backend] = [c.token_ids for c in engine.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("q_len,heads,kv_heads", [(129, 9, 3), (200, 4, 4), (320, 8, 2)])
+def test_banded_causal_prefill_equals_one_causal_call(q_len, heads, kv_heads):
+    """A fresh prompt longer than two bands attends band by band (attention.CAUSAL_BAND):
+    the same outputs as one causal call over the whole prompt, to float32 rounding."""
+    from services.engine import attention
+
+    torch.manual_seed(q_len)
+    q = torch.randn(q_len, heads, 64)
+    k, v = torch.randn(q_len, kv_heads, 64), torch.randn(q_len, kv_heads, 64)
+    got = attention._prefill_attention(q, k, v, q_len)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+    assert q_len > 2 * attention.CAUSAL_BAND
+    assert got.shape == (q_len, heads, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Each query sees only keys up to itself: changing the last key moves only the last row.
+    k2 = k.clone()
+    k2[-1] += 1.0
+    moved = (attention._prefill_attention(q, k2, v, q_len) - got).abs().amax(dim=(1, 2))
+    assert torch.all(moved[:-1] == 0) and moved[-1] > 0

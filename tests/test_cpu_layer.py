@@ -99,9 +99,10 @@ def _run(engine, prompts, **kw):
             [[lp.top for lp in o.logprobs] for o in outs] if outs[0].logprobs else None)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_engine_tokens_and_logprobs_equal_with_and_without(arch, tiny_dirs, make_engine,
-                                                            monkeypatch):
+@pytest.mark.parametrize("arch,method", [("llama", "w4a16"), ("qwen2", "w4a16"),
+                                         ("llama", "w4a8")])
+def test_engine_tokens_and_logprobs_equal_with_and_without(arch, method, tiny_dirs,
+                                                            make_engine, monkeypatch):
     calls = []
     real = FusedLayers.__call__
 
@@ -111,12 +112,12 @@ def test_engine_tokens_and_logprobs_equal_with_and_without(arch, tiny_dirs, make
         return out
     monkeypatch.setattr(FusedLayers, "__call__", counted)
     prompts = random_prompts([5, 17, 33, 2], seed=7)  # 4 decodes a step: fused
-    fused = make_engine(tiny_dirs[arch], dtype="float32", quantization="w4a16")
+    fused = make_engine(tiny_dirs[arch], dtype="float32", quantization=method)
     assert isinstance(fused.model.fused_layers, FusedLayers)
     got = _run(fused, prompts)
     assert True in calls and False in calls  # decode steps fused, prefill (>8 rows) not
     monkeypatch.setenv(cpu_layer.ENV, "0")
-    plain = make_engine(tiny_dirs[arch], dtype="float32", quantization="w4a16")
+    plain = make_engine(tiny_dirs[arch], dtype="float32", quantization=method)
     assert plain.model.fused_layers is None
     want = _run(plain, prompts)
     assert got[0] == want[0]

@@ -119,7 +119,7 @@ def test_int4_refuses_a_width_off_the_group():
         Int4Linear(torch.randn(8, 40), None)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "w8a16", "w4a16"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a16", "w4a16", "w8a8", "w4a8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_quantized_logits_stay_close(arch, method, tiny_dirs, make_engine):
     logits = {}
@@ -136,14 +136,16 @@ def test_quantized_logits_stay_close(arch, method, tiny_dirs, make_engine):
     # weights) or 0.6 (int4: 16 levels per 32 random normal weights, the worst case) of
     # the float model's on the tiny models; docs/benchmarks.md has SmolLM2-135M's figures.
     # w8a16/w4a16 add the rounding of each activation group (half a step of
-    # max|x| / 16256) on top of their weights' grid: negligible beside it.
-    tol = {"int8": 0.1, "int4": 0.6, "w8a16": 0.1, "w4a16": 0.6}[method]
+    # max|x| / 16256) on top of their weights' grid: negligible beside it; w8a8/w4a8 a
+    # step of max|x| / 127, still well inside the weights' own.
+    tol = {"int8": 0.1, "int4": 0.6, "w8a16": 0.1, "w4a16": 0.6, "w8a8": 0.1,
+           "w4a8": 0.6}[method]
     want = dict(ref.top)
     shared = [(lp, want[token]) for token, lp in got.top if token in want]
     assert len(shared) >= 3
     for lp, ref_lp in shared:
         assert lp == pytest.approx(ref_lp, abs=tol)
-    if method in ("int8", "w8a16"):
+    if method in ("int8", "w8a16", "w8a8"):
         assert got.token_id == ref.token_id
     else:  # a random tiny model's top tokens lie within 0.2 of each other
         assert got.token_id in want
@@ -180,6 +182,8 @@ def test_worker_setting():
     assert WorkerSettings(quantization="int4").quantization == "int4"
     assert WorkerSettings(quantization="w4a16").quantization == "w4a16"
     assert EngineConfig(quantization="w8a16").quantization == "w8a16"
+    assert WorkerSettings(quantization="w4a8").quantization == "w4a8"
+    assert EngineConfig(quantization="w8a8").quantization == "w8a8"
     with pytest.raises(ValueError, match="quantization"):
         WorkerSettings(quantization="fp4")
 
@@ -254,3 +258,31 @@ def test_a16_tied_embedding_reads_the_head(tmp_path, make_engine, method):
     assert not list(model.embed_tokens.buffers())  # no second table
     torch.testing.assert_close(model.embed_tokens(ids),
                                model.lm_head.dequantized()[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method,bits,levels", [("w4a16", 4, cpu_qmatmul_a8.WIDE),
+                                                ("w4a8", 4, cpu_qmatmul_a8.NARROW),
+                                                ("w8a8", 8, cpu_qmatmul_a8.NARROW)])
+def test_a8_modes_round_activations_as_named(method, bits, levels, tiny_dirs, make_engine):
+    """Every projection of an a8 mode rounds to one int8 per activation, an a16 one to
+    two; the head stays w8a16 in every mode (logits are where rounding hurts most)."""
+    engine = make_engine(tiny_dirs["llama"], dtype="float32", quantization=method)
+    layer = engine.model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):
+        assert (proj.bits, proj.levels) == (bits, levels)
+    assert (engine.model.lm_head.bits, engine.model.lm_head.levels) == (8, cpu_qmatmul_a8.WIDE)
+    # The projection's output is the kernel's at its levels, not at the other's.
+    p = layer.mlp.down_proj
+    x = torch.randn(12, layer.mlp.inter)
+    want = cpu_qmatmul_a8.qmatmul(x, p.packed, p.scale, p.offset, bits, levels)
+    other = cpu_qmatmul_a8.qmatmul(x, p.packed, p.scale, p.offset, bits,
+                                   cpu_qmatmul_a8.WIDE + cpu_qmatmul_a8.NARROW - levels)
+    got = p(x)
+    assert torch.equal(got, want[:, :p.out_features])
+    assert not torch.equal(got, other[:, :p.out_features])
+
+
+def test_a8_linear_refuses_other_levels():
+    with pytest.raises(ValueError, match="levels"):
+        A8Linear(torch.randn(16, 32), None, 4, levels=255)

@@ -191,6 +191,13 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return blocks.flatten(0, 1)[:length]
 
 
+# Query rows per call in a fresh prompt's causal attention on the CPU: torch's fused CPU
+# kernel skips masked work only in whole 512-key tiles, so a causal prompt of up to 512
+# tokens cost as much as a full square; in bands of 64 queries, each against the keys up
+# to its end, the work is ~half the square (prompts of 200-512 tokens: 25-35% less time).
+CAUSAL_BAND = 64
+
+
 def _prefill_attention(q, keys, values, context_len):
     """Causal attention of ``q_len`` queries placed at the end of ``context_len`` keys."""
     q_len = q.shape[0]
@@ -198,6 +205,8 @@ def _prefill_attention(q, keys, values, context_len):
     kh = keys.transpose(0, 1).unsqueeze(0)
     vh = values.transpose(0, 1).unsqueeze(0)
     gqa = qh.shape[1] != kh.shape[1]
+    if context_len == q_len and q_len > 2 * CAUSAL_BAND and q.device.type == "cpu":
+        return _banded_causal(qh, kh, vh, gqa).squeeze(0).transpose(0, 1)
     if context_len == q_len:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
@@ -206,6 +215,23 @@ def _prefill_attention(q, keys, values, context_len):
         mask = k_pos[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)
+
+
+def _banded_causal(qh, kh, vh, gqa: bool) -> torch.Tensor:
+    """Causal attention ``[1, H, L, d]``, ``CAUSAL_BAND`` queries at a time, each band
+    against the keys up to its last query (module note at ``CAUSAL_BAND``)."""
+    q_len = qh.shape[2]
+    out = torch.empty_like(qh)
+    band = CAUSAL_BAND
+    out[:, :, :band] = F.scaled_dot_product_attention(
+        qh[:, :, :band], kh[:, :, :band], vh[:, :, :band], is_causal=True, enable_gqa=gqa)
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=qh.device).tril_()
+    for start in range(band, q_len, band):
+        end = min(q_len, start + band)
+        out[:, :, start:end] = F.scaled_dot_product_attention(
+            qh[:, :, start:end], kh[:, :, :end], vh[:, :, :end],
+            attn_mask=causal[start:end, :end], enable_gqa=gqa)
+    return out
 
 
 def _decode_attention(q, k_cache, v_cache, group: DecodeGroup):

@@ -12,7 +12,7 @@ from services.engine.model_config import preset
 
 # Kept in sync with services.engine.weights.quantize.QUANTIZATIONS, which imports torch
 # kernels this module does not need.
-QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16", "w8a8", "w4a8")
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +52,7 @@ class EngineConfig:
     max_prefill_tokens_with_decode: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
-    quantization: str = "none"  # int8/int4/w8a16/w4a16 (CPU): weights/quantize
+    quantization: str = "none"  # int8/int4/w8a16/w4a16/w8a8/w4a8 (CPU): weights/quantize
     # Ranks the model is split over (services/engine/tp.py); rank r > 0 on cuda:<index + r>.
     tensor_parallel_size: int = 1
     # Decode steps replayed from CUDA graphs (services/engine/cuda_graphs.py); None: on

@@ -134,8 +134,8 @@ class ModelRunner:
 
 
 class FusedLayers:
-    """All layers of a w8a16/w4a16 CPU model for steps of at most ``cpu_layer.MAX_ROWS``
-    tokens: per layer one native call before attention and one after
+    """All layers of an integer-activation CPU model (w8a16/w4a16/w8a8/w4a8) for steps of
+    at most ``cpu_layer.MAX_ROWS`` tokens: per layer one native call before attention and one after
     (kernels/cpu_layer.py), the backend's attention between them. Same results as the
     layer-by-layer path, bit for bit; answers None (that path runs) for larger steps and
     until the kernel is built."""
@@ -171,7 +171,8 @@ class FusedLayers:
             layers.append(cpu_layer.make_layer(
                 ln1.weight.detach(), ln1.eps, proj(attn.qkv_proj), proj(attn.o_proj),
                 ln2.weight.detach(), ln2.eps, proj(mlp.gate_up_proj), proj(mlp.down_proj),
-                cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter))
+                cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.inter,
+                attn.qkv_proj.levels))
         return layers
 
     def _views(self, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[list, list]:
@@ -215,7 +216,9 @@ def _not_fusable(model: LlamaModel, device: torch.device) -> str | None:
         projs = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                  layer.mlp.down_proj)
         if not all(isinstance(p, A8Linear) for p in projs):
-            return "weights not quantized w8a16/w4a16"
+            return "weights not quantized w8a16/w4a16/w8a8/w4a8"
+        if len({p.levels for p in projs}) != 1:
+            return "projections round their activations differently"
         if any(n.weight.dtype != torch.float32 for n in (
                 layer.input_layernorm, layer.post_attention_layernorm)):
             return "not float32"

@@ -29,7 +29,7 @@ class WorkerSettings:
     max_prefill_tokens_with_decode: int = 0
     max_model_len: int = 0  # 0: the model's own context length
     num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
-    quantization: str = "none"  # int8/int4/w8a16/w4a16: quantized, CPU (EngineConfig)
+    quantization: str = "none"  # int8/int4/w8a16/w4a16/w8a8/w4a8: CPU (EngineConfig)
     # A shape preset (llama-3-8b, llama-3.1-8b, tiny) with random weights drawn from
     # random_seed instead of loading `model`, which then only names it; empty: off.
     random_weights: str = ""
@@ -107,9 +107,10 @@ class WorkerSettings:
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and self.device == "cpu":
             raise ValueError("cuda_graphs on needs a CUDA device")
-        if self.quantization not in ("none", "int8", "int4", "w8a16", "w4a16"):
-            raise ValueError("quantization must be none, int8, int4, w8a16 or w4a16, "
-                             f"got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "int4", "w8a16", "w4a16", "w8a8",
+                                     "w4a8"):
+            raise ValueError("quantization must be none, int8, int4, w8a16, w4a16, w8a8 or "
+                             f"w4a8, got {self.quantization!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
                 or not self.pool_bandwidth_mbs > 0 or not self.pool_timeout_s > 0:
             raise ValueError("pool_min_fetch_blocks and pool_replicas must be >= 1, "
