@@ -19,7 +19,10 @@ round.
 
 Limits: tcp, blocking ``sendall`` of each layer / ``recv_into`` one buffer; shm,
 ``memcpy`` of each layer into a pre-faulted segment the receiver maps, a pipe line to
-wake it, and its copy of each layer out of the segment into a destination buffer; ucx,
+wake it after each group of layers (``shm_groups``: two at 1 MiB, eight at 16 MiB, as
+many as there are layers at 256 MiB, so that its copy out of one group overlaps the copy
+in of the next as the backend's batches do), and its copy of each layer out of the
+segment into a destination buffer; ucx,
 the whole payload in one ucxx send. Goals (``goal``): tcp and shm at least 0.7x the limit at 1 MiB
 and 0.85x at 16 MiB, tcp 0.9x at 256 MiB; ucx is reported beside them. The limit moves
 the same bytes in the same messages (one per layer, the same sizes) between the same two

@@ -34,3 +34,25 @@ def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
             assert math.isclose(run["gbps"], 3 * 1_474_560 / run["seconds"] / 1e9)
     assert {m["key"] for m in report["metrics"]} == {
         "gbps", "cpu_ms", "send_cpu_ms", "recv_cpu_ms"}
+
+
+def test_shm_limit_wakes_its_receiver_per_group() -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.transfer_limits import shm_groups
+
+    # ~sqrt(bytes / 300 kB) groups, at least one, at most one a message.
+    assert [shm_groups(30, n) for n in (1_474_560, 16_957_440, 281_018_368)] == [2, 8, 30]
+    assert shm_groups(30, 1000) == 1 and shm_groups(4, 281_018_368) == 4
+
+
+def test_shm_cell_end_to_end(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "bench/transfer.py", "--sizes", "1", "--backends", "shm",
+         "--scale", "0.1", "--round-mib", "0", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "transfer-shm-1mib.json").read_text())
+    assert "after each group" in report["settings"]["limit"]
+    for side in ("backend", "limit"):
+        runs = report["runs"][side]
+        assert len(runs) == 3 and all(r["gbps"] > 0 and r["recv_cpu_ms"] > 0 for r in runs)
