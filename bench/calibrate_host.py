@@ -124,8 +124,8 @@ def contention(model: str, threads: int, workers: int, repeats: int,
         alone = [(point_times(engine, pt, dec, repeats, rng), pt, dec) for pt, dec in points]
         ratios = [alone_ratio(cp, pt, dec, t) for t, pt, dec in alone]
         factors.append(statistics.median(ratios))
-        kinds = {kind: [[statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
-                                           if d == (kind == "decode"))]]
+        kinds = {kind: [statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
+                                          if d == (kind == "decode"))]
                  for kind in ("decode", "prefill")}
         rows += [[1, *pt, t, t] for t, pt, _ in alone]
         print(f"1 worker alone: {factors[0]:.2f} x the profile "
