@@ -124,9 +124,7 @@ def contention(model: str, threads: int, workers: int, repeats: int,
         alone = [(point_times(engine, pt, dec, repeats, rng), pt, dec) for pt, dec in points]
         ratios = [alone_ratio(cp, pt, dec, t) for t, pt, dec in alone]
         factors.append(statistics.median(ratios))
-        kinds = {kind: [statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
-                                          if d == (kind == "decode"))]
-                 for kind in ("decode", "prefill")}
+        kinds = {kind: [m] for kind, m in kind_medians(ratios, points).items()}
         rows += [[1, *pt, t, t] for t, pt, _ in alone]
         print(f"1 worker alone: {factors[0]:.2f} x the profile "
               f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
@@ -145,9 +143,8 @@ def contention(model: str, threads: int, workers: int, repeats: int,
                 rows.append([k, *point, alone, busy])
             ratio = statistics.median(ratios)
             factors.append(ratio)
-            for kind, rel in kinds.items():
-                rel.append(statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
-                                             if d == (kind == "decode")))
+            for kind, m in kind_medians(ratios, points).items():
+                kinds[kind].append(m)
             print(f"{k} busy workers: {ratio:.2f} x alone "
                   f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
     finally:
@@ -160,6 +157,14 @@ def contention(model: str, threads: int, workers: int, repeats: int,
                      "busy_vs_alone": factors[1:],
                      **{f"{kind}_contention": [round(f, 3) for f in chained(rel)]
                         for kind, rel in kinds.items()}}
+
+
+def kind_medians(ratios: list[float], points: list[tuple]) -> dict[str, float]:
+    """The median ratio of the decode points and of the prefill points (``points``:
+    (point, is-decode) pairs, one a ratio)."""
+    return {kind: statistics.median(r for r, (_, d) in zip(ratios, points, strict=True)
+                                    if d == (kind == "decode"))
+            for kind in ("decode", "prefill")}
 
 
 def chained(relative: list[float]) -> list[float]:

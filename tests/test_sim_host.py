@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.calibrate_host import alone_ratio, chained, overhead_fit
+from bench.calibrate_host import alone_ratio, chained, kind_medians, overhead_fit
 from common.cost_profile import CostProfile, load_profile, profile_from_dict, save_profile
 from common.records import CostCoefficients
 from services.advisor import search
@@ -252,3 +252,14 @@ def test_in_1p1d_decode_steps_beside_a_remote_prefill_take_the_two_busy_factor()
     assert [n for n, _ in runs[:3]] == [1, 1, 2]
     assert [round(f, 3) for _, f in runs[:3]] == [1.0, 2.0, 1.0]
     assert b.ttft == pytest.approx(2.00071 + 3.2 + 1.0 - 2.0, abs=1e-4)
+
+
+def test_calibrate_host_chains_each_kind_from_plain_medians():
+    points = [((1, 64), True), ((8, 64), True), ((4, 256), True), ((512, 0), False),
+              ((1024, 0), False)]
+    alone = kind_medians([1.4, 1.6, 1.5, 1.1, 1.3], points)
+    assert alone == pytest.approx({"decode": 1.5, "prefill": 1.2})
+    busy = kind_medians([1.2, 1.0, 1.1, 2.0, 1.0], points)
+    for kind in ("decode", "prefill"):  # floats all the way: chained takes them
+        assert chained([alone[kind], busy[kind]]) == pytest.approx(
+            {"decode": [1.5, 1.65], "prefill": [1.2, 1.8]}[kind])
