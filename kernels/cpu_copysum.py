@@ -100,6 +100,26 @@ static inline void stripe(uint64_t* acc, const uint8_t* in, uint64_t s) {
 
 // Copy the `n` bytes at `in` to `base[at:]`, folding in every stripe [s, s + 64) with
 // s + 64 < total that is now wholly in `base`. The caller has checked the range.
+#if defined(__AVX512F__)
+// One 64-byte stripe ``v`` (the k-th of its block) into the accumulator, and the block's
+// scramble after its last stripe: the vector form of ``stripe`` and ``scramble``.
+static inline __m512i stripe512(__m512i acc, __m512i v, uint64_t k, __m512i skey,
+                                __m512i prime) {
+  const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
+  const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+  const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+  acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
+  if (k == PER_BLOCK - 1) {
+    __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+    a = _mm512_xor_si512(a, skey);
+    const __m512i lo = _mm512_mul_epu32(a, prime);
+    const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+    acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+  }
+  return acc;
+}
+#endif
+
 static void copy_raw(uint8_t* base, int64_t at, const uint8_t* in, int64_t n, State* s,
                      int64_t total) {
   const int64_t end = at + n, limit = end < total - 1 ? end : total - 1;
@@ -114,17 +134,7 @@ static void copy_raw(uint8_t* base, int64_t at, const uint8_t* in, int64_t n, St
       const uint64_t k = (pos / STRIPE) % PER_BLOCK;
       const __m512i v = _mm512_loadu_si512(in + done);
       _mm512_storeu_si512(base + pos, v);
-      const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
-      const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
-      const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
-      acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
-      if (k == PER_BLOCK - 1) {
-        __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
-        a = _mm512_xor_si512(a, skey);
-        const __m512i lo = _mm512_mul_epu32(a, prime);
-        const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
-        acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
-      }
+      acc = stripe512(acc, v, k, skey, prime);
     }
     _mm512_storeu_si512(s->acc, acc);
 #else
@@ -256,17 +266,7 @@ static uint64_t scatter_all(py::buffer source, py::sequence dests) {
       const uint64_t k = (pos / STRIPE) % PER_BLOCK;
       const __m512i v = _mm512_loadu_si512(in + pos);
       _mm512_storeu_si512(out, v);
-      const __m512i dk = _mm512_xor_si512(v, _mm512_loadu_si512(SECRET + 8 * k));
-      const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
-      const __m512i swap = _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
-      acc = _mm512_add_epi64(acc, _mm512_add_epi64(prod, swap));
-      if (k == PER_BLOCK - 1) {
-        __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
-        a = _mm512_xor_si512(a, skey);
-        const __m512i lo = _mm512_mul_epu32(a, prime);
-        const __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
-        acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
-      }
+      acc = stripe512(acc, v, k, skey, prime);
 #else
       std::memcpy(out, in + pos, STRIPE);
       stripe(s.acc, out, pos);  // what landed, not the source a second time
