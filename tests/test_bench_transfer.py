@@ -13,13 +13,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
+def run_1mib(tmp_path: Path, backend: str, round_mib: str) -> dict:
+    """bench/transfer.py at 1 MiB, three measured rounds: the cell's harness report."""
     done = subprocess.run(
-        [sys.executable, "bench/transfer.py", "--sizes", "1", "--backends", "tcp",
-         "--scale", "0.1", "--round-mib", "3", "--out", str(tmp_path)],
+        [sys.executable, "bench/transfer.py", "--sizes", "1", "--backends", backend,
+         "--scale", "0.1", "--round-mib", round_mib, "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads((tmp_path / "transfer-tcp-1mib.json").read_text())
+    return json.loads((tmp_path / f"transfer-{backend}-1mib.json").read_text())
+
+
+def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
+    report = run_1mib(tmp_path, "tcp", "3")
     settings = report["settings"]
     # 30 layers of two 24 KiB blocks: 1,474,560 bytes, so 3 MiB takes three of them.
     assert settings["bytes"] == 1_474_560
@@ -46,12 +51,7 @@ def test_shm_limit_wakes_its_receiver_per_group() -> None:
 
 
 def test_shm_cell_end_to_end(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "bench/transfer.py", "--sizes", "1", "--backends", "shm",
-         "--scale", "0.1", "--round-mib", "0", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads((tmp_path / "transfer-shm-1mib.json").read_text())
+    report = run_1mib(tmp_path, "shm", "0")
     assert "after each group" in report["settings"]["limit"]
     for side in ("backend", "limit"):
         runs = report["runs"][side]
