@@ -2,7 +2,8 @@
 
     python bench/latency.py [--model smollm2-135m-instruct] [--runs 3] [--threads 2]
                             [--decode-tokens 64] [--llama-bench PATH [--llama-f32-gguf PATH]]
-                            [--quantization none|int8|int4|w8a16|w4a16] [--out latency.json]
+                            [--quantization none|int8|int4|w8a16|w4a16|w8a8|w4a8]
+                            [--out latency.json]
 
 Three figures per side, all batch 1 and greedy:
 
@@ -189,7 +190,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None, help="default: drawn at random")
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and dropped")
     ap.add_argument("--quantization", default="none",
-                    help="pdserve's weights: none, int8, int4, w8a16 or w4a16")
+                    help="pdserve's weights: none, int8, int4, w8a16, w4a16, w8a8 or w4a8")
     ap.add_argument("--child", choices=("pdserve", "transformers"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=8, help="llama-server -np")
     ap.add_argument("--quantization", default="none",
-                    help="pdserve's weights: none, int8, int4, w8a16 or w4a16")
+                    help="pdserve's weights: none, int8, int4, w8a16, w4a16, w8a8 or w4a8")
     ap.add_argument("--slo-ttft-ms", type=float, default=5000)
     ap.add_argument("--slo-tpot-ms", type=float, default=250)
     ap.add_argument("--repeats", type=int, default=1)
