@@ -8,6 +8,7 @@ warning: every caller keeps a torch path that needs no build.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -60,7 +61,25 @@ class CppKernel:
                 self._background = threading.Thread(target=self.module, daemon=True,
                                                     name=f"{self.name}-build")
                 self._background.start()
+                _BUILDS.append(self._background)
         return False
+
+
+# A process that exits while a build thread is inside the loader's C++ (importing the
+# built module) aborts ("terminate called without an active exception", exit -6) when
+# finalization stops that thread: so exiting waits for the builds in progress, which
+# also leaves the cache built for the next process.
+_BUILDS: list[threading.Thread] = []
+EXIT_WAIT_S = 300.0
+
+
+@atexit.register
+def _finish_builds() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in _BUILDS:
+        if thread.is_alive():
+            log.info("waiting for the %s to finish before exiting", thread.name)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 STALE_LOCK_S = 600.0  # one source file compiles in well under this
