@@ -60,10 +60,10 @@ def test_a_kernel_that_cannot_build_is_tried_once_and_leaves_the_torch_path(monk
 
     calls = []
 
-    def no_compiler(**kw):
-        calls.append(kw["name"])
+    def no_compiler(self):
+        calls.append(self.name)
         raise RuntimeError("no C++ compiler")
-    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
+    monkeypatch.setattr(CppKernel, "_compile", no_compiler)
     kernel = CppKernel("pdserve_test_missing", "int f();", "the torch path")
     assert kernel.ready() is False  # the first call starts the build in a thread
     kernel._background.join(timeout=10)
@@ -81,10 +81,10 @@ def test_ready_answers_at_once_while_a_build_runs(monkeypatch):
 
     release = threading.Event()
 
-    def slow_compiler(**kw):
+    def slow_compiler(self):
         release.wait(30)
         raise RuntimeError("no C++ compiler")
-    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", slow_compiler)
+    monkeypatch.setattr(CppKernel, "_compile", slow_compiler)
     kernel = CppKernel("pdserve_test_slow", "int f();", "the torch path")
     assert kernel.ready() is False  # starts the build, which now holds its lock
     started = time.monotonic()
