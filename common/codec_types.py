@@ -7,7 +7,8 @@ the offending part) or ``TooDeep``. Allowed annotations:
 
 - ``int``, ``float`` (an int is made float), ``str``, ``bool``, ``bytes``;
 - ``dict``: a str-keyed map of plain msgpack values, nested at most ``MAX_PLAIN_DEPTH``;
-- ``list[int]``, ``list[str]``, ``list[dict]``, ``list[R]`` and ``tuple[int, ...]``
+- ``list[int]``, ``list[float]``, ``list[str]``, ``list[dict]``, ``list[R]`` and
+  ``tuple[int, ...]``
   (a list on the wire, a tuple in the record);
 - ``R``: a nested record, a frozen slotted dataclass registered with ``@record``; it
   travels as a map of its fields, checked exactly like a message body;
@@ -142,7 +143,7 @@ _SCALARS: dict[Any, FieldType] = {
     bytes: _scalar("bytes", lambda v: isinstance(v, bytes)),
     dict: FieldType("dict", _dict_check, _dict_check),
 }
-_LIST_ITEMS = (int, str, dict)
+_LIST_ITEMS = (int, float, str, dict)
 
 
 def _items(shown: str, kind: type, convert: Convert, fast: bool,

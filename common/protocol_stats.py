@@ -78,6 +78,9 @@ class ConductorStats:
     cache_pools: list[PoolInstanceStatus] = field(default_factory=list)
     # Workers refused at handshake, the latest last (the conductor keeps a few).
     refused: list[WorkerRefusal] = field(default_factory=list)
+    # The profile's host factors: ``cost_model`` is of one worker alone on its host, and
+    # a step with k workers busy on that host takes ``contention[k-1]`` times as long.
+    contention: list[float] = field(default_factory=list)
 
 
 @message("pool_stats")

@@ -148,3 +148,36 @@ def test_settings_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="fewer programs"):
         PlannerSettings(actuator="supervisord", supervisor_url="unix:///x",
                         supervisor_decode=("decode", "decode-2"), max_decode=3)
+
+
+def test_role_loads_put_back_the_host_contention_the_cost_model_leaves_out():
+    """The conductor's cost model predicts a worker alone on its host; the planner's
+    projection multiplies by the factor for the workers busy there at that size."""
+    def status(wid, role, host, **kw):
+        info = WorkerInfo(worker_id=wid, role=role, model="m", control_addr="tcp://x:1",
+                          kv_addr="", host_id=host, block_size=16, num_blocks=100,
+                          fingerprint="f")
+        return WorkerStatus(info=info, alive=True, **kw)
+    workers = [status("p0", "prefill", "h", waiting=3, queued_prefill_tokens=300),
+               status("d0", "decode", "h", running=8, free_blocks=60),
+               status("d1", "decode", "h2", running=8, free_blocks=60),
+               status("u0", "unified", "h2")]  # idle: not busy
+    stats = ConductorStats(
+        workers=workers, policy="cache_aware", cost_profile="x", cost_model=COEFFS,
+        cost_observations=[0, 0], bad_samples=0, index_blocks=0, index_locations={},
+        contention=[1.0, 1.5, 2.0, 3.0])
+    alone = dataclasses.replace(stats, contention=[])
+    pre, pre_alone = role_loads(stats)["prefill"], role_loads(alone)["prefill"]
+    # Host h: d0 busy beside the prefill worker, so k = 1 + 1 = 2.
+    assert (pre.hosts, pre.others_busy) == (1, 1)
+    assert pre.at(1).ttft_s == pytest.approx(1.5 * pre_alone.at(1).ttft_s)
+    assert pre.at(2).ttft_s == pytest.approx(2.0 * pre_alone.at(2).ttft_s)  # k = 3
+    dec, dec_alone = role_loads(stats)["decode"], role_loads(alone)["decode"]
+    # Two hosts; on h the prefill worker is busy beside them.
+    assert (dec.hosts, dec.others_busy) == (2, 1)
+    assert dec.at(2).tbt_s == pytest.approx(1.5 * dec_alone.at(2).tbt_s)  # 1 + 1 a host
+    assert dec.at(3).tbt_s == pytest.approx(2.0 * dec_alone.at(3).tbt_s)  # 1 + 2
+    assert dec.at(12).tbt_s == pytest.approx(3.0 * dec_alone.at(12).tbt_s)  # the last
+    # A role with no work is not slowed (and its prediction is that of no work).
+    idle = dataclasses.replace(dec, running=0, waiting=0)
+    assert idle.host_factor(4) == 1.0

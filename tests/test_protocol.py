@@ -84,7 +84,7 @@ SAMPLES = {
         cost_observations=[3, 4], bad_samples=0, index_blocks=7,
         index_locations={"decode-0": 7},
         cache_pools=[p.PoolInstanceStatus("a", "tcp://a:1", "tcp://a:2", True, 7, 0.5)],
-        refused=[REFUSAL]),
+        refused=[REFUSAL], contention=[1.0, 1.5]),
     "pool_stats": p.PoolStats(
         instance_id="a", boot_id="b", control_addr="tcp://a:1", events_addr="tcp://a:2",
         block_bytes=4096, policy="lru", dram_capacity_bytes=1 << 30, ssd_capacity_bytes=0,
@@ -518,3 +518,12 @@ def test_doc_lists_every_error_code():
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", errors, flags=re.M))
     assert documented >= p.ERROR_CODES
     assert "internal" in documented
+
+
+def test_list_of_floats_takes_ints_as_floats_and_refuses_other_items():
+    body = msgpack.unpackb(p.encode(SAMPLES["conductor_stats"])[0])["body"]
+    got = p.decode([_frame0(type="conductor_stats", body={**body, "contention": [1, 2.5]})])
+    assert got.record.contention == [1.0, 2.5] and type(got.record.contention[0]) is float
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode([_frame0(type="conductor_stats", body={**body, "contention": [1.0, "2"]})])
+    assert info.value.message == "conductor_stats.contention[1]: expected float, got str"

@@ -245,7 +245,7 @@ class Conductor:
             bad_samples=self.router.bad_samples, index_blocks=len(self.router.index),
             index_locations=self.router.index.counts(),
             cache_pools=self.pools.stats() if self.pools is not None else [],
-            refused=self.registry.refusals())
+            refused=self.registry.refusals(), contention=list(cost.contention))
 
     def _route(self, rec: Route, rid: str | None):
         for name in ("slo_ttft_ms", "slo_tbt_ms"):

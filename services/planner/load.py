@@ -12,7 +12,10 @@ From ConductorStats (the workers' last heartbeats and the conductor's fitted cos
 ``at(n)`` projects the same work onto ``n`` workers: the policy scales out on the load at
 the current size and scales in only when the load at one worker fewer would still be low.
 The cost formula is the conductor's (``services/conductor/cost_model.py``): one formula,
-one place.
+one place. That model predicts a worker alone on its host; workers that share a host's
+cores slow each other (``services/conductor/contention.py``), so both predictions are
+multiplied by the host factor for the workers that would be busy there: the busiest of
+the role's hosts keeps its other busy workers and gets its share of the ``n``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.protocol import ConductorStats
+from services.conductor.contention import host_factor
 from services.conductor.cost_model import CostModel
 
 ROLES = ("prefill", "decode")
@@ -47,6 +51,16 @@ class RoleLoad:
     blocks_per_worker: int
     block_size: int
     cost: CostModel | None = None  # None: no prediction (no cost model known)
+    contention: tuple[float, ...] = ()  # the profile's host factors (none: not measured)
+    hosts: int = 1  # hosts the role's live workers run on
+    others_busy: int = 0  # busy workers not of the role on the busiest of those hosts
+
+    def host_factor(self, workers: int) -> float:
+        """The step factor with the role's work on ``workers`` workers: their share on
+        one host (spread evenly over its hosts) beside the other workers busy there."""
+        if not (self.waiting or self.running or self.queued_prefill_tokens):
+            return 1.0
+        return host_factor(self.contention, self.others_busy + -(-workers // self.hosts))
 
     def at(self, workers: int) -> Projection:
         """The load spread over ``workers`` workers (at least one)."""
@@ -59,16 +73,23 @@ class RoleLoad:
                                                 round(self.queued_prefill_tokens / n))
             batch = -(-self.running // n)
             tbt = self.cost.predict_decode(batch, round(self.used_blocks * self.block_size / n))
+            factor = self.host_factor(n)
+            ttft, tbt = ttft * factor, tbt * factor
         return Projection(n, self.waiting / n, kv, ttft, tbt)
 
 
 def role_loads(stats: ConductorStats, model: str = "") -> dict[str, RoleLoad]:
     """Each scaled role's load over its live workers (of ``model`` if given)."""
     cost = CostModel(stats.cost_model)
+    busy: dict[str, set[str]] = {}  # host id: its busy workers, every role and model
+    for w in stats.workers:
+        if w.alive and (w.running or w.waiting or w.queued_prefill_tokens):
+            busy.setdefault(w.info.host_id, set()).add(w.info.worker_id)
     out = {}
     for role in ROLES:
         live = [w for w in stats.workers if w.alive and w.info.role == role
                 and (not model or w.info.model == model)]
+        hosts, ids = {w.info.host_id for w in live}, {w.info.worker_id for w in live}
         total_blocks = sum(w.info.num_blocks for w in live)
         out[role] = RoleLoad(
             role=role, alive=len(live), waiting=sum(w.waiting for w in live),
@@ -76,5 +97,7 @@ def role_loads(stats: ConductorStats, model: str = "") -> dict[str, RoleLoad]:
             queued_prefill_tokens=sum(w.queued_prefill_tokens for w in live),
             used_blocks=sum(max(0, w.info.num_blocks - w.free_blocks) for w in live),
             blocks_per_worker=total_blocks // len(live) if live else 0,
-            block_size=live[0].info.block_size if live else 0, cost=cost)
+            block_size=live[0].info.block_size if live else 0, cost=cost,
+            contention=tuple(stats.contention), hosts=max(1, len(hosts)),
+            others_busy=max((len(busy.get(h, set()) - ids) for h in hosts), default=0))
     return out
