@@ -49,7 +49,7 @@ from services.sim.profiles import Profile  # noqa: E402
 from services.sim.request import SimRequest  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
-PROFILE = "smollm2-cpu-quiet"  # smollm2-cpu's steps, the host factors of a quiet machine
+PROFILE = "smollm2-cpu-quiet-v2"  # the current engine's steps and host factors, quiet machine
 KV_CACHE_MIB = 256
 # (input tokens, output tokens, requests/s, TTFT SLO, TPOT SLO), the SLOs as multiples
 # of what the profile says serving costs on this host with both workers busy (slo_for):
