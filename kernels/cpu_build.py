@@ -49,7 +49,7 @@ class CppKernel:
         self._start = threading.Lock()  # held only to start the background load
         self._built: list = []  # [module or None] once tried
         self._background: threading.Thread | None = None
-        self._importing = False  # inside the built file's C++ initialisation
+        self._compiling = False  # waiting for a child's compile (nothing of ours in C++)
 
     def module(self):
         """The built module, or None where it cannot be built (builds it, waiting)."""
@@ -71,13 +71,13 @@ class CppKernel:
         digest = self.digest()
         path = built_file(self.name, digest)
         if path is None:
-            path = self._compile()
+            self._compiling = True
+            try:
+                path = self._compile()
+            finally:
+                self._compiling = False
             record_built(self.name, digest, path)
-        self._importing = True
-        try:
-            return import_file(path)
-        finally:
-            self._importing = False
+        return import_file(path)
 
     def digest(self) -> str:
         import torch
@@ -156,19 +156,22 @@ def import_file(path: str):
     return mod
 
 
-# A process that exits while a thread is inside a built file's C++ initialisation
-# aborts ("terminate called without an active exception", exit -6) when finalization
-# stops that thread, so exiting waits for an import in progress (a fraction of a
-# second). A compile is not waited for: it runs in a child that finishes on its own.
+# A process that exits while a load thread is inside C++ (a built file's initialisation,
+# or torch's own code on the way to it) aborts ("terminate called without an active
+# exception", exit -6) when finalization stops that thread; so exiting waits for a
+# load in progress (a fraction of a second once built). A compile is not waited for:
+# the thread only waits for its child, which finishes the build on its own.
 _LOADS: list[CppKernel] = []
 EXIT_WAIT_S = 10.0
 
 
 @atexit.register
-def _finish_imports() -> None:
+def _finish_loads() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
     for kernel in _LOADS:
-        while kernel._importing and time.monotonic() < deadline:
+        thread = kernel._background
+        while (thread is not None and thread.is_alive() and not kernel._compiling
+               and time.monotonic() < deadline):
             time.sleep(0.01)
 
 
