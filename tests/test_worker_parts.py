@@ -175,6 +175,45 @@ def test_an_abort_that_overtakes_its_generate_cancels_it():
     assert now_free == free
 
 
+def test_a_request_finished_before_its_admission_returns_is_not_called_aborted():
+    """On a busy host the engine may run a short request to its end before the
+    coroutine that admitted it resumes: the reply is still its Ack, not 'aborted'."""
+    from common.protocol import Ack, Generate
+
+    async def go():
+        settings = _sim_settings(role="unified")
+        worker = Worker(settings, functools.partial(build_engine, settings))
+        await worker.start()
+        role, admit = worker.role, worker.role.pool.with_prefix
+        finished_first, sent = [], []
+
+        async def late_resume(*args, **kwargs):  # resumes only once it has finished
+            result = await admit(*args, **kwargs)
+            for _ in range(1000):
+                if "short" not in role.streams:
+                    break
+                await asyncio.sleep(0.01)
+            finished_first.append("short" not in role.streams)
+            return result
+        role.pool.with_prefix = late_resume
+        worker.streams.send = lambda addr, rid, rec: sent.append((rid, rec))
+        gen = Generate(prompt_token_ids=[1, 2, 3],
+                       sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+                       stream_addr="tcp://127.0.0.1:1")
+        try:
+            reply = await asyncio.wait_for(role.handle("short", gen), 20)
+            left = await worker.loop.run(lambda e: sorted(e.requests))
+            return reply, finished_first, sent, left
+        finally:
+            await worker.close()
+    reply, finished_first, sent, left = asyncio.run(go())
+    assert finished_first == [True]  # the race this test is about did happen
+    assert isinstance(reply, Ack) and reply.detail == "local"
+    tokens = [rec for rid, rec in sent if rid == "short"]
+    assert sum(len(t.token_ids) for t in tokens) == 2 and tokens[-1].finished
+    assert tokens[-1].finish_reason == "length" and left == []
+
+
 def test_remote_prefill_kv_is_taken_only_with_its_transfer_token():
     """The decode worker draws a token per remote prefill and sends it in Prefill; KV
     sent to its receiver under the request's id without that token is refused and

@@ -233,8 +233,9 @@ class DecodeRole:
 
     async def _undo_if_aborted(self, rid: str, stream: Stream) -> bool:
         """True (and the engine's copy dropped) if an Abort ran while ``rid`` was
-        being admitted: the engine did not know it then, so nothing else frees it."""
-        if self.streams.get(rid) is stream:
+        being admitted: the engine did not know it then, so nothing else frees it. A
+        short request the engine finished before this ran (a busy host) was not."""
+        if self.streams.get(rid) is stream or stream.finished:
             return False
         await self.ctx.loop.run(lambda e: e.abort(rid))
         return True
@@ -322,11 +323,13 @@ class DecodeRole:
             timing=self._finished(stream, out.finish_reason) if out.finished else None))
         stream.next_position = position + len(out.new_token_ids)
         if out.finished:
+            stream.finished = True
             self.streams.pop(out.request_id, None)
 
     def _emit_finish(self, rid: str, count: int, reason: str | None, cached: int) -> None:
         stream = self.streams.pop(rid, None)
         if stream is not None:
+            stream.finished = True
             self.ctx.streams.send(stream.addr, rid, Tokens(
                 position=stream.start_position + count, token_ids=[], finished=True,
                 finish_reason=reason, prompt_tokens=stream.prompt_tokens,

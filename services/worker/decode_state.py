@@ -30,6 +30,7 @@ class Stream:
     first: float | None = None  # a prompt prefilled here: its first token
     queued: float = 0.0  # a prompt prefilled here: its wait in the engine's queue
     measured: Timing | None = None  # the prefill worker's own stages
+    finished: bool = False  # its last token went out (it left ``streams`` so, not aborted)
 
     @property
     def prompt_tokens(self) -> int:
