@@ -222,3 +222,43 @@ def test_per_stage_rejection_at_prefill_is_judged_when_the_prefill_arrives():
     assert [r.rejected for r in reqs] == ["", "prefill", ""]
     assert reqs[2].ttft == pytest.approx(2.6) and reqs[1].done is None
     assert sim.workers["decode-0"].kv.used == 0  # B never held blocks there
+
+
+def test_prefill_worker_steps_batch_the_queued_prompts_as_the_live_scheduler_does():
+    """Live, a prefill worker's step takes every queued prompt that fits its token
+    budget, and each ends with the step: the first of a batch waits for the others."""
+    beats = []
+    reqs = [SimRequest(i, 0.0, 600, 2, [2 * i, 2 * i + 1]) for i in range(3)]
+    sim = Simulator(TINY, fixed("prefill-0"), prefill=1, decode=1)
+    real = sim.registry.heartbeat
+    sim.registry.heartbeat = lambda hb, now=None: beats.append(hb) or real(hb, now=now)
+    sim.run(reqs)
+    steps = [s for hb in beats if hb.worker_id == "prefill-0" for s in hb.prefill_steps]
+    # The first prompt found the worker idle; the two queued behind it share a step.
+    assert [s.tokens for s in steps] == [[600], [600, 600]]
+    alone = 0.1 + 0.6 + 1e-6 * 600 * 300  # prefill(600, 0): 0.88 s
+    both = 0.1 + 1.2 + 2e-6 * 600 * 300  # one step of two: the fixed cost once
+    assert [s.seconds for s in steps] == pytest.approx([alone, both])
+    # Each prompt's KV crosses the 1 MB/s link after its step, one after another.
+    assert [r.ttft for r in reqs] == pytest.approx(
+        [alone + 0.6, alone + both + 0.6, alone + both + 1.2])
+
+
+def test_a_prompt_cut_by_the_step_budget_finishes_first_in_the_next_step():
+    beats = []
+    reqs = [SimRequest(0, 0.0, 600, 2, [0, 1]), SimRequest(1, 0.1, 1500, 2, [2, 3, 4]),
+            SimRequest(2, 0.1, 1000, 2, [5, 6])]
+    sim = Simulator(TINY, fixed("prefill-0"), prefill=1, decode=1)
+    real = sim.registry.heartbeat
+    sim.registry.heartbeat = lambda hb, now=None: beats.append(hb) or real(hb, now=now)
+    sim.run(reqs)
+    steps = [s for hb in beats if hb.worker_id == "prefill-0" for s in hb.prefill_steps]
+    # 1,500 + 548 of the 1,000 fill the 2,048-token budget; the other 452 go next.
+    assert [(s.tokens, s.cached) for s in steps] == [
+        ([600], [0]), ([1500, 548], [0, 0]), ([452], [548])]
+    second = 0.1 + 2.048 + 1e-6 * (1500 * 750 + 548 * 274)
+    third = 0.1 + 0.452 + 1e-6 * 452 * (226 + 548)
+    assert [s.seconds for s in steps[1:]] == pytest.approx([second, third])
+    end2 = steps[0].seconds + second
+    assert reqs[1].ttft == pytest.approx(end2 + 1.5 - 0.1)  # 1.5 s on the link
+    assert reqs[2].ttft == pytest.approx(max(end2 + 1.5, end2 + third) + 1.0 - 0.1)

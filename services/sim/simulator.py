@@ -69,9 +69,10 @@ from services.conductor.registry import Registry, WorkerView
 from services.conductor.router import fit_step_samples, reporting_busy
 from services.conductor.ttft_correction import TtftCorrection
 from services.sim.kv_blocks import PoolTier
+from services.sim.prefill_worker import PrefillWorker
 from services.sim.profiles import Profile
 from services.sim.request import SimRequest
-from services.sim.workers import DecodeWorker, PrefillWorker
+from services.sim.workers import DecodeWorker
 
 
 def load_trace(path: str, *, speed: float = 1.0, limit: int | None = None) -> list[SimRequest]:

@@ -11,9 +11,7 @@ prompt waits in the engine's queue until its blocks are free, then prefills in o
 with the running batch's decode, as the live scheduler mixes them: the prompts that fit
 ``STEP_TOKENS`` together, the step their prefill plus the batch's decode step.
 
-Prefill: one prompt at a time, in arrival order, once its blocks fit; cached prefix
-from its own KV blocks, then the pool tier's blocks beyond it (fetched); the KV of the
-blocks the decode worker lacks then crosses the link; its blocks then stay cached.
+Prefill: ``prefill_worker.py``.
 
 On one shared host (``Simulator(shared_host=True)``) a prefill costs the profile's time
 times its contention factor for the processes busy when it starts (the simulator's
@@ -55,101 +53,6 @@ def take(samples: deque) -> list:
     out = list(samples)
     samples.clear()
     return out
-
-
-class PrefillWorker:
-    def __init__(self, sim: SimContext, wid: str) -> None:
-        self.sim, self.id, self.prof = sim, wid, sim.profile
-        self.kv = KVBlocks(wid, self.prof.kv_blocks, sim.index)
-        self.queue: deque[tuple[SimRequest, int]] = deque()  # (request, uncached estimate)
-        self.queued_tokens = 0  # whole prompts, as the live snapshot counts them
-        self.current: tuple[SimRequest, int, float, float] | None = None  # n, compute, end
-        self.link_free = self.last_s = 0.0
-        self.samples: deque[StepSample] = deque(maxlen=MAX_SAMPLES)
-        self.dropped: set[int] = set()  # jobs whose decode worker gave up
-        self.fresh: list[str] = []  # request ids taken in since the last heartbeat
-
-    def blocks(self, req: SimRequest) -> int:
-        return max(len(req.hashes), -(-req.prompt // self.prof.block_size))
-
-    def wait_s(self, now: float) -> float:
-        """True seconds of work ahead of a new arrival."""
-        busy = self.current[3] - now if self.current else 0.0
-        return busy + sum(self.prof.prefill_s(n, r.prompt - n) for r, n in self.queue)
-
-    def enqueue(self, req: SimRequest, now: float) -> None:
-        n = req.prompt - min(self.kv.prefix(req.hashes) * self.prof.block_size,
-                             req.prompt - 1)
-        self.queue.append((req, n))
-        self.queued_tokens += req.prompt
-        self.fresh.append(req.request_id)
-        if self.current is None:
-            self._start(now)
-
-    def drop(self, req: SimRequest) -> None:
-        """The decode worker's lease ran out: a queued job goes, a running one ends
-        without sending its KV."""
-        for i, (r, _) in enumerate(self.queue):
-            if r is req:
-                del self.queue[i]
-                self.queued_tokens -= r.prompt
-                return
-        self.dropped.add(req.rid)
-
-    def _start(self, now: float) -> None:
-        if self.current is not None or not self.queue:
-            return
-        req = self.queue[0][0]
-        own = self.kv.admit(req.rid, req.hashes, self.blocks(req))
-        if own is None:
-            return  # its blocks are held by transfers in flight; a release retries
-        self.queue.popleft()
-        self.queued_tokens -= req.prompt
-        prof, pool = self.prof, self.sim.pool
-        fetch = max(0, pool.prefix(req.hashes) - own) if pool else 0
-        cached = min((own + fetch) * prof.block_size, req.prompt - 1)
-        n = req.prompt - cached
-        compute = self.sim.prefill_s(n, cached) * self.sim.contention(self, "prefill")
-        end = now + compute + (fetch * prof.block_bytes / prof.pool_bandwidth if fetch else 0)
-        req.cached = cached
-        self.current = (req, n, compute, end)
-        self.sim.push(end, self._finish)
-
-    @property
-    def busy(self) -> bool:
-        return self.current is not None
-
-    def _finish(self, now: float) -> None:
-        (req, n, compute, _), sim = self.current, self.sim
-        self.current, self.last_s = None, compute
-        self.samples.append(StepSample(seconds=compute, tokens=[n], cached=[req.cached]))
-        self.kv.commit(req.rid, req.hashes)
-        if sim.pool:
-            sim.pool.insert(req.hashes)  # write-back of the computed blocks
-        if req.rid in self.dropped:
-            self.dropped.discard(req.rid)
-            self.kv.release(req.rid)
-        else:
-            missing = req.prompt - min(req.decode_hit * self.prof.block_size, req.prompt)
-            self.link_free = max(now, self.link_free) + \
-                missing * self.prof.kv_bytes_per_token / self.prof.link_bandwidth
-            sim.push(self.link_free, self._sent, req)
-        self._start(now)
-
-    def _sent(self, now: float, req: SimRequest) -> None:
-        self.kv.release(req.rid)
-        self.sim.workers[req.decode_id].kv_arrived(now, req)
-        self._start(now)
-
-    def heartbeat(self, seq: int, now: float) -> Heartbeat:
-        # The prompt being prefilled counts whole until its step ends, as live.
-        running = self.current[0].prompt if self.current else 0
-        return Heartbeat(worker_id=self.id, role="prefill", seq=seq, running=0,
-                         waiting=len(self.queue) + (self.current is not None),
-                         queued_prefill_tokens=self.queued_tokens + running,
-                         free_blocks=self.kv.free, total_blocks=self.kv.capacity,
-                         step_time_ms=self.last_s * 1e3, prefill_steps=take(self.samples),
-                         admitted=take(self.fresh))
 
 
 class DecodeWorker:
