@@ -295,6 +295,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def loop_factory():
+    """The event loop a service runs on (uvloop where installed: common/service_main.py),
+    for both processes: a loop's own cost per turn is part of a message's."""
+    if os.environ.get("PDSERVE_BENCH_LOOP") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,16,256", help="payload sizes in MiB")
@@ -317,7 +329,8 @@ def main() -> None:
         mode, kind, *rest = args.serve
         if mode == "backend" or kind == "ucx":
             serving = serve_backend(kind, *rest) if mode == "backend" else serve_raw_ucx(*rest)
-            return asyncio.run(serving)
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                return runner.run(serving)
         return serve_raw_tcp() if kind == "tcp" else serve_raw_shm(*rest)
     from common.transfer import BackendUnavailable, available_backends
 
@@ -337,7 +350,7 @@ def main() -> None:
             kinds.remove("ucx")
     started, load_before = time.perf_counter(), load_average()
     out = Path(args.out)
-    with asyncio.Runner() as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale, out,
                        args.round_mib)
     machine = rows[0]["report"]["machine"] if rows else {}
