@@ -209,14 +209,14 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
-        take = self._sink
+        take, landed = self._sink, False
         if actual is None and scatter is not None and self.lands:
             try:
                 entries = zip(batch.layers, batch.block_ids, batch.sizes, strict=True)
                 actual = self._scatter(request_id, entries, payload, scatter)
             except Exception as exc:
                 return self._sink_raised(request_id, batch.layers[0], exc)
-            take = self._take_landed if actual is not None else take
+            landed = actual is not None
         if actual is None:
             actual = checksum(payload)  # one pass over every byte the batch holds
         if actual != batch.checksum:
@@ -226,11 +226,17 @@ class TransferTable:
                                      f"layers {layers[0]}..{layers[-1]} ({len(layers)} chunks)")
         else:
             verdict = OK
-            sink, layers, blocks, i, start = take, batch.layers, batch.block_ids, 0, 0
+            layers, blocks, i, start = batch.layers, batch.block_ids, 0, 0
             try:
-                for i, size in enumerate(batch.sizes):
-                    sink(request_id, layers[i], blocks[i], payload[start : start + size])
-                    start += size
+                if landed:  # the bytes are in place: only ``landed``, no view sliced out
+                    tell = self._landed
+                    for i, size in enumerate(batch.sizes):
+                        tell(request_id, layers[i], blocks[i], size)
+                        start += size
+                else:
+                    for i, size in enumerate(batch.sizes):
+                        take(request_id, layers[i], blocks[i], payload[start : start + size])
+                        start += size
             except Exception as exc:
                 transfer._accept_chunk(start, i)  # those it took before raising
                 log.exception("kv_transfer.sink_raised", request_id=request_id,
