@@ -30,6 +30,11 @@ kinds of process, and its receiver says it has all the same way. Writes
 bench/results/transfer.* and one harness report per cell, transfer-<kind>-<mib>mib.json.
 The limits are in bench/transfer_limits.py.
 
+Both processes run on uvloop where it is installed, as every service does
+(common/service_main.py); ``PDSERVE_BENCH_LOOP=asyncio`` measures on the plain loop.
+At 1 MiB a loop turn's own cost is a sizeable part of a message's: on the plain loop
+the tcp backend's sender spent 0.44-0.47 ms a transfer against 0.35-0.37 on uvloop.
+
 Runs on bench/harness.py: backend and limit interleaved round by round, the ratio taken
 per round, its median and spread reported, the machine and its load recorded. Besides
 the wall time, each side reports the CPU time both processes spent per transfer, which a
@@ -248,7 +253,8 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
             settings = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
                         "messages": LAYERS, "message_bytes": layer_bytes,
                         "blocks": len(blocks), "transfers_per_round": per_round,
-                        "limit": LIMIT_NAMES[kind], "goal": goal(kind, mib)}
+                        "limit": LIMIT_NAMES[kind], "goal": goal(kind, mib),
+                        "loop": type(runner.get_loop()).__module__.partition(".")[0]}
             report = measure_pair(runner, kind, chunks, payload, blocks, repeats, warmup,
                                   settings, per_round)
             write(report, out / f"transfer-{kind}-{mib}mib.json")
