@@ -32,8 +32,8 @@ The limits are in bench/transfer_limits.py.
 
 Both processes run on uvloop where it is installed, as every service does
 (common/service_main.py); ``PDSERVE_BENCH_LOOP=asyncio`` measures on the plain loop.
-At 1 MiB a loop turn's own cost is a sizeable part of a message's: on the plain loop
-the tcp backend's sender spent 0.44-0.47 ms a transfer against 0.35-0.37 on uvloop.
+A loop turn's own cost is part of every message's, so each cell's settings name the
+loop it was measured on (``loop``).
 
 Runs on bench/harness.py: backend and limit interleaved round by round, the ratio taken
 per round, its median and spread reported, the machine and its load recorded. Besides
