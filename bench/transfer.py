@@ -30,6 +30,11 @@ kinds of process, and its receiver says it has all the same way. Writes
 bench/results/transfer.* and one harness report per cell, transfer-<kind>-<mib>mib.json.
 The limits are in bench/transfer_limits.py.
 
+Both processes run on uvloop where it is installed, as every service does
+(common/service_main.py); ``PDSERVE_BENCH_LOOP=asyncio`` measures on the plain loop.
+A loop turn's own cost is part of every message's, so each cell's settings name the
+loop it was measured on (``loop``).
+
 Runs on bench/harness.py: backend and limit interleaved round by round, the ratio taken
 per round, its median and spread reported, the machine and its load recorded. Besides
 the wall time, each side reports the CPU time both processes spent per transfer, which a
@@ -248,7 +253,8 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
             settings = {"backend": kind, "size_mib": mib, "bytes": payload.nbytes,
                         "messages": LAYERS, "message_bytes": layer_bytes,
                         "blocks": len(blocks), "transfers_per_round": per_round,
-                        "limit": LIMIT_NAMES[kind], "goal": goal(kind, mib)}
+                        "limit": LIMIT_NAMES[kind], "goal": goal(kind, mib),
+                        "loop": type(runner.get_loop()).__module__.partition(".")[0]}
             report = measure_pair(runner, kind, chunks, payload, blocks, repeats, warmup,
                                   settings, per_round)
             write(report, out / f"transfer-{kind}-{mib}mib.json")
@@ -295,6 +301,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def loop_factory():
+    """The event loop a service runs on (uvloop where installed: common/service_main.py),
+    for both processes: a loop's own cost per turn is part of a message's."""
+    if os.environ.get("PDSERVE_BENCH_LOOP") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,16,256", help="payload sizes in MiB")
@@ -317,7 +335,8 @@ def main() -> None:
         mode, kind, *rest = args.serve
         if mode == "backend" or kind == "ucx":
             serving = serve_backend(kind, *rest) if mode == "backend" else serve_raw_ucx(*rest)
-            return asyncio.run(serving)
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                return runner.run(serving)
         return serve_raw_tcp() if kind == "tcp" else serve_raw_shm(*rest)
     from common.transfer import BackendUnavailable, available_backends
 
@@ -337,7 +356,7 @@ def main() -> None:
             kinds.remove("ucx")
     started, load_before = time.perf_counter(), load_average()
     out = Path(args.out)
-    with asyncio.Runner() as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         rows = measure(runner, kinds, [int(s) for s in args.sizes.split(",")], args.scale, out,
                        args.round_mib)
     machine = rows[0]["report"]["machine"] if rows else {}

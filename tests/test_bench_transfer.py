@@ -28,6 +28,7 @@ def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
     settings = report["settings"]
     # 30 layers of two 24 KiB blocks: 1,474,560 bytes, so 3 MiB takes three of them.
     assert settings["bytes"] == 1_474_560
+    assert settings["loop"] in ("uvloop", "asyncio")  # what it was measured on
     assert settings["transfers_per_round"] == math.ceil(3 * (1 << 20) / 1_474_560) == 3
     for side in ("backend", "limit"):
         runs = report["runs"][side]
@@ -56,3 +57,22 @@ def test_shm_cell_end_to_end(tmp_path: Path) -> None:
     for side in ("backend", "limit"):
         runs = report["runs"][side]
         assert len(runs) == 3 and all(r["gbps"] > 0 and r["recv_cpu_ms"] > 0 for r in runs)
+
+
+def test_both_processes_run_on_the_services_loop(monkeypatch) -> None:
+    import asyncio
+
+    from bench import transfer
+
+    monkeypatch.delenv("PDSERVE_BENCH_LOOP", raising=False)
+    try:
+        import uvloop
+    except ImportError:
+        assert transfer.loop_factory() is None
+    else:
+        assert transfer.loop_factory() is uvloop.new_event_loop
+        with asyncio.Runner(loop_factory=transfer.loop_factory()) as runner:
+            # What the report's settings name: the loop's package.
+            assert type(runner.get_loop()).__module__.partition(".")[0] == "uvloop"
+    monkeypatch.setenv("PDSERVE_BENCH_LOOP", "asyncio")
+    assert transfer.loop_factory() is None

@@ -319,3 +319,26 @@ def test_a_requests_layers_come_back_as_one_run_of_columns_and_flat_bytes():
     many = _items([(i, blocks, b"z") for i in range(MAX_CHUNKS + 1)])
     assert type(many) is list and len(many) == MAX_CHUNKS + 1
     assert many[-1][0] == MAX_CHUNKS and many[-1][1] == [7, 3]
+
+
+def test_batch_header_of_shared_and_differing_block_lists():
+    shared = [5, 9, 2]
+    message = batch.Batch("r", [0, 1, 2, 3], [shared] * 4, 0, [8, 8, 8, 8], 0, TOKEN)
+    head = batch.encode(message, 7, 32)
+    # Laid out as separate lists would be: the same bytes, one run per chunk.
+    assert head == batch.encode(message._replace(block_ids=[list(shared) for _ in range(4)]),
+                                7, 32)
+    assert head.endswith(wire._blocks_struct(3).pack(*shared) * 4)
+    decoded = batch.decode(memoryview(head), 32)  # as the tcp reader hands it
+    assert decoded == message._replace(checksum=7)
+    decoded.block_ids[0].append(99)  # each chunk's list is its own
+    assert decoded.block_ids[1:] == [shared] * 3
+    # The same counts but other blocks in one chunk: read run by run.
+    runs = [[5, 9, 2], [5, 9, 2], [5, 9, 3], [5, 9, 2]]
+    other = batch.decode(batch.encode(message._replace(block_ids=runs), 7, 32), 32)
+    assert other.block_ids == runs
+    # Fields out of range are the spec's error, not a crash.
+    for bad in (message._replace(layers=[0, -1, 2, 3]), message._replace(sizes=[8, 8, 8, 8.0]),
+                message._replace(block_ids=[shared] * 3)):
+        with pytest.raises(wire.WireError):
+            batch.encode(bad, 7, 32)

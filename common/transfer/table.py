@@ -209,14 +209,14 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
-        take = self._sink
+        tell = None  # the sink's ``landed``, once the fused pass landed the bytes
         if actual is None and scatter is not None and self.lands:
             try:
                 entries = zip(batch.layers, batch.block_ids, batch.sizes, strict=True)
                 actual = self._scatter(request_id, entries, payload, scatter)
             except Exception as exc:
                 return self._sink_raised(request_id, batch.layers[0], exc)
-            take = self._take_landed if actual is not None else take
+            tell = self._landed if actual is not None else None
         if actual is None:
             actual = checksum(payload)  # one pass over every byte the batch holds
         if actual != batch.checksum:
@@ -226,10 +226,13 @@ class TransferTable:
                                      f"layers {layers[0]}..{layers[-1]} ({len(layers)} chunks)")
         else:
             verdict = OK
-            sink, layers, blocks, i, start = take, batch.layers, batch.block_ids, 0, 0
+            take, layers, blocks, i, start = self._sink, batch.layers, batch.block_ids, 0, 0
             try:
                 for i, size in enumerate(batch.sizes):
-                    sink(request_id, layers[i], blocks[i], payload[start : start + size])
+                    if tell is None:
+                        take(request_id, layers[i], blocks[i], payload[start : start + size])
+                    else:  # in place already: no view sliced out for the sink
+                        tell(request_id, layers[i], blocks[i], size)
                     start += size
             except Exception as exc:
                 transfer._accept_chunk(start, i)  # those it took before raising
