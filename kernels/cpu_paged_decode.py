@@ -117,16 +117,17 @@ static inline __m512 sum16(const __m512* v) {
 
 // Scores of one query head (its queries, pre-scaled, in qv) over m <= 16 tokens whose K
 // rows (this KV head's part) start at kr, row floats apart: lane t is token t's score.
+// pf: the same rows of a block read later, whose rows t % R == phase are prefetched.
 template <int ND, bool FULL>
 static inline __m512 tile_scores(const __m512* qv, const float* kr, int64_t row, int64_t m,
-                                 const float* pf) {
+                                 const float* pf, int64_t R, int64_t phase) {
   __m512 part[L];
   for (int64_t t = 0; t < L; ++t) {
     if (!FULL && t >= m) {
       part[t] = _mm512_setzero_ps();
       continue;
     }
-    if (pf)
+    if (pf && t % R == phase)
       for (int d = 0; d < ND; ++d) __builtin_prefetch(pf + t * row + d * L, 0, 1);
     __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr + t * row));
     for (int d = 1; d < ND; ++d)
@@ -182,8 +183,10 @@ static void seq_avx512(const Args& a, int64_t i, const float* const* ahead, floa
     const float* pfb = ahead[b];
     for (int64_t kh = 0; kh < KV; ++kh)
       for (int64_t hq = kh * R; hq < (kh + 1) * R; ++hq) {
-        // The next block's rows of this KV head, asked for by its first query head.
-        const float* pfk = pfb && hq == kh * R ? pfb + kh * D : nullptr;
+        // The later block's rows of this KV head, each asked for by one of its query
+        // heads in turn (R times fewer per head than one head asking for all of them).
+        const float* pfk = pfb ? pfb + kh * D : nullptr;
+        const int64_t phase = hq - kh * R;
         __m512 qv[ND];
         for (int d = 0; d < ND; ++d) qv[d] = _mm512_loadu_ps(qs + hq * D + d * L);
         float* s = sb + hq * cap + b * BS;
@@ -191,11 +194,11 @@ static void seq_avx512(const Args& a, int64_t i, const float* const* ahead, floa
           const float* kr = kb + t0 * row + kh * D;
           const float* pf = pfk ? pfk + t0 * row : nullptr;
           if (nt - t0 >= L) {
-            _mm512_storeu_ps(s + t0, tile_scores<ND, true>(qv, kr, row, L, pf));
+            _mm512_storeu_ps(s + t0, tile_scores<ND, true>(qv, kr, row, L, pf, R, phase));
           } else {
             const int64_t m = nt - t0;
             _mm512_mask_storeu_ps(s + t0, static_cast<__mmask16>((1u << m) - 1),
-                                  tile_scores<ND, false>(qv, kr, row, m, pf));
+                                  tile_scores<ND, false>(qv, kr, row, m, pf, R, phase));
           }
         }
       }

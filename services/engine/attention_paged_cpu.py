@@ -12,7 +12,7 @@ whole context (no running rescale: a decode query's scores are a few KB); the se
 pass reads each block's V rows once for all query heads of a KV head, their
 accumulators in registers. Each thread knows the blocks it will read in order and asks
 for the one two places ahead into L2, a token row at a time, while it computes: the
-kernel was bound by memory stalls, not arithmetic (docs/benchmarks.md, "Kernel v6").
+kernel was bound by memory stalls, not arithmetic (docs/benchmarks.md, "Kernel v7").
 Threads split the batch by context length.
 
 Why a kernel of our own: torch has no gather-matmul, so every torch formulation either
@@ -34,7 +34,7 @@ import torch
 from kernels.cpu_build import CppKernel
 from kernels.cpu_paged_decode import SOURCE
 
-_KERNEL = CppKernel("pdserve_paged_decode_v6", SOURCE,
+_KERNEL = CppKernel("pdserve_paged_decode_v7", SOURCE,
                     "decode attention gathers K/V chunks in torch instead")
 
 
