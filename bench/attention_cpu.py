@@ -12,9 +12,11 @@ between ``TorchAttention("gather")`` (each decode group's context copied out of 
 paged cache, the earlier path) and ``TorchAttention("chunked")`` (the cache walked a
 chunk of blocks at a time, services/engine/attention_decode.py), old and new in turn
 with the order swapped every pair, so a noisy neighbour hits both alike. Per step:
-wall time of ``engine.step()``, of the attention calls in it (all layers), and the
-process's CPU time. Reported: each path's median [min, max] and the new/old ratio per
-pair, median [min, max]. Both paths write the same K/V, so the batch's context grows
+wall time of ``engine.step()``, of the attention calls in it (all layers), the
+process's CPU time and the attention calls' CPU time (``cpu_share``: attention's share
+of the step's CPU time, the figure a loaded machine leaves readable; at one thread).
+Reported: each path's median [min, max] and the new/old ratio per pair, median
+[min, max]. Both paths write the same K/V, so the batch's context grows
 by one token per step whichever path runs it.
 
 ``--kernel-only`` times the compiled paged kernel alone (no model): one layer of the
@@ -45,16 +47,19 @@ from services.engine.engine import LLMEngine  # noqa: E402
 
 
 class Timed(AttentionBackend):
-    """Wraps a backend and adds each call's wall time to ``seconds``."""
+    """Wraps a backend and adds each call's wall time to ``seconds`` and the calling
+    thread's CPU time to ``cpu`` (all of the call's CPU time at one torch thread)."""
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.seconds = 0.0
+        self.cpu = 0.0
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = self.inner.forward(q, k, v, k_cache, v_cache, meta)
         self.seconds += time.perf_counter() - t0
+        self.cpu += time.thread_time() - c0
         return out
 
 
@@ -151,14 +156,17 @@ def main() -> None:
             engine.step()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             rows[path].append({"step_ms": wall * 1e3, "attention_ms": timed.seconds * 1e3,
-                               "share": timed.seconds / wall, "cpu_ms": cpu * 1e3})
+                               "share": timed.seconds / wall, "cpu_ms": cpu * 1e3,
+                               "attention_cpu_ms": timed.cpu * 1e3,
+                               "cpu_share": timed.cpu / cpu})
         print(f"pair {i}: " + ", ".join(
             f"{p} step {rows[p][-1]['step_ms']:.0f} ms attention {rows[p][-1]['share']:.0%}"
+            f" (of CPU time {rows[p][-1]['cpu_share']:.0%})"
             for p in paths), flush=True)
     summary = {p: {m: _stats([r[m] for r in rows[p]]) for m in rows[p][0]} for p in paths}
     summary[f"{paths[1]}_over_{paths[0]}"] = {
         m: _stats([n[m] / o[m] for o, n in zip(rows[paths[0]], rows[paths[1]], strict=True)])
-        for m in ("step_ms", "attention_ms", "cpu_ms")}
+        for m in ("step_ms", "attention_ms", "cpu_ms", "attention_cpu_ms")}
     for key, table in summary.items():
         print(f"{key}: " + ", ".join(f"{m} {v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]"
                                      for m, v in table.items()))

@@ -75,6 +75,23 @@ def test_large_scores_do_not_overflow():
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spike", [0, 700, 999])
+def test_one_dominant_token_anywhere_in_a_long_context(spike):
+    # One key far more aligned with the query than the other 999 (score ~ +200, the
+    # rest ~ 0): the softmax's maximum is taken over the whole context, so the output is
+    # that token's value row wherever it sits, and nothing overflows.
+    q, k_cache, v_cache, tables, ctx = _cache([1000, 40], 16, 1, 3, 64, seed=8)
+    k_cache *= 0.01
+    block, pos = int(tables[0, spike // 16]), spike % 16
+    k_cache[block, pos, 0] = q[0, 0] * 200 / q[0, 0].norm()
+    out = torch.empty_like(q)
+    attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, out)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0, 0], v_cache[block, pos, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, ctx),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_ready_starts_the_build_and_reports_it():
     attention_paged_cpu.ready()
     assert attention_paged_cpu.available()  # waits for the build ready() started
@@ -145,6 +162,7 @@ def test_engine_greedy_tokens_equal_on_kernel_and_gather(tiny_dirs, make_engine)
     ([37, 5], 16, 2, 12, 64),                      # 6 query heads per KV head: passes of 4+2
     ([30, 61], 8, 1, 7, 128),                      # MQA, 7 heads: passes of 4+3, wide heads
     ([19, 40], 16, 2, 4, 48),                      # head_dim 48: the portable loop
+    ([3, 1200, 5, 17], 16, 3, 9, 64),              # the longest context sizes the score rows
 ])
 def test_kernel_cases_equal_reference(lens, block_size, kv_heads, heads, dim):
     q, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=7)
