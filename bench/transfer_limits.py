@@ -1,6 +1,7 @@
 """The limits ``bench/transfer.py`` holds each backend to: the same bytes in the same
 messages between the same two kinds of process, moved the plainest way there is, the
-receiver saying it has all the same way (a stdout line, its CPU seconds at the end).
+receiver saying it has all by a stdout line (its CPU seconds at the end), which the
+sender waits for as a backend's sender waits for its verdict.
 
 Each limit is a context manager giving ``one(rep)``, one transfer; its receiving process
 (``serve_raw_*``) is started through the ``Peer`` it is handed.

@@ -30,6 +30,9 @@ def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
     assert settings["bytes"] == 1_474_560
     assert settings["loop"] in ("uvloop", "asyncio")  # what it was measured on
     assert settings["transfers_per_round"] == math.ceil(3 * (1 << 20) / 1_474_560) == 3
+    # Each sender waits for its own word that all landed, once a transfer.
+    assert settings["transfer_ends"] == {"backend": "its verdict (finish)",
+                                         "limit": "the receiver's stdout line"}
     for side in ("backend", "limit"):
         runs = report["runs"][side]
         assert len(runs) == 3  # max(3, round(0.1 * 31)) measured rounds
