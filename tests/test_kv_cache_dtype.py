@@ -134,6 +134,8 @@ def test_backend_on_a_bf16_cache_equals_float32_over_rounded_kv(path):
     pre_slots = torch.tensor([spare[0] * 4 + 3, spare[1] * 4, spare[1] * 4 + 1])
     table = torch.tensor(spare)
     groups = [DecodeGroup(0, 4, tables, ctx, 17)]
+    assert attention_paged_cpu.supports(q, k_cache.bfloat16())  # "auto" takes the kernel
+    assert not attention_paged_cpu.supports(q, k_cache.half())
     outs, caches = {}, {}
     for name, kc, vc, kk, vv in (
             ("bf16", k_cache.bfloat16(), v_cache.bfloat16(), k, v),
