@@ -242,3 +242,21 @@ def test_settings_accept_bf16_kv_only_where_it_runs():
     assert WorkerSettings(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or bfloat16"):
         WorkerSettings(kv_cache_dtype="float16")
+
+
+def test_bf16_kv_moves_between_bf16_engines_and_continues_as_one(tiny_dirs, make_engine):
+    # A prefills, each layer's bfloat16 K/V streamed into B's reserved blocks (as a
+    # prefill worker does); B decodes: the tokens of one bfloat16-KV engine alone.
+    from tests.test_engine_kv_transfer import _continue_in_b
+    from tests.tiny_models import random_prompts
+
+    def engine(hooks=None):
+        return make_engine(tiny_dirs["llama"], hooks, dtype="float32",
+                           kv_cache_dtype="bfloat16", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = random_prompts([37, 16, 5], seed=8)
+    want = [c.token_ids for c in engine().generate(prompts, params)]
+    b = engine()
+    got = [_continue_in_b(None, b, p, params, lambda _dir, hooks: engine(hooks))
+           for p in prompts]
+    assert got == want and all(len(t) == 20 for t in got)
