@@ -4,8 +4,9 @@
                                   [--prompt-min 64] [--prompt-max 512] [--pairs 10]
                                   [--threads 1] [--paths gather,chunked]
                                   [--quantization none|int8|w8a16|...]
+                                  [--kv-cache-dtype auto|bfloat16]
     python bench/attention_cpu.py --kernel-only [--batch 64] [--threads 1]
-                                  [--out attention_cpu.json]
+                                  [--kv-cache-dtype auto,bfloat16]
 
 One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
 between ``TorchAttention("gather")`` (each decode group's context copied out of the
@@ -23,6 +24,11 @@ by one token per step whichever path runs it.
 default model's shape (9 query heads over 3 KV heads of 64) for ``--batch`` random
 contexts, over 12 layers' caches so K/V comes from memory, against ``torch.sum`` over
 the same bytes (the streaming floor); thread CPU time at one thread, wall time above.
+
+``--kv-cache-dtype`` (EngineConfig.kv_cache_dtype): ``bfloat16`` runs the engine with a
+bfloat16 KV cache (half the bytes attention reads). With ``--kernel-only`` it takes a
+comma-separated list, timed in turn round by round (``auto``: float32), each with its
+own floor over its own bytes and the float32 floor for comparison.
 """
 
 from __future__ import annotations
@@ -67,7 +73,8 @@ def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int) -> None:
+def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
+                kv_dtypes: tuple[str, ...] = ("auto",)) -> None:
     from services.engine import attention_paged_cpu
 
     torch.set_num_threads(threads)
@@ -81,27 +88,41 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int) -> None:
     for i, k in enumerate(need):
         tables[i, :k] = torch.arange(first, first + k)
         first += k
-    caches = [(torch.randn(first, bs, kv, dim), torch.randn(first, bs, kv, dim))
-              for _ in range(layers)]
+    f32 = [(torch.randn(first, bs, kv, dim), torch.randn(first, bs, kv, dim))
+           for _ in range(layers)]
+    names = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    caches = {d: f32 if names[d] == torch.float32 else [(k.to(names[d]), v.to(names[d]))
+                                                        for k, v in f32] for d in kv_dtypes}
     ctx = torch.tensor(lens)
     q = torch.randn(batch, heads, dim)
     out = torch.empty_like(q)
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(5):
-            t0 = clock()
-            for kc, vc in caches:
-                fn(kc, vc)
-            times.append((clock() - t0) / layers * 1e3)
-        return min(times)
+    def timed(layer_caches, fn) -> float:
+        t0 = clock()
+        for kc, vc in layer_caches:
+            fn(kc, vc)
+        return (clock() - t0) / layers * 1e3
 
-    attention_paged_cpu.paged_decode(q, *caches[0], tables, ctx, out)  # build, warm
-    kernel = best(lambda kc, vc: attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, out))
-    floor = best(lambda kc, vc: (kc.sum(), vc.sum()))
-    mb = 2 * sum(lens) * kv * dim * 4 / 1e6
-    print(f"one layer, batch {batch}, {mb:.1f} MB of K/V, {threads} thread(s): "
-          f"kernel {kernel:.2f} ms, torch.sum over the same K/V {floor:.2f} ms")
+    def kernel(kc, vc):
+        attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, out)
+
+    def floor(kc, vc):
+        return kc.sum(), vc.sum()
+
+    for d in kv_dtypes:
+        kernel(*caches[d][0])  # build, warm
+    best: dict = {}
+    for _ in range(5):  # round by round, so a noisy neighbour hits every dtype alike
+        for d in kv_dtypes:
+            for name, fn in (("kernel", kernel), ("floor", floor)):
+                t = timed(caches[d], fn)
+                best[d, name] = min(best.get((d, name), t), t)
+        best["f32", "floor"] = min(best.get(("f32", "floor"), 1e9), timed(f32, floor))
+    for d in kv_dtypes:
+        mb = 2 * sum(lens) * kv * dim * torch.empty((), dtype=names[d]).element_size() / 1e6
+        print(f"one layer, batch {batch}, K/V {d} ({mb:.1f} MB), {threads} thread(s): "
+              f"kernel {best[d, 'kernel']:.2f} ms, torch.sum over the same K/V "
+              f"{best[d, 'floor']:.2f} ms, over float32 K/V {best['f32', 'floor']:.2f} ms")
 
 
 def main() -> None:
@@ -114,7 +135,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quantization", default="none",
-                    help="weights as EngineConfig.quantization (attention stays float32)")
+                    help="weights as EngineConfig.quantization (attention computes in float32)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="EngineConfig.kv_cache_dtype (auto, bfloat16); --kernel-only: "
+                         "a comma-separated list")
     ap.add_argument("--paths", default="gather,chunked",
                     help="old,new TorchAttention decode paths (gather, chunked, paged)")
     ap.add_argument("--out", default="attention_cpu.json")
@@ -122,7 +146,8 @@ def main() -> None:
                     help="time the compiled kernel alone against a streaming floor")
     args = ap.parse_args()
     if args.kernel_only:
-        kernel_only(args.batch, args.prompt_min, args.prompt_max, args.threads, args.seed)
+        kernel_only(args.batch, args.prompt_min, args.prompt_max, args.threads, args.seed,
+                    tuple(args.kv_cache_dtype.split(",")))
         return
     paths = tuple(args.paths.split(","))
     if len(paths) != 2:
@@ -135,7 +160,7 @@ def main() -> None:
     block = 16
     engine = LLMEngine(EngineConfig(
         model=args.model, num_threads=args.threads, max_num_seqs=args.batch,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         block_size=block, max_num_batched_tokens=4096,
         num_kv_blocks=sum(-(-(n + steps + 1) // block) for n in lens) + 1))
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)

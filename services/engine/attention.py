@@ -152,6 +152,8 @@ class TorchAttention(AttentionBackend):
             return attention_paged_cpu.write_decode(q, k, v, k_cache, v_cache,
                                                     meta.slot_mapping, *prepared.whole)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        if k_cache.dtype != k.dtype:  # a bfloat16 cache of a float32 model: K/V rounded
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
@@ -174,11 +176,13 @@ class TorchAttention(AttentionBackend):
         for seg in meta.prefills:
             sl = slice(seg.start, seg.start + seg.query_len)
             if seg.context_len == seg.query_len:
-                # Nothing cached before this chunk: attend to the fresh K/V directly.
-                keys, values = k[sl], v[sl]
+                # Nothing cached before this chunk: attend to the fresh K/V directly (as
+                # the cache holds them: rounded to its type, so a prompt's answer does not
+                # depend on whether its prefix was cached).
+                keys, values = k[sl].to(q.dtype), v[sl].to(q.dtype)
             else:
-                keys = _gather(k_cache, seg.block_table, seg.context_len)
-                values = _gather(v_cache, seg.block_table, seg.context_len)
+                keys = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
+                values = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
             out[sl] = _prefill_attention(q[sl], keys, values, seg.context_len)
         return out
 
@@ -242,8 +246,9 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup):
     nblk = (ctx + block_size - 1) // block_size
     tables = group.block_tables[:, :nblk]
     # [size, kv_heads, ctx, head_dim] views of the gathered blocks.
-    keys = k_cache[tables].view(size, nblk * block_size, num_kv_heads, head_dim)[:, :ctx]
-    values = v_cache[tables].view(size, nblk * block_size, num_kv_heads, head_dim)[:, :ctx]
+    shape = (size, nblk * block_size, num_kv_heads, head_dim)
+    keys = k_cache[tables].view(shape)[:, :ctx].to(q.dtype)
+    values = v_cache[tables].view(shape)[:, :ctx].to(q.dtype)
     valid = torch.arange(ctx, device=q.device)[None, :] < group.context_lens[:, None]
     # Query heads sharing a KV head become that head's rows: [size, kv, rep, d].
     qg = q.view(size, num_kv_heads, num_heads // num_kv_heads, head_dim)

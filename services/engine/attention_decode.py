@@ -105,8 +105,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for c in plan.chunks:
         m = n - c.first
         shape = (m, c.num_blocks * block_size, num_kv_heads, head_dim)
-        keys = k_cache.index_select(0, c.blocks).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, c.blocks).view(shape).transpose(1, 2)
+        # A bfloat16 cache's chunk widened to the queries' float32 (a chunk, in cache).
+        keys = k_cache.index_select(0, c.blocks).view(shape).transpose(1, 2).to(q.dtype)
+        values = v_cache.index_select(0, c.blocks).view(shape).transpose(1, 2).to(q.dtype)
         out, out_lse = attend(qg[c.first:], keys, values, c.mask)
         if acc is None:  # the first chunk covers every row: every context has a token
             acc, lse = out, out_lse.unsqueeze(-1)

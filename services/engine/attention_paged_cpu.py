@@ -22,9 +22,15 @@ attention is tuned for long queries, not the 1-token queries of decode (at batch
 ran at a fraction of memory bandwidth, docs/benchmarks.md). The loop here is built with
 torch's extension loader (vectorized by the compiler for the host CPU), in a thread
 (:func:`ready`); until it is built, where no compiler is at hand (one log line), or for
-dtypes and shapes it does not take (float32 only, ``head_dim`` a multiple of 16,
+dtypes and shapes it does not take (float32 queries, ``head_dim`` a multiple of 16,
 :func:`supports`), the caller keeps the torch path. Other CPUs and head sizes take a
 portable loop with an online softmax.
+
+The cache may be float32 or bfloat16 (``kv_cache_dtype``, EngineConfig): a second
+instantiation of the same loops reads bfloat16 rows and widens each to float32 in
+registers (a 16-bit shift, exact), so the arithmetic is the float32 kernel's over the
+rounded values at half the bytes read; ``write_decode`` rounds new rows to the cache's
+type as ``Tensor.to`` does (nearest, ties to even).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 from kernels.cpu_build import CppKernel
 from kernels.cpu_paged_decode import SOURCE
 
-_KERNEL = CppKernel("pdserve_paged_decode_v7", SOURCE,
+_KERNEL = CppKernel("pdserve_paged_decode_v8", SOURCE,
                     "decode attention gathers K/V chunks in torch instead")
 
 
@@ -50,10 +56,11 @@ def ready() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether it takes this layer: float32 CPU, contiguous cache, ``head_dim`` % 16 == 0."""
+    """Whether it takes this layer: float32 queries on the CPU over a contiguous float32
+    or bfloat16 cache, ``head_dim`` % 16 == 0."""
     _, _, kv_heads, head_dim = k_cache.shape
     return (q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous()
             and head_dim % 16 == 0 and q.shape[1] % kv_heads == 0)
 
 

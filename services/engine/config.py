@@ -17,6 +17,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16", "w8a8", "w4a8")
 DTYPES = {"float32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -53,6 +54,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's choice
     quantization: str = "none"  # int8/int4/w8a16/w4a16/w8a8/w4a8 (CPU): weights/quantize
+    # The KV cache's element type. auto: the model's dtype; bfloat16 with a float32 model
+    # on the CPU: half the KV bytes (memory, and decode attention's reads), K/V rounded
+    # as they are written and widened to float32 as attention reads them.
+    kv_cache_dtype: str = "auto"
     # Ranks the model is split over (services/engine/tp.py); rank r > 0 on cuda:<index + r>.
     tensor_parallel_size: int = 1
     # Decode steps replayed from CUDA graphs (services/engine/cuda_graphs.py); None: on
@@ -104,12 +109,35 @@ class EngineConfig:
                                             or self.dtype_name != "float32"):
             raise ValueError(f"quantization {self.quantization} runs on device cpu with dtype "
                              "float32 only")
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_dtype_name == self.dtype_name:
+            return  # the model's own dtype: what every path takes
+        # A cache of another type than the model's: only the CPU torch path converts.
+        if self.torch_device.type != "cpu" or self.dtype_name != "float32":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} with dtype "
+                             f"{self.dtype_name} on {self.torch_device.type}: a KV cache "
+                             "of another type than the model's runs on device cpu with "
+                             "dtype float32 only (on CUDA, dtype auto is bfloat16 already)")
+        if self.attention_backend == "triton" or self.tensor_parallel_size != 1:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} with a float32 model "
+                             "runs with the torch attention backend and "
+                             "tensor_parallel_size 1 only")
 
     @property
     def precision(self) -> str:
-        """The dtype, and the quantization when there is one (it changes KV bytes)."""
-        dtype = self.dtype_name
-        return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+        """The dtype, the quantization when there is one, and the KV cache's dtype when
+        it is not the model's (each changes KV bytes)."""
+        out = self.dtype_name
+        if self.quantization != "none":
+            out += f"+{self.quantization}"
+        if self.kv_dtype_name != self.dtype_name:
+            out += f"+kv-{self.kv_dtype_name}"
+        return out
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -134,3 +162,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's dtype: ``kv_cache_dtype``, or the model's for ``auto``."""
+        return self.dtype_name if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype_name]

@@ -127,7 +127,7 @@ def build_runner(config: EngineConfig, cfg: ModelConfig, tensors: dict[str, torc
     quantize_model(model, config.quantization)
     kv_heads = model.shard.num_kv_heads
     per_block = KVCache.bytes_per_block(cfg.num_layers, config.block_size, kv_heads,
-                                        cfg.head_dim, dtype)
+                                        cfg.head_dim, config.kv_torch_dtype)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     num_blocks = config.num_kv_blocks or max(1, min(config.kv_cache_bytes // per_block, useful))
     if tp.world_size > 1:  # every rank must hold the same block ids (and is loaded)
@@ -136,7 +136,7 @@ def build_runner(config: EngineConfig, cfg: ModelConfig, tensors: dict[str, torc
             raise ValueError(f"tensor-parallel ranks disagree on the KV block count "
                              f"(rank {tp.rank}: {num_blocks})")
     kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_heads,
-                       cfg.head_dim, dtype, device)
+                       cfg.head_dim, config.kv_torch_dtype, device)
     runner = ModelRunner(model, kv_cache, device)
     if config.use_cuda_graphs:
         runner.graphs = make_decode_graphs(model, kv_cache, device, config.max_num_seqs,

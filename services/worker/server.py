@@ -100,6 +100,7 @@ def build_engine(s: WorkerSettings, hooks: EngineHooks = NO_HOOKS) -> EngineCore
         prefill_chunk_size=s.prefill_chunk_size or None,
         max_prefill_tokens_with_decode=s.max_prefill_tokens_with_decode or None,
         num_threads=s.num_threads or None, quantization=s.quantization,
+        kv_cache_dtype=s.kv_cache_dtype,
         tensor_parallel_size=s.tensor_parallel_size, cuda_graphs=s.use_cuda_graphs,
         random_weights=s.random_weights or None, seed=s.random_seed), hooks=hooks)
 
