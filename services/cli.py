@@ -33,7 +33,9 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
-                                        kv_cache_bytes=args.kv_cache_mib << 20))
+                                        kv_cache_bytes=args.kv_cache_mib << 20,
+                                        quantization=args.quantization,
+                                        kv_cache_dtype=args.kv_cache_dtype))
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    if args.chat else p for p in args.prompt]
         for done in engine.generate(prompts, params):
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--kv-cache-mib", type=int, default=512)
+    gen.add_argument("--quantization", default="none",
+                     help="weights kept quantized on the CPU (int8, int4, w8a16, w4a16, ...)")
+    gen.add_argument("--kv-cache-dtype", default="auto",
+                     help="auto (the model's dtype) or bfloat16 (CPU, float32 model)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.set_defaults(func=_generate)
     keys = sub.add_parser("keys", help="write a CURVE key pair per role into a directory")

@@ -26,6 +26,17 @@ def test_missing_model_is_a_clear_error(tmp_path):
     assert "absent.gguf" in proc.stderr
 
 
+@pytest.mark.parametrize("flag, value, named", [
+    ("--kv-cache-dtype", "float16", "kv_cache_dtype"),
+    ("--quantization", "int3", "quantization"),
+])
+def test_bad_engine_setting_is_a_clear_error(flag, value, named):
+    proc = run("generate", flag, value, "hello")
+    assert proc.returncode == 2
+    assert named in proc.stderr and value in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_chat_generation_on_default_model():
     proc = run("generate", "--chat", "--max-tokens", "24", "What is the capital of France?")
