@@ -19,8 +19,9 @@ from services.engine.attention import (
     TorchAttention,
 )
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                reason="no C++ compiler: decode takes the torch chunked path")
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                    reason="no C++ compiler: decode takes the torch chunked path")
+pytestmark = needs_compiler
 
 
 def _cache(lens, block_size, kv_heads, heads, dim, seed=0, width_pad=1):

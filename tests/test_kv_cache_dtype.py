@@ -6,8 +6,6 @@ reports so that workers of different KV dtypes do not exchange bytes."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 
 import pytest
 import torch
@@ -27,9 +25,7 @@ from services.engine.kv_cache import KVCache
 from services.worker.handshake import hash_and_version, kv_layout
 from services.worker.settings import WorkerSettings
 from tests.test_attention_paged_cpu import _cache, _last_slots, _qkv_rows, _reference
-
-compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                              reason="no C++ compiler: decode takes the torch chunked path")
+from tests.test_attention_paged_cpu import needs_compiler as compiler
 
 SHAPES = [
     ([1], 16, 1, 1, 16),                              # one token

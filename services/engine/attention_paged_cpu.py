@@ -69,7 +69,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
     (one query per sequence) over each sequence's first ``context_lens[i]`` cached tokens,
     through ``block_tables`` ``[n, width]``; bad ids or lengths: ``RuntimeError``."""
     _KERNEL.module().paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
-                           q.shape[-1] ** -0.5)
+                                  q.shape[-1] ** -0.5)
 
 
 def write_decode(q, k, v, k_cache, v_cache, slots, tables, lens):

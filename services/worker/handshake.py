@@ -47,8 +47,8 @@ def kv_layout(engine) -> KVLayout:
     cfg = getattr(engine, "model_config", None)
     if cfg is None:
         return KVLayout("sim", engine.kv_store.num_layers, 0, 0)
-    dtype = str(engine.config.kv_torch_dtype).removeprefix("torch.")
-    return KVLayout(dtype, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    return KVLayout(engine.config.kv_dtype_name, cfg.num_layers, cfg.num_kv_heads,
+                    cfg.head_dim)
 
 
 def hash_and_version() -> dict:
