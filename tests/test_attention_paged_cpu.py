@@ -223,8 +223,11 @@ def _last_slots(tables, lens, block_size):
 
 
 # Contexts that end on a block's first token, its last, and one past it (a new block).
-@pytest.mark.parametrize("lens,block_size,kv_heads,heads,dim", [
+WRITE_CASES = pytest.mark.parametrize("lens,block_size,kv_heads,heads,dim", [
     ([1, 16, 17, 32, 33, 48], 16, 3, 9, 64), ([4, 5, 8, 1, 9], 4, 2, 4, 16)])
+
+
+@WRITE_CASES
 def test_write_decode_equals_index_copy_then_paged_decode(lens, block_size, kv_heads, heads,
                                                           dim):
     _, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=11)

@@ -24,7 +24,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
 from services.worker.handshake import hash_and_version, kv_layout
 from services.worker.settings import WorkerSettings
-from tests.test_attention_paged_cpu import _cache, _last_slots, _qkv_rows, _reference
+from tests.test_attention_paged_cpu import WRITE_CASES, _cache, _last_slots, _qkv_rows, _reference
 from tests.test_attention_paged_cpu import needs_compiler as compiler
 
 SHAPES = [
@@ -84,8 +84,7 @@ def test_bf16_kernel_refuses_bad_tables_and_dtypes(bad):
 
 
 @compiler
-@pytest.mark.parametrize("lens,block_size,kv_heads,heads,dim", [
-    ([1, 16, 17, 32, 33, 48], 16, 3, 9, 64), ([4, 5, 8, 1, 9], 4, 2, 4, 16)])
+@WRITE_CASES
 def test_bf16_write_decode_rounds_as_torch_and_attends(lens, block_size, kv_heads, heads,
                                                        dim):
     _, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=11)
