@@ -155,6 +155,18 @@ class Profile:
         return cost((k.decode_fixed_s, k.decode_per_seq_s, k.decode_per_ctx_token_s),
                     decode_terms(batch, context_tokens)) * self.shape(batch)
 
+    def served_decode_step_s(self, batch: float, context_tokens: float,
+                             busy: float = 1.0) -> float:
+        """One decode step as the simulator charges it on one shared host with ``busy``
+        processes busy (``Simulator(shared_host=True)``): the engine's step at the
+        measured shape times the host's decode factor, plus the serving path's overhead
+        per sequence. ``batch`` may be a mean (a fraction): the shape is linear in
+        log(batch) between calibrated batches."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_step_s(batch, context_tokens) * self.contended(busy, "decode") \
+            + batch * self.token_overhead_s
+
     def shape(self, batch: int) -> float:
         """Measured over fitted decode step at ``batch``: linear in log(batch) between
         the calibrated batches, the nearest one's beyond them; 1.0 without points."""
