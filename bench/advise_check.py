@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -41,15 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import serve, serve_report  # noqa: E402
-from common.cost_profile import load_profile  # noqa: E402
+from common.cost_profile import load_profile, save_profile  # noqa: E402
 from services.advisor.search import Deployment, Plan, Slo, evaluate  # noqa: E402
 from services.engine.tokenizer_export import tokenizer_dir_for  # noqa: E402
 from services.engine.weights import DEFAULT_MODEL  # noqa: E402
+from services.sim import trace_factors  # noqa: E402
 from services.sim.profiles import Profile  # noqa: E402
 from services.sim.request import SimRequest  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
-PROFILE = "smollm2-cpu-quiet-v2"  # the current engine's steps and host factors, quiet machine
+PROFILE = "smollm2-cpu-quiet-v3"  # v2 with its host factors refitted from a quiet live run
 KV_CACHE_MIB = 256
 # (input tokens, output tokens, requests/s, TTFT SLO, TPOT SLO), the SLOs as multiples
 # of what the profile says serving this workload costs on this host with both workers
@@ -237,6 +239,33 @@ def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
             "conductor_cost_model": fitted}
 
 
+def refit_from_logs(logs: Path, profile: str, out: Path, note: str = "") -> dict:
+    """The profile with its simulated host factors refitted from the step traces of
+    every run kept in ``logs`` (``--step-trace --logs``): services/sim/trace_factors.py,
+    each workload's steps at its mean context (prompt + half the output), written to
+    ``out``. Returns {(kind, busy): [steps, median ratio]}."""
+    cp = load_profile(profile)
+    prof = Profile.from_cost_profile(cp, kv_blocks=1)
+    ratios: dict = {}
+    for name, (inp, outlen, *_) in WORKLOADS.items():
+        for dep in DEPLOYMENTS.values():
+            traces = {f.name: trace_factors.read_steps(f.read_text(errors="replace"))
+                      for f in sorted(logs.glob(log_name(name, dep.name, "*.log")))
+                      if f.name[:-len(".log")].split("-")[-2] in ("prefill", "decode",
+                                                                  "unified")}
+            found = trace_factors.step_ratios(traces, prof, inp + outlen / 2)
+            for key, values in found.items():
+                ratios.setdefault(key, []).extend(values)
+    if not ratios:
+        raise SystemExit(f"no step lines in {logs}: run with --step-trace --logs")
+    new = trace_factors.refit_host(cp, ratios, out.stem, "host factors refitted from "
+                                   f"the step traces of {note or logs} (advise_check "
+                                   "--refit-host)")
+    save_profile(new, out)
+    return {f"{k} x{b}": [len(v), round(statistics.median(v), 3)]
+            for (k, b), v in sorted(ratios.items())}
+
+
 def ranking(side: dict[str, dict]) -> list[str]:
     """Best first: goodput, then mean TTFT (the advisor's order, mean for p90)."""
     return sorted(side, key=lambda k: (-round(side[k]["goodput"], 3), side[k]["mean_ttft_ms"]))
@@ -258,7 +287,20 @@ def main() -> None:
     ap.add_argument("--profile", default=PROFILE,
                     help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
+    ap.add_argument("--refit-host", type=Path, metavar="LOGS",
+                    help="no run: write --profile with its simulated host factors "
+                    "refitted from the step traces in LOGS (--step-trace --logs) to "
+                    "--write-profile")
+    ap.add_argument("--write-profile", type=Path, help="where --refit-host writes")
+    ap.add_argument("--note", default="", help="the run the traces are of, for the "
+                    "profile's notes (default: the folder)")
     args = ap.parse_args()
+    if args.refit_host:
+        if args.write_profile is None:
+            ap.error("--refit-host needs --write-profile")
+        print(json.dumps(refit_from_logs(args.refit_host, args.profile, args.write_profile,
+                                         args.note)))
+        return
     report = {"profile": args.profile, "contention": load_profile(args.profile).contention,
               "token_overhead_s": load_profile(args.profile).token_overhead_s,
               "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,

@@ -135,3 +135,29 @@ def test_decode_heavy_slo_lets_a_share_of_the_better_deployment_meet_it():
     tpots = [r[4] for r in pred[best]["requests"]]
     assert min(tpots) < plan.slo.tpot_s * 1e3 < max(tpots)
     assert 0.25 <= pred[best]["good"] / 24 <= 0.75
+
+
+def test_host_factors_refit_from_a_runs_step_traces(tmp_path):
+    from datetime import UTC, datetime
+
+    from common.cost_profile import load_profile
+    from services.sim.profiles import Profile
+
+    prof = ac.plan_for("decode-heavy").profile
+    inp, out = ac.WORKLOADS["decode-heavy"][:2]
+    step = prof.decode_step_s(3, 3 * (inp + out / 2)) * prof.contended(1, "decode")
+    lines, t = [], 1_800_000_000.0
+    for _ in range(26):  # one worker alone, at 1.25 x the charge; the first a warm-up
+        t += step * 1.25
+        stamp = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        lines.append(f"{stamp} [debug    ] step     chunks=0 decode=3 "
+                     f"ms={step * 1.25e3:.3f} prefill=0")
+    (tmp_path / "decode-heavy-colocated_x2-unified-0.log").write_text("\n".join(lines))
+    (tmp_path / "decode-heavy-colocated_x2-gateway.log").write_text(lines[0])
+    got = ac.refit_from_logs(tmp_path, ac.PROFILE, tmp_path / "refit.json")
+    assert got == {"decode x1": [25, pytest.approx(1.25, rel=1e-3)]}
+    new = Profile.from_cost_profile(load_profile(str(tmp_path / "refit.json")), kv_blocks=1)
+    assert new.name == "refit"
+    assert new.decode_contention[0] == pytest.approx(prof.decode_contention[0] * 1.25,
+                                                     abs=1e-3)
+    assert new.prefill_contention == prof.prefill_contention
