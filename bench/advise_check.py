@@ -4,6 +4,7 @@ workers colocated and split 1P+1D, and what the same requests measure live.
 
     python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
         [--deployment 1P+1D] [--logs DIR [--step-trace]]
+    python bench/advise_check.py --refit-host DIR --write-profile P   # host factors
 
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
@@ -20,7 +21,9 @@ is requests meeting both SLOs per second of the run.
 The check: the two sides rank the deployments the same way, and each predicted goodput
 is within 20% of the live one. Load average before and after each live run is recorded:
 the machine is shared and the profile was calibrated on it at another time. JSON goes
-to ``bench/results/advise_check.json``.
+to ``bench/results/advise_check.json``. ``--refit-host``: no run; the profile with the
+simulator's host factors refitted from the step traces a quiet run kept
+(services/sim/trace_factors.py).
 """
 
 from __future__ import annotations
