@@ -10,7 +10,7 @@ import pytest
 
 from common.cost_profile import CostProfile, load_profile, save_profile
 from services.sim import trace_factors as tf
-from services.sim.profiles import Profile
+from services.sim.profiles import Profile, neighbour_class
 
 T0 = 1_800_000_000.0
 CTX = 100  # context tokens a sequence
@@ -71,39 +71,79 @@ def test_steps_alone_and_beside_a_busy_worker_against_the_charge():
     a.append(line(t + 0.1, 100.0, batch=2))
     b.append(line(t + 0.15, 100.0, batch=1))
     traces = {"a": tf.read_steps("\n".join(a)), "b": tf.read_steps("\n".join(b))}
-    got = tf.step_ratios(traces, PROF, CTX)
-    assert sorted(got) == [("decode", 1), ("decode", 2), ("prefill", 2)]
-    assert got[("decode", 1)] == pytest.approx([1.1, 1.1], rel=1e-3)
-    assert got[("decode", 2)] == pytest.approx([1.3, 1.3], rel=1e-3)
-    # b's prefill priced as two chunks of 300 tokens with one fixed cost, x 1.1 (two busy).
-    charged = (0.1 + 600e-3 + 2 * 1e-6 * 300 * 150) * 1.1
-    assert got[("prefill", 2)] == pytest.approx([(t - start) / charged], rel=1e-3)
+    got = tf.step_factors(traces, PROF, CTX)
+    # b's 600-token prefill is a long prompt: what a's two busy steps ran beside.
+    assert sorted(got) == [("decode", 1, ""), ("decode", 2, "long prefill"),
+                           ("prefill", 2, "decode")]
+    engine = PROF.decode_step_s(2, 2 * CTX)
+    assert got[("decode", 1, "")] == pytest.approx([1.1 * decode_s(2, 1) / engine] * 2,
+                                                   rel=1e-3)
+    assert got[("decode", 2, "long prefill")] == pytest.approx(
+        [1.3 * decode_s(2, 2) / engine] * 2, rel=1e-3)
+    # b's prefill priced as two chunks of 300 tokens with one fixed cost, no factor.
+    charged = 0.1 + 600e-3 + 2 * 1e-6 * 300 * 150
+    assert got[("prefill", 2, "decode")] == pytest.approx([(t - start) / charged], rel=1e-3)
+    # Alone: a's two steps after its warm-up, none of b's (its only other one is beside a).
+    assert tf.alone_decode_s(traces, "a") == {2: pytest.approx([1.1 * decode_s(2, 1)] * 2,
+                                                               rel=1e-3)}
+    assert tf.alone_decode_s(traces, "b") == {}
 
 
-def test_refit_scales_the_factors_it_has_steps_for(tmp_path):
-    ratios = {("decode", 1): [1.0] * 30, ("decode", 2): [1.1, 1.2, 1.3] * 10,
-              ("prefill", 2): [1.5] * 5, ("prefill", 1): [0.5] * 40}
-    new = tf.refit_host(CP, ratios, "p-v2", "refitted")
+def test_neighbour_class_by_what_the_step_prefills():
+    assert [neighbour_class(n) for n in (0, 64, 255, 256, 1777)] == \
+        ["decode", "short prefill", "short prefill", "long prefill", "long prefill"]
+
+
+def test_refit_sets_factors_and_weights_per_neighbour(tmp_path):
+    factors = {("decode", 1, ""): [1.4] * 30,
+               ("decode", 2, "decode"): [1.6, 1.7, 1.8] * 10,   # median 1.7: the top
+               ("decode", 2, "long prefill"): [1.2] * 25,       # below alone: weight 0
+               ("decode", 2, "short prefill"): [1.55] * 20,     # half-way: 0.5
+               ("prefill", 2, "decode"): [1.5] * 5,             # too few: kept
+               ("prefill", 1, ""): [0.5] * 40}                  # held at 1
+    new = tf.refit_host(CP, factors, "p-v2", "refitted")
     host = new.fit["host"]
-    assert host["decode_contention"] == [1.2, 1.8]  # 1.5 x 1.2; one busy x 1.0
-    # Too few two-busy prefill steps: kept; one busy x 0.5 is held at 1.
+    assert host["decode_contention"] == [1.4, 1.7]
     assert host["prefill_contention"] == [1.0, 1.1]
-    assert host["from_traces"]["steps_and_median_ratio"] == {
-        "decode x1": (30, 1.0), "decode x2": (30, 1.2), "prefill x1": (40, 0.5)}
+    assert host["neighbour_weights"] == {"decode": {"decode": 1.0, "long prefill": 0.0,
+                                                    "short prefill": 0.5}}
+    assert host["from_traces"]["steps_and_median_factor"]["decode x2 beside long prefill"] \
+        == [25, 1.2]
     assert new.name == "p-v2" and new.notes.endswith("refitted")
     assert new.contention == CP.contention  # what the conductor predicts with: as it was
-    # The simulator of the written profile charges the new factors.
+    # The simulator of the written profile charges the new factors and weights.
     back = Profile.from_cost_profile(load_profile(str(save_profile(new, tmp_path / "p.json"))),
                                      kv_blocks=1)
-    assert back.decode_contention == (1.2, 1.8)
-    assert back.contended(2, "decode") == 1.8
+    assert back.decode_contention == (1.4, 1.7)
+    assert back.weight("decode", "long prefill") == 0.0
+    assert back.weight("decode", "short prefill") == 0.5
+    assert back.weight("prefill", "decode") == 1.0  # not measured: a whole busy process
+    assert back.contended(1 + back.weight("decode", "short prefill"), "decode") == \
+        pytest.approx(1.55)
 
 
 def test_refit_refuses_what_it_cannot_fit():
     with pytest.raises(ValueError, match="no \\(kind, busy\\) has 20"):
-        tf.refit_host(CP, {("decode", 2): [1.2] * 19}, "x", "n")
+        tf.refit_host(CP, {("decode", 2, "decode"): [1.2] * 19}, "x", "n")
     with pytest.raises(ValueError, match="no fit.host decode_contention"):
-        tf.refit_host(cost_profile(fit={}), {("decode", 2): [1.2] * 30}, "x", "n")
+        tf.refit_host(cost_profile(fit={}), {("decode", 2, "decode"): [1.2] * 30}, "x", "n")
     # Factors kept from falling as the busy count grows.
-    up = tf.refit_host(CP, {("decode", 1): [1.5] * 20}, "x", "n")
+    up = tf.refit_host(CP, {("decode", 1, ""): [1.8] * 20}, "x", "n")
     assert up.fit["host"]["decode_contention"] == [1.8, 1.8]
+
+
+def test_context_term_from_steps_alone_at_two_contexts():
+    engine = PROF.shape(2) * PROF.contended(1, "decode")
+    alone = {("decode", 2, 100.0): [0.05] * 12,
+             ("decode", 2, 600.0): [0.05 + 2 * 500 * 1e-5 * engine] * 12,
+             ("unified", 2, 100.0): [0.06] * 12,
+             ("unified", 2, 600.0): [0.06 + 2 * 500 * 3e-5 * engine] * 12,
+             ("unified", 1, 600.0): [0.03] * 12,     # one context only: no slope
+             ("decode", 4, 100.0): [0.09] * 3, ("decode", 4, 600.0): [0.01] * 30}  # few
+    per, used = tf.context_term(alone, PROF)
+    assert per == pytest.approx(2e-5)  # the median of 1e-5 and 3e-5
+    assert [(r[0], r[1]) for r in used] == [("decode", 2), ("unified", 2)]
+    # Shorter steps at the longer context: a slope <= 0, which the caller does not use.
+    flat = {("decode", 1, 100.0): [0.05] * 10, ("decode", 1, 800.0): [0.045] * 10}
+    assert tf.context_term(flat, PROF)[0] < 0
+    assert tf.context_term({("decode", 1, 100.0): [0.05] * 10}, PROF) is None
