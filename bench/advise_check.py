@@ -2,7 +2,7 @@
 from ``bench/serve.py``'s random generator, what ``pdserve advise`` predicts for two
 workers colocated and split 1P+1D, and what the same requests measure live.
 
-    python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
+    python bench/advise_check.py [--requests 48] [--seed 0] [--only prefill-heavy] [--predict-only]
         [--deployment 1P+1D] [--logs DIR [--step-trace]]
     python bench/advise_check.py --refit-host DIR --write-profile P   # host factors
 
@@ -54,7 +54,7 @@ from services.sim.profiles import Profile  # noqa: E402
 from services.sim.request import SimRequest  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
-PROFILE = "smollm2-cpu-quiet-v3"  # v2 with its host factors refitted from a quiet live run
+PROFILE = "smollm2-cpu-quiet-v4"  # v3 refitted per neighbour kind from the quiet seed-0 run
 KV_CACHE_MIB = 256
 # (input tokens, output tokens, requests/s, TTFT SLO, TPOT SLO), the SLOs as multiples
 # of what the profile says serving this workload costs on this host with both workers
@@ -66,6 +66,9 @@ WORKLOADS = {
     "decode-heavy": (64, 160, 0.5, 10.0, 1.0),
 }
 WORKERS = 2
+# 48 requests at 0.5 req/s: arrivals span 96 s; a deployment's live run takes ~2 min with
+# its start, so a load's two ~4-5 min on a quiet machine (24: 50-66 s a run, measured).
+REQUESTS = 48
 DEPLOYMENTS = {"colocated x2": Deployment(0, 2, False), "1P+1D": Deployment(1, 1, False)}
 
 
@@ -122,7 +125,7 @@ def slo_for(name: str, prof: Profile, requests: int) -> Slo:
     return Slo(ttft_x * prefill, tpot_x * expected_tpot(prof, inp, out, rate, requests)[0])
 
 
-def plan_for(name: str, profile: str = PROFILE, requests: int = 24) -> Plan:
+def plan_for(name: str, profile: str = PROFILE, requests: int = REQUESTS) -> Plan:
     cp = load_profile(profile)
     blocks = (KV_CACHE_MIB << 20) // (cp.kv_bytes_per_token * cp.block_size)
     prof = Profile.from_cost_profile(cp, kv_blocks=blocks)
@@ -242,31 +245,54 @@ def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
             "conductor_cost_model": fitted}
 
 
-def refit_from_logs(logs: Path, profile: str, out: Path, note: str = "") -> dict:
-    """The profile with its simulated host factors refitted from the step traces of
-    every run kept in ``logs`` (``--step-trace --logs``): services/sim/trace_factors.py,
-    each workload's steps at its mean context (prompt + half the output), written to
-    ``out``. Returns {(kind, busy): [steps, median ratio]}."""
+def refit_from_logs(logs: list[Path], profile: str, out: Path, note: str = "") -> dict:
+    """The profile refitted from the step traces of every run kept in ``logs``
+    (``--step-trace --logs``), each workload's steps at its mean context (prompt + half
+    the output), written to ``out``: first the decode step's context term from the
+    steps run alone (``trace_factors.context_term``), then, priced with it, the host
+    factors and the neighbours' weights (``refit_host``). Returns what was fitted."""
     cp = load_profile(profile)
-    prof = Profile.from_cost_profile(cp, kv_blocks=1)
-    ratios: dict = {}
+    runs = []  # (context a sequence, {worker log: steps})
     for name, (inp, outlen, *_) in WORKLOADS.items():
         for dep in DEPLOYMENTS.values():
             traces = {f.name: trace_factors.read_steps(f.read_text(errors="replace"))
-                      for f in sorted(logs.glob(log_name(name, dep.name, "*.log")))
+                      for d in logs for f in sorted(d.glob(log_name(name, dep.name, "*.log")))
                       if f.name[:-len(".log")].split("-")[-2] in ("prefill", "decode",
                                                                   "unified")}
-            found = trace_factors.step_ratios(traces, prof, inp + outlen / 2)
-            for key, values in found.items():
-                ratios.setdefault(key, []).extend(values)
-    if not ratios:
+            if any(traces.values()):
+                runs.append((inp + outlen / 2, traces))
+    if not runs:
         raise SystemExit(f"no step lines in {logs}: run with --step-trace --logs")
-    new = trace_factors.refit_host(cp, ratios, out.stem, "host factors refitted from "
-                                   f"the step traces of {note or logs} (advise_check "
+    alone: dict = {}
+    for ctx, traces in runs:
+        for wid in traces:
+            role = wid[:-len(".log")].split("-")[-2]
+            for batch, times in trace_factors.alone_decode_s(traces, wid).items():
+                alone.setdefault((role, batch, ctx), []).extend(times)
+    fitted = trace_factors.context_term(alone, Profile.from_cost_profile(cp, kv_blocks=1))
+    done: dict = {"context_term": fitted and [fitted[0], fitted[1]]}
+    if fitted is not None and fitted[0] > 0:
+        done["decode_per_ctx_token_s"] = [cp.decode_per_ctx_token_s, fitted[0]]
+        cp = dataclasses.replace(cp, decode_per_ctx_token_s=fitted[0])
+    prof = Profile.from_cost_profile(cp, kv_blocks=1)
+    factors: dict = {}
+    for ctx, traces in runs:
+        for key, values in trace_factors.step_factors(traces, prof, ctx).items():
+            factors.setdefault(key, []).extend(values)
+    ctx_note = (f"decode_per_ctx_token_s {done['decode_per_ctx_token_s'][0]:.3g} -> "
+                f"{fitted[0]:.3g} from steps alone; ") if "decode_per_ctx_token_s" in done \
+        else "decode_per_ctx_token_s kept (the steps alone gave no slope > 0); "
+    new = trace_factors.refit_host(cp, factors, out.stem, f"{ctx_note}host factors and "
+                                   f"neighbour weights refitted from the step traces of "
+                                   f"{note or ', '.join(map(str, logs))} (advise_check "
                                    "--refit-host)")
     save_profile(new, out)
-    return {f"{k} x{b}": [len(v), round(statistics.median(v), 3)]
-            for (k, b), v in sorted(ratios.items())}
+    host = new.fit["host"]
+    return {**done, "factors": {f"{k} x{b} {n}".rstrip(): [len(v), round(
+        statistics.median(v), 3)] for (k, b, n), v in sorted(factors.items())},
+        "decode_contention": host["decode_contention"],
+        "prefill_contention": host["prefill_contention"],
+        "neighbour_weights": host["neighbour_weights"]}
 
 
 def ranking(side: dict[str, dict]) -> list[str]:
@@ -276,8 +302,10 @@ def ranking(side: dict[str, dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=REQUESTS,
+                    help="requests a load (the same for every deployment)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the workload draw: lengths and arrival times")
     ap.add_argument("--only", choices=sorted(WORKLOADS))
     ap.add_argument("--predict-only", action="store_true")
     ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS),
@@ -290,7 +318,7 @@ def main() -> None:
     ap.add_argument("--profile", default=PROFILE,
                     help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
-    ap.add_argument("--refit-host", type=Path, metavar="LOGS",
+    ap.add_argument("--refit-host", type=Path, nargs="+", metavar="LOGS",
                     help="no run: write --profile with its simulated host factors "
                     "refitted from the step traces in LOGS (--step-trace --logs) to "
                     "--write-profile")

@@ -154,10 +154,23 @@ def test_host_factors_refit_from_a_runs_step_traces(tmp_path):
                      f"ms={step * 1.25e3:.3f} prefill=0")
     (tmp_path / "decode-heavy-colocated_x2-unified-0.log").write_text("\n".join(lines))
     (tmp_path / "decode-heavy-colocated_x2-gateway.log").write_text(lines[0])
-    got = ac.refit_from_logs(tmp_path, ac.PROFILE, tmp_path / "refit.json")
-    assert got == {"decode x1": [25, pytest.approx(1.25, rel=1e-3)]}
+    got = ac.refit_from_logs([tmp_path], ac.PROFILE, tmp_path / "refit.json")
+    # One context only: no context term; the factor the steps ran at, 1.25 x the charge.
+    assert got["context_term"] is None and "decode_per_ctx_token_s" not in got
+    assert got["factors"] == {"decode x1": [25, pytest.approx(
+        prof.decode_contention[0] * 1.25, rel=1e-3)]}
     new = Profile.from_cost_profile(load_profile(str(tmp_path / "refit.json")), kv_blocks=1)
     assert new.name == "refit"
     assert new.decode_contention[0] == pytest.approx(prof.decode_contention[0] * 1.25,
                                                      abs=1e-3)
     assert new.prefill_contention == prof.prefill_contention
+    assert new.cost == prof.cost
+
+
+def test_the_seed_draws_another_workload():
+    a, b = ac.specs_for("prefill-heavy", 48, seed=0), ac.specs_for("prefill-heavy", 48, seed=1)
+    assert len(a) == len(b) == ac.REQUESTS
+    assert [s.prompt_len for s in a] != [s.prompt_len for s in b]
+    assert [s.arrival_s for s in a] != [s.arrival_s for s in b]
+    assert [s.prompt_len for s in a] == [s.prompt_len for s in ac.specs_for(
+        "prefill-heavy", 48, seed=0)]
