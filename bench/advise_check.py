@@ -2,8 +2,9 @@
 from ``bench/serve.py``'s random generator, what ``pdserve advise`` predicts for two
 workers colocated and split 1P+1D, and what the same requests measure live.
 
-    python bench/advise_check.py [--requests 24] [--only prefill-heavy] [--predict-only]
+    python bench/advise_check.py [--requests 48] [--seed 0] [--only prefill-heavy] [--predict-only]
         [--deployment 1P+1D] [--logs DIR [--step-trace]]
+    python bench/advise_check.py --refit-host DIR --write-profile P   # host factors
 
 Prediction: ``services/advisor/search.evaluate`` (the search ``pdserve advise`` runs)
 on the very requests ``serve.build_requests`` makes (their lengths and arrival times),
@@ -20,7 +21,9 @@ is requests meeting both SLOs per second of the run.
 The check: the two sides rank the deployments the same way, and each predicted goodput
 is within 20% of the live one. Load average before and after each live run is recorded:
 the machine is shared and the profile was calibrated on it at another time. JSON goes
-to ``bench/results/advise_check.json``.
+to ``bench/results/advise_check.json``. ``--refit-host``: no run; the profile with the
+simulator's host factors refitted from the step traces a quiet run kept
+(services/sim/trace_factors.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -41,25 +45,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import serve, serve_report  # noqa: E402
-from common.cost_profile import CostProfile, load_profile  # noqa: E402
+from common.cost_profile import load_profile, save_profile  # noqa: E402
 from services.advisor.search import Deployment, Plan, Slo, evaluate  # noqa: E402
 from services.engine.tokenizer_export import tokenizer_dir_for  # noqa: E402
 from services.engine.weights import DEFAULT_MODEL  # noqa: E402
+from services.sim import trace_factors  # noqa: E402
 from services.sim.profiles import Profile  # noqa: E402
 from services.sim.request import SimRequest  # noqa: E402
 from tests.cluster import Cluster  # noqa: E402
 
-PROFILE = "smollm2-cpu-quiet-v2"  # the current engine's steps and host factors, quiet machine
+PROFILE = "smollm2-cpu-quiet-v4"  # v3 refitted per neighbour kind from the quiet seed-0 run
 KV_CACHE_MIB = 256
 # (input tokens, output tokens, requests/s, TTFT SLO, TPOT SLO), the SLOs as multiples
-# of what the profile says serving costs on this host with both workers busy (slo_for):
-# TTFT of the mean prompt's prefill, TPOT of the decode step at the batch a colocated
-# worker carries under the workload's rate.
+# of what the profile says serving this workload costs on this host with both workers
+# busy (slo_for): TTFT of the mean prompt's prefill, TPOT of the TPOT a colocated worker
+# is expected to give over the run (expected_tpot). A TPOT multiple of 1: a request
+# meets its SLO when it was served no slower than the load's expected mean.
 WORKLOADS = {
-    "prefill-heavy": (768, 8, 0.5, 2.6, 2.5),
-    "decode-heavy": (64, 160, 0.5, 10.0, 1.5),
+    "prefill-heavy": (768, 8, 0.5, 2.6, 1.0),
+    "decode-heavy": (64, 160, 0.5, 10.0, 1.0),
 }
 WORKERS = 2
+# 48 requests at 0.5 req/s: arrivals span 96 s; a deployment's live run takes ~2 min with
+# its start, so a load's two ~4-5 min on a quiet machine (24: 50-66 s a run, measured).
+REQUESTS = 48
 DEPLOYMENTS = {"colocated x2": Deployment(0, 2, False), "1P+1D": Deployment(1, 1, False)}
 
 
@@ -79,25 +88,49 @@ def sim_requests(specs: list, block: int) -> list[SimRequest]:
             for i, s in enumerate(specs)]
 
 
-def slo_for(name: str, cp: CostProfile) -> Slo:
-    """The workload's SLOs from the profile and the workload's own statistics: TTFT a
-    multiple of the mean prompt's prefill, TPOT a multiple of the decode step at the
-    batch B one of the colocated workers carries (Little's law, B = rate per worker x
-    output tokens x step(B), by fixed-point iteration), both with ``WORKERS`` busy."""
+def expected_tpot(prof: Profile, inp: int, out: int, rate: float,
+                  requests: int) -> tuple[float, float]:
+    """(TPOT, batch) a colocated worker is expected to give over a run of ``requests``
+    arriving at ``rate``, with the costs the simulator charges on the shared host
+    (``Profile.served_decode_step_s``: the measured step shape, the host's decode factor
+    for ``WORKERS`` busy, the serving overhead per token). Three effects, none fitted:
+
+    * the batch is the mean Little's law gives over the run, not at a steady state the
+      run never reaches: each worker's ``requests / WORKERS`` requests each stay
+      W = prefill + (out - 1) x TPOT, over a run of span + W (span = requests / rate);
+      B = (requests / WORKERS) x W / (span + W);
+    * the concurrency grows with the TPOT itself (W holds it): a fixed point;
+    * the worker's own prefills stall its batch (a mixed step adds a prompt's prefill
+      to the batch's step), for the share rho = rate / WORKERS x prefill of its time:
+      TPOT = step(B) / (1 - rho).
+    """
+    span, prefill = requests / rate, prof.prefill_s(inp, 0) * prof.contended(
+        WORKERS, "prefill")
+    rho = min(0.9, rate / WORKERS * prefill)
+    batch = tpot = 1.0
+    for _ in range(100):
+        tpot = prof.served_decode_step_s(batch, batch * (inp + out / 2), WORKERS) / (1 - rho)
+        stay = prefill + (out - 1) * tpot
+        batch = max(1.0, requests / WORKERS * stay / (span + stay))
+    return tpot, batch
+
+
+def slo_for(name: str, prof: Profile, requests: int) -> Slo:
+    """The workload's SLOs from the profile and the workload's own statistics (lengths,
+    rate, number of requests), both as the simulator charges them with ``WORKERS``
+    busy: TTFT a multiple of the mean prompt's prefill, TPOT a multiple of the TPOT a
+    colocated worker is expected to give over the run (``expected_tpot``)."""
     inp, out, rate, ttft_x, tpot_x = WORKLOADS[name]
-    batch = 1.0
-    for _ in range(50):
-        step = cp.served_decode_step_s(round(batch), round(batch * (inp + out / 2)), WORKERS)
-        batch = min(64.0, max(1.0, rate / WORKERS * out * step))
-    prefill = cp.prefill_s(inp) * cp.contended(WORKERS)
-    return Slo(ttft_x * prefill, tpot_x * step)
+    prefill = prof.prefill_s(inp, 0) * prof.contended(WORKERS, "prefill")
+    return Slo(ttft_x * prefill, tpot_x * expected_tpot(prof, inp, out, rate, requests)[0])
 
 
-def plan_for(name: str, profile: str = PROFILE) -> Plan:
+def plan_for(name: str, profile: str = PROFILE, requests: int = REQUESTS) -> Plan:
     cp = load_profile(profile)
     blocks = (KV_CACHE_MIB << 20) // (cp.kv_bytes_per_token * cp.block_size)
-    return Plan(profile, Profile.from_cost_profile(cp, kv_blocks=blocks),
-                slo_for(name, cp), KV_CACHE_MIB, shared_host=True)
+    prof = Profile.from_cost_profile(cp, kv_blocks=blocks)
+    return Plan(profile, prof, slo_for(name, prof, requests), KV_CACHE_MIB,
+                shared_host=True)
 
 
 def predict(specs: list, plan: Plan, deployments: dict | None = None) -> dict[str, dict]:
@@ -212,6 +245,56 @@ def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
             "conductor_cost_model": fitted}
 
 
+def refit_from_logs(logs: list[Path], profile: str, out: Path, note: str = "") -> dict:
+    """The profile refitted from the step traces of every run kept in ``logs``
+    (``--step-trace --logs``), each workload's steps at its mean context (prompt + half
+    the output), written to ``out``: first the decode step's context term from the
+    steps run alone (``trace_factors.context_term``), then, priced with it, the host
+    factors and the neighbours' weights (``refit_host``). Returns what was fitted."""
+    cp = load_profile(profile)
+    runs = []  # (context a sequence, {worker log: steps})
+    for name, (inp, outlen, *_) in WORKLOADS.items():
+        for dep in DEPLOYMENTS.values():
+            traces = {f.name: trace_factors.read_steps(f.read_text(errors="replace"))
+                      for d in logs for f in sorted(d.glob(log_name(name, dep.name, "*.log")))
+                      if f.name[:-len(".log")].split("-")[-2] in ("prefill", "decode",
+                                                                  "unified")}
+            if any(traces.values()):
+                runs.append((inp + outlen / 2, traces))
+    if not runs:
+        raise SystemExit(f"no step lines in {logs}: run with --step-trace --logs")
+    alone: dict = {}
+    for ctx, traces in runs:
+        for wid in traces:
+            role = wid[:-len(".log")].split("-")[-2]
+            for batch, times in trace_factors.alone_decode_s(traces, wid).items():
+                alone.setdefault((role, batch, ctx), []).extend(times)
+    fitted = trace_factors.context_term(alone, Profile.from_cost_profile(cp, kv_blocks=1))
+    done: dict = {"context_term": fitted and [fitted[0], fitted[1]]}
+    if fitted is not None and fitted[0] > 0:
+        done["decode_per_ctx_token_s"] = [cp.decode_per_ctx_token_s, fitted[0]]
+        cp = dataclasses.replace(cp, decode_per_ctx_token_s=fitted[0])
+    prof = Profile.from_cost_profile(cp, kv_blocks=1)
+    factors: dict = {}
+    for ctx, traces in runs:
+        for key, values in trace_factors.step_factors(traces, prof, ctx).items():
+            factors.setdefault(key, []).extend(values)
+    ctx_note = (f"decode_per_ctx_token_s {done['decode_per_ctx_token_s'][0]:.3g} -> "
+                f"{fitted[0]:.3g} from steps alone; ") if "decode_per_ctx_token_s" in done \
+        else "decode_per_ctx_token_s kept (the steps alone gave no slope > 0); "
+    new = trace_factors.refit_host(cp, factors, out.stem, f"{ctx_note}host factors and "
+                                   f"neighbour weights refitted from the step traces of "
+                                   f"{note or ', '.join(map(str, logs))} (advise_check "
+                                   "--refit-host)")
+    save_profile(new, out)
+    host = new.fit["host"]
+    return {**done, "factors": {f"{k} x{b} {n}".rstrip(): [len(v), round(
+        statistics.median(v), 3)] for (k, b, n), v in sorted(factors.items())},
+        "decode_contention": host["decode_contention"],
+        "prefill_contention": host["prefill_contention"],
+        "neighbour_weights": host["neighbour_weights"]}
+
+
 def ranking(side: dict[str, dict]) -> list[str]:
     """Best first: goodput, then mean TTFT (the advisor's order, mean for p90)."""
     return sorted(side, key=lambda k: (-round(side[k]["goodput"], 3), side[k]["mean_ttft_ms"]))
@@ -219,8 +302,10 @@ def ranking(side: dict[str, dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=REQUESTS,
+                    help="requests a load (the same for every deployment)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the workload draw: lengths and arrival times")
     ap.add_argument("--only", choices=sorted(WORKLOADS))
     ap.add_argument("--predict-only", action="store_true")
     ap.add_argument("--deployment", choices=sorted(DEPLOYMENTS),
@@ -233,14 +318,28 @@ def main() -> None:
     ap.add_argument("--profile", default=PROFILE,
                     help="the cost profile (a name in deploy/profiles or a path)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "advise_check.json"))
+    ap.add_argument("--refit-host", type=Path, nargs="+", metavar="LOGS",
+                    help="no run: write --profile with its simulated host factors "
+                    "refitted from the step traces in LOGS (--step-trace --logs) to "
+                    "--write-profile")
+    ap.add_argument("--write-profile", type=Path, help="where --refit-host writes")
+    ap.add_argument("--note", default="", help="the run the traces are of, for the "
+                    "profile's notes (default: the folder)")
     args = ap.parse_args()
+    if args.refit_host:
+        if args.write_profile is None:
+            ap.error("--refit-host needs --write-profile")
+        print(json.dumps(refit_from_logs(args.refit_host, args.profile, args.write_profile,
+                                         args.note)))
+        return
     report = {"profile": args.profile, "contention": load_profile(args.profile).contention,
               "token_overhead_s": load_profile(args.profile).token_overhead_s,
               "kv_cache_mib": KV_CACHE_MIB, "requests": args.requests,
               "cores": os.cpu_count(), "workloads": {}}
     deps = {args.deployment: DEPLOYMENTS[args.deployment]} if args.deployment else DEPLOYMENTS
     for name in [args.only] if args.only else list(WORKLOADS):
-        specs, plan = specs_for(name, args.requests, args.seed), plan_for(name, args.profile)
+        specs = specs_for(name, args.requests, args.seed)
+        plan = plan_for(name, args.profile, args.requests)
         row = {"spec": {**dict(zip(("input_len", "output_len", "rate", "ttft_x", "tpot_x"),
                                    WORKLOADS[name], strict=True)),
                         "slo_ttft_ms": plan.slo.ttft_s * 1e3,

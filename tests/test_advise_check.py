@@ -3,6 +3,8 @@ the simulator's, and the advisor's prediction ranks the two deployments."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench import advise_check as ac
 from bench.datasets import RequestSpec
 
@@ -91,3 +93,84 @@ def test_live_step_trace_is_read_per_worker_and_kind(tmp_path):
     sim = sim_steps.simulated("prefill-heavy", "1P+1D", 8, 0)
     assert ("prefill worker", "prefill ms/token") in sim
     assert any(kind.startswith("decode B=") for _, kind in sim)
+
+
+def test_decode_step_is_charged_as_the_simulator_charges_it():
+    prof = ac.plan_for("decode-heavy").profile
+    # The measured shape and the host's decode factor (not the three-term fit and the
+    # profile's overall factor), plus the serving overhead per sequence.
+    step = prof.decode_step_s(4, 600) * prof.contended(2, "decode") + 4 * prof.token_overhead_s
+    assert prof.served_decode_step_s(4, 600, 2) == step
+    assert prof.contended(2, "decode") > prof.contended(2)  # this profile's decode factor
+    assert prof.served_decode_step_s(0, 600, 2) == 0.0
+    # A mean batch between two whole ones costs between their steps.
+    assert prof.served_decode_step_s(3, 450, 2) < prof.served_decode_step_s(3.5, 525, 2) \
+        < prof.served_decode_step_s(4, 600, 2)
+
+
+def test_expected_tpot_is_a_fixed_point_over_the_runs_horizon():
+    prof = ac.plan_for("decode-heavy").profile
+    inp, out, rate, _, _ = ac.WORKLOADS["decode-heavy"]
+    tpot, batch = ac.expected_tpot(prof, inp, out, rate, 24)
+    prefill = prof.prefill_s(inp, 0) * prof.contended(ac.WORKERS, "prefill")
+    rho = rate / ac.WORKERS * prefill
+    assert tpot == pytest.approx(
+        prof.served_decode_step_s(batch, batch * (inp + out / 2), ac.WORKERS) / (1 - rho),
+        rel=1e-6)
+    stay = prefill + (out - 1) * tpot
+    span = 24 / rate
+    assert batch == pytest.approx(24 / ac.WORKERS * stay / (span + stay), rel=1e-6)
+    assert 2.5 < batch < 4  # more than the 2.2 the step at batch 2 would give
+    # A longer run nears the steady state: a larger batch, a slower step.
+    assert ac.expected_tpot(prof, inp, out, rate, 240)[1] > batch + 1
+
+
+def test_decode_heavy_slo_lets_a_share_of_the_better_deployment_meet_it():
+    specs = ac.specs_for("decode-heavy", 24, seed=0)
+    plan = ac.plan_for("decode-heavy", requests=24)
+    pred = ac.predict(specs, plan)
+    best = ac.ranking(pred)[0]
+    assert best == "colocated x2"
+    # The SLO sits at the expected TPOT, inside the predicted spread, not below it all.
+    tpots = [r[4] for r in pred[best]["requests"]]
+    assert min(tpots) < plan.slo.tpot_s * 1e3 < max(tpots)
+    assert 0.25 <= pred[best]["good"] / 24 <= 0.75
+
+
+def test_host_factors_refit_from_a_runs_step_traces(tmp_path):
+    from datetime import UTC, datetime
+
+    from common.cost_profile import load_profile
+    from services.sim.profiles import Profile
+
+    prof = ac.plan_for("decode-heavy").profile
+    inp, out = ac.WORKLOADS["decode-heavy"][:2]
+    step = prof.decode_step_s(3, 3 * (inp + out / 2)) * prof.contended(1, "decode")
+    lines, t = [], 1_800_000_000.0
+    for _ in range(26):  # one worker alone, at 1.25 x the charge; the first a warm-up
+        t += step * 1.25
+        stamp = datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        lines.append(f"{stamp} [debug    ] step     chunks=0 decode=3 "
+                     f"ms={step * 1.25e3:.3f} prefill=0")
+    (tmp_path / "decode-heavy-colocated_x2-unified-0.log").write_text("\n".join(lines))
+    (tmp_path / "decode-heavy-colocated_x2-gateway.log").write_text(lines[0])
+    got = ac.refit_from_logs([tmp_path], ac.PROFILE, tmp_path / "refit.json")
+    # One context only: no context term; the factor the steps ran at, 1.25 x the charge.
+    assert got["context_term"] is None and "decode_per_ctx_token_s" not in got
+    assert got["factors"] == {"decode x1": [25, pytest.approx(
+        prof.decode_contention[0] * 1.25, rel=1e-3)]}
+    new = Profile.from_cost_profile(load_profile(str(tmp_path / "refit.json")), kv_blocks=1)
+    assert new.name == "refit"
+    assert new.decode_contention[0] == pytest.approx(prof.decode_contention[0] * 1.25,
+                                                     abs=1e-3)
+    assert new.prefill_contention == prof.prefill_contention
+    assert new.cost == prof.cost
+
+
+def test_the_seed_draws_another_workload():
+    a, b = ac.specs_for("prefill-heavy", 48, seed=0), ac.specs_for("prefill-heavy", 48, seed=1)
+    assert len(a) == len(b) == ac.REQUESTS
+    assert [s.prompt_len for s in a] != [s.prompt_len for s in b]
+    assert [s.arrival_s for s in a] != [s.arrival_s for s in b]
+    assert [s.prompt_len for s in a] == [s.prompt_len for s in ac.specs_for(
+        "prefill-heavy", 48, seed=0)]

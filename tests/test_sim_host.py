@@ -217,6 +217,41 @@ def test_decode_and_prefill_steps_take_their_own_host_factors():
     assert r0.tbt == pytest.approx(0.021 * f0 + 0.02 + 1e-5 * f0 / 2)
 
 
+def test_a_neighbour_counts_by_what_it_runs():
+    """Live, a decode step beside a long prompt's prefill ran as if alone, beside another
+    decode at the two-busy factor: each busy neighbour adds its weight to the count."""
+    prof = dataclasses.replace(
+        HOST, prefill_contention=(1.0, 1.2, 1.4), decode_contention=(1.0, 1.8, 2.6),
+        neighbour_weights=(("decode", "long prefill", 0.0), ("prefill", "long prefill", 0.5)))
+    assert prof.weight("decode", "long prefill") == 0.0
+    assert prof.weight("decode", "decode") == 1.0  # not given: a whole busy process
+
+    def route(views, req):
+        return Decision({v.worker_id: v for v in views}[f"decode-{req.rid}"], None, "fixed")
+    r0, r1 = [SimRequest(i, 0.0, 1000, 3, [10 * i, 10 * i + 1]) for i in range(2)]
+    Simulator(prof, route, prefill=0, decode=2, shared_host=True).run([r0, r1])
+    # decode-1's prefill starts beside decode-0's 1000-token one: half a busy process.
+    assert r0.ttft == pytest.approx(1.6) and r1.ttft == pytest.approx(1.6 * 1.1)
+    # decode-0's steps beside decode-1's prefill count it as nothing: only the serving
+    # share is added (x1.8 with the neighbour counted whole, as before).
+    f0 = 1.0 + 0.02 / 0.041 * (1.8 - 1.0)
+    assert r0.tbt == pytest.approx(0.021 * f0 + 0.02 + 1e-5 * f0 / 2)
+
+
+def test_neighbour_weights_come_from_the_host_fit():
+    host = {"decode_contention": [1.4, 1.7], "prefill_contention": [1.1, 1.3],
+            "neighbour_weights": {"decode": {"long prefill": 0.0, "short prefill": 0.5,
+                                             "bogus": 0.3, "decode": 1.5},
+                                  "prefill": {"decode": True}, "other": {"decode": 0.1}}}
+    prof = Profile.from_cost_profile(cost_profile(contention=[1.2, 1.5], fit={"host": host}),
+                                     kv_blocks=10)
+    # Unknown kinds and classes, weights outside [0, 1] and booleans are left out.
+    assert prof.neighbour_weights == (("decode", "long prefill", 0.0),
+                                      ("decode", "short prefill", 0.5))
+    assert prof.contended(1 + prof.weight("decode", "short prefill"), "decode") == \
+        pytest.approx(1.55)
+
+
 def test_per_kind_factors_come_from_the_calibrations_host_fit():
     host = {"decode_contention": [1.6, 1.75, 3.0], "prefill_contention": [1.3, 1.4, 2.2]}
     cp = cost_profile(contention=[1.43, 1.52, 2.63], fit={"host": host})

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from common.protocol import Heartbeat, StepSample
 from services.sim.kv_blocks import KVBlocks
+from services.sim.profiles import neighbour_class
 from services.sim.workers import MAX_SAMPLES, STEP_TOKENS, take
 
 if TYPE_CHECKING:
@@ -113,6 +114,11 @@ class PrefillWorker:
     @property
     def busy(self) -> bool:
         return self.current is not None
+
+    def running(self) -> str:
+        """What the worker runs now, as a neighbour's factor depends on it."""
+        return neighbour_class(sum(n for _, n, _, _ in self.current[0])
+                               if self.current else 0)
 
     def _finish(self, now: float) -> None:
         (group, compute, _), sim = self.current, self.sim

@@ -47,6 +47,11 @@ from common.cost_profile import (
 )
 from common.records import CostCoefficients
 
+NEIGHBOURS = ("decode", "short prefill", "long prefill")
+# Prompt tokens in a step from which it computes more than it reads: the two live loads'
+# prompts (48-80 and 577-960 tokens, batched up to 1,777) fall well either side.
+LONG_PREFILL_TOKENS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class Profile:
@@ -70,6 +75,11 @@ class Profile:
     # computes, and a busy neighbour slows the two unequally; () uses ``contention``.
     decode_contention: tuple[float, ...] = ()
     prefill_contention: tuple[float, ...] = ()
+    # How much of a busy process a neighbour counts as, by what it runs
+    # ((step kind, neighbour's NEIGHBOURS class, weight); ``fit.host.neighbour_weights``,
+    # services/sim/trace_factors.py): live, a decode step beside a long prompt's prefill
+    # ran as if alone, beside another decode at the two-busy factor. Absent: 1.
+    neighbour_weights: tuple[tuple[str, str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("kv_bytes_per_token", "block_size", "kv_blocks", "link_bandwidth"):
@@ -94,6 +104,7 @@ class Profile:
                    kv_blocks=blocks, link_bandwidth=cp.link_bandwidth,
                    pool_bandwidth=cp.pool_bandwidth, contention=cp.contention,
                    token_overhead_s=cp.token_overhead_s, decode_shape=decode_shape(cp),
+                   neighbour_weights=neighbour_weights(cp),
                    **{f"{kind}_contention": host_factors(cp, kind)
                       for kind in ("decode", "prefill")})
 
@@ -147,6 +158,13 @@ class Profile:
         lo = int(k)
         return c[lo - 1] if lo == len(c) else c[lo - 1] + (k - lo) * (c[lo] - c[lo - 1])
 
+    def weight(self, kind: str, neighbour: str) -> float:
+        """The share of a busy process a neighbour running a ``neighbour`` step
+        (NEIGHBOURS) adds to the busy count a ``kind`` step is charged at; 1.0 unless
+        the profile measured it."""
+        return next((w for k, n, w in self.neighbour_weights
+                     if k == kind and n == neighbour), 1.0)
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """True seconds of one decode step."""
         if batch <= 0:
@@ -154,6 +172,18 @@ class Profile:
         k = self.cost
         return cost((k.decode_fixed_s, k.decode_per_seq_s, k.decode_per_ctx_token_s),
                     decode_terms(batch, context_tokens)) * self.shape(batch)
+
+    def served_decode_step_s(self, batch: float, context_tokens: float,
+                             busy: float = 1.0) -> float:
+        """One decode step as the simulator charges it on one shared host with ``busy``
+        processes busy (``Simulator(shared_host=True)``): the engine's step at the
+        measured shape times the host's decode factor, plus the serving path's overhead
+        per sequence. ``batch`` may be a mean (a fraction): the shape is linear in
+        log(batch) between calibrated batches."""
+        if batch <= 0:
+            return 0.0
+        return self.decode_step_s(batch, context_tokens) * self.contended(busy, "decode") \
+            + batch * self.token_overhead_s
 
     def shape(self, batch: int) -> float:
         """Measured over fitted decode step at ``batch``: linear in log(batch) between
@@ -182,6 +212,29 @@ def decode_shape(cp: CostProfile) -> tuple[tuple[int, float], ...]:
         if int(b) >= 1 and fitted > 0 and isinstance(seconds, int | float) and seconds > 0:
             by_batch.setdefault(int(b), []).append(seconds / fitted)
     return tuple((b, statistics.median(r)) for b, r in sorted(by_batch.items()))
+
+
+def neighbour_class(prefill_tokens: int) -> str:
+    """What a busy neighbour runs, as a step's factor depends on it: "decode" (no
+    prompt), a "short prefill" (memory- and launch-bound like a decode step) or a "long
+    prefill" (compute-bound) from ``LONG_PREFILL_TOKENS`` prompt tokens in the step."""
+    if prefill_tokens <= 0:
+        return "decode"
+    return "long prefill" if prefill_tokens >= LONG_PREFILL_TOKENS else "short prefill"
+
+
+def neighbour_weights(cp: CostProfile) -> tuple[tuple[str, str, float], ...]:
+    """``fit.host.neighbour_weights`` ({kind: {neighbour class: weight in [0, 1]}}) as
+    ``Profile.neighbour_weights``; () where absent, malformed entries left out."""
+    host = cp.fit.get("host") if isinstance(cp.fit, dict) else None
+    table = host.get("neighbour_weights") if isinstance(host, dict) else None
+    if not isinstance(table, dict):
+        return ()
+    return tuple((kind, n, float(w)) for kind, row in sorted(table.items())
+                 if kind in ("decode", "prefill") and isinstance(row, dict)
+                 for n, w in sorted(row.items())
+                 if n in NEIGHBOURS and isinstance(w, int | float)
+                 and not isinstance(w, bool) and 0 <= w <= 1)
 
 
 def host_factors(cp: CostProfile, kind: str) -> tuple[float, ...]:

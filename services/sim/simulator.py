@@ -149,12 +149,15 @@ class Simulator:
     def contention(self, worker: object, kind: str = "") -> float:
         """The step factor for ``worker`` starting work of ``kind`` ("decode" or
         "prefill") now: 1.0 unless the workers share one host, else the profile's for it
-        and the others busy at this moment."""
+        and the others busy at this moment, each weighted by what it runs
+        (``Profile.weight``: a neighbour's long prefill slows a decode step less than
+        its decode does)."""
         if not self.shared_host:
             return 1.0
-        return self.profile.contended(
-            1 + sum(1 for w in self.workers.values() if w is not worker and w.busy)
-            + self.serving_load(), kind)
+        prof = self.profile
+        return prof.contended(
+            1 + sum(prof.weight(kind, w.running()) for w in self.workers.values()
+                    if w is not worker and w.busy) + self.serving_load(), kind)
 
     def serving_load(self) -> float:
         """The share of a core the serving processes (gateway, conductor, clients) take

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from common.protocol import Heartbeat, StepSample
 from common.records import TtftSample
 from services.sim.kv_blocks import KVBlocks
+from services.sim.profiles import neighbour_class
 
 if TYPE_CHECKING:
     from services.sim.request import SimContext, SimRequest
@@ -82,6 +83,11 @@ class DecodeWorker:
     @property
     def busy(self) -> bool:
         return self.B > 0 or self.stalled
+
+    def running(self) -> str:
+        """What the worker runs now, as a neighbour's factor depends on it."""
+        return neighbour_class(sum(r.prompt - r.cached for r in self.prefilling)
+                               if self.stalled else 0)
 
     def need(self, req: SimRequest) -> int:
         return max(len(req.hashes), -(-(req.prompt + req.output) // self.prof.block_size))
