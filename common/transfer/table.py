@@ -153,7 +153,7 @@ class TransferTable:
         if heads != WHOLE or request_id in self._slices:
             verdict = self._verify_slice(transfer, layer, block_ids, payload,
                                          expected_checksum, attempt, heads)
-        elif attempt == 0:
+        elif attempt == 0:  # the usual chunk: straight back
             return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0,
                                 actual, scatter)
         else:
@@ -194,14 +194,15 @@ class TransferTable:
         transfer._accept_chunk(payload.nbytes)
         return OK
 
-    def on_batch(self, batch: Batch, payload: memoryview, actual: int | None = None,
+    def on_batch(self, batch: Batch, payload: memoryview | None, actual: int | None = None,
                  scatter=None) -> Verdict:
         """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
         ``payload`` (their bytes back to back) is borrowed for the call. Its one checksum
         is checked before the first sink call: a mismatch asks for the whole batch again
         (or fails the transfer on the last attempt) having changed nothing but the bytes
         of a ``LandingSink``'s destinations, never ``landed``. ``actual``, ``scatter`` as
-        for ``on_chunk``."""
+        for ``on_chunk``; no ``payload``: the bytes are where ``where`` named, ``actual``
+        their digest (the tcp receiver read them there)."""
         request_id = batch.request_id
         transfer = self._live.get(request_id)
         if transfer is None or not self.admits(request_id, batch.token):
@@ -210,7 +211,7 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
-        landed = False  # whether the fused pass put the bytes where the sink wants them
+        landed = payload is None  # whether the bytes are where the sink wants them
         if actual is None and scatter is not None and self.lands:
             try:
                 actual = self._scatter(request_id, batch.layers, batch.block_ids,
@@ -232,7 +233,7 @@ class TransferTable:
                 verdict = self._sink_raised(request_id, batch.layers[0], exc)
             else:
                 verdict = OK
-                transfer._accept_chunk(payload.nbytes, len(batch.layers))
+                transfer._accept_chunk(sum(batch.sizes), len(batch.layers))
         else:
             verdict = OK
             take, layers, blocks, i, start = self._sink, batch.layers, batch.block_ids, 0, 0
@@ -263,17 +264,9 @@ class TransferTable:
             if request_id in self._finish_due and transfer.is_live:
                 self._settle(transfer, self._finish_due.pop(request_id))
 
-    def _verify(
-        self,
-        transfer: Transfer,
-        layer: int,
-        block_ids: list[int],
-        payload: memoryview,
-        expected_checksum: int,
-        attempt: int,
-        actual: int | None = None,
-        scatter=None,
-    ) -> Verdict:
+    def _verify(self, transfer: Transfer, layer: int, block_ids: list[int],
+                payload: memoryview, expected_checksum: int, attempt: int,
+                actual: int | None = None, scatter=None) -> Verdict:
         request_id = transfer.request_id
         take = self._sink
         if actual is None and scatter is not None and self.lands:
@@ -293,6 +286,13 @@ class TransferTable:
             return self._sink_raised(request_id, layer, exc)
         transfer._accept_chunk(payload.nbytes)
         return OK
+
+    def where(self, batch: Batch) -> list | None:
+        """The sink's destinations for ``batch`` (admitted), or None where it names none;
+        raising as the sink did (the caller fails the transfer)."""
+        landings, b = self._landings, batch
+        return None if landings is None else \
+            landings.where(b.request_id, b.layers, b.block_ids, b.sizes)
 
     def _scatter(self, request_id: str, layers: list[int], block_ids: list[list[int]],
                  sizes: list[int], payload: memoryview, scatter) -> int | None:
