@@ -8,13 +8,19 @@ alone."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 
 import pytest
 
-from common.transfer import TransferError, TransferState, make_receiver, make_sender, wire
-from common.transfer.frame_reader import FrameReader
+from common.transfer import (
+    TransferState,
+    frame_reader,
+    make_receiver,
+    make_sender,
+    wire,
+)
 from tests.test_transfer_batch import batch_message, raw_tcp, read_verdict
 
 TOKEN = secrets.token_bytes(16)
@@ -55,18 +61,62 @@ def chunks_of(count: int, size: int) -> list:
     return [(layer, [2 * layer, 5], os.urandom(size + 64 * layer)) for layer in range(count)]
 
 
-@pytest.mark.parametrize("count, size, pieces, staged", [
-    (8, 300_000, 1, False),  # 2.4 MB batches of 300 KB views: read straight into them
-    (30, 48 << 10, 4, True),  # 1.4 MB of 12 KiB views: staged, then one copy-and-hash
-])
-async def test_batches_land_where_the_sink_names(count, size, pieces, staged):
-    if staged:
-        pytest.importorskip("torch")
-        from kernels import cpu_copysum
-        if cpu_copysum.kernel(wait=True) is None:
-            pytest.skip("no vectorized copy-and-checksum kernel here")
-    chunks = chunks_of(count, size)
-    sink = Sink(chunks, pieces)
+@pytest.fixture
+def fillings(monkeypatch) -> list[int]:
+    """The destination counts of each batch read straight into a sink's destinations."""
+    made = []
+
+    class Counted(frame_reader.Filling):
+        def __init__(self, destinations, nbytes) -> None:
+            made.append(len(destinations))
+            super().__init__(destinations, nbytes)
+
+    monkeypatch.setattr(frame_reader, "Filling", Counted)
+    return made
+
+
+async def send_split(writer, message: bytes, payload_len: int) -> None:
+    """The message's header and first 1000 payload bytes, then, once the receiver had
+    them, the rest: a batch the reader must read the rest of, not one read ahead."""
+    cut = len(message) - payload_len + 1000
+    writer.write(message[:cut])
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.write(message[cut:])
+
+
+async def test_large_destinations_are_read_into_from_the_socket(fillings):
+    chunks = chunks_of(8, 300_000)  # 2.4 MB batches of 300 KB views
+    sink = Sink(chunks)
+    rx = make_receiver("tcp", sink=sink)
+    await rx.start()
+    try:
+        reader, writer = await raw_tcp(rx.address)
+        for rid in ("a", "b"):
+            transfer = rx.expect(rid, lease_s=30, token=TOKEN)
+            await send_split(writer, batch_message(rid, chunks, TOKEN),
+                             sum(len(c[2]) for c in chunks))
+            writer.write(wire.encode(wire.Finish(rid, 8, token=TOKEN)))
+            assert await read_verdict(reader) == wire.OK
+            await transfer.wait()
+            assert transfer.chunks_received == 8
+            assert sink.kv[rid] == b"".join(c[2] for c in chunks)
+        writer.close()
+    finally:
+        await rx.close()
+    assert fillings == [8, 8] and sink.called == []
+    layers = list(range(8))
+    assert sink.calls == [(step, rid, layers) for rid in ("a", "b")
+                          for step in ("landing", "landed")]
+
+
+async def test_small_destinations_get_the_payload_in_one_copy_and_hash_pass(fillings):
+    pytest.importorskip("torch")
+    from kernels import cpu_copysum
+    if cpu_copysum.kernel(wait=True) is None:
+        pytest.skip("no vectorized copy-and-checksum kernel here")
+    chunks = chunks_of(30, 48 << 10)  # 1.4 MB of 12 KiB views, as a decode worker's
+    sink = Sink(chunks, pieces=4)
     rx = make_receiver("tcp", sink=sink)
     await rx.start()
     tx = make_sender("tcp")
@@ -74,21 +124,16 @@ async def test_batches_land_where_the_sink_names(count, size, pieces, staged):
         for rid in ("a", "b", "c"):
             transfer = rx.expect(rid, lease_s=30, token=TOKEN)
             await tx.send_many(rx.address, rid, chunks, token=TOKEN)
-            await tx.finish(rx.address, rid, count, token=TOKEN)
+            await tx.finish(rx.address, rid, 30, token=TOKEN)
             await transfer.wait()
-            assert transfer.chunks_received == count
+            assert transfer.chunks_received == 30
             assert sink.kv[rid] == b"".join(c[2] for c in chunks)
-        [reader] = [c for c in rx._connections if isinstance(c, FrameReader)]
-        # Straight into the destinations: the reader never staged a payload.
-        assert (len(reader._payload) > 0) is staged
     finally:
         await tx.close()
         await rx.close()
-    assert sink.called == []  # every batch landed in place, none through the call
-    landed = [c for c in sink.calls if c[0] == "landed"]
-    assert sorted({c[1] for c in landed}) == ["a", "b", "c"]
-    assert sorted(layer for c in landed for layer in c[2]) == sorted(list(range(count)) * 3)
-    assert len(sink.calls) == 2 * len(landed)  # one landing_many per landed_many
+    assert fillings == [] and sink.called == []  # copied in, never through the call
+    assert sink.calls == [(step, rid, list(range(30))) for rid in ("a", "b", "c")
+                          for step in ("landing", "landed")]
 
 
 async def test_a_corrupted_batch_read_in_place_is_never_landed_and_comes_again():
@@ -127,24 +172,25 @@ async def test_a_corrupted_batch_read_in_place_is_never_landed_and_comes_again()
 ])
 async def test_a_sink_that_cannot_take_the_batch_fails_its_transfer_alone(answer, reason):
     chunks = chunks_of(4, 300_000)
+    whole = b"".join(c[2] for c in chunks)
     sink = Sink(chunks, answer=answer)
     rx = make_receiver("tcp", sink=sink)
     await rx.start()
-    tx = make_sender("tcp")
     try:
+        reader, writer = await raw_tcp(rx.address)
         transfer = rx.expect("bad", lease_s=30, token=TOKEN)
-        await tx.send_many(rx.address, "bad", chunks, token=TOKEN)
-        with pytest.raises(TransferError) as err:
-            await tx.finish(rx.address, "bad", 4, token=TOKEN)
-        assert err.value.reason.startswith(reason)
+        await send_split(writer, batch_message("bad", chunks, TOKEN), len(whole))
+        verdict = await read_verdict(reader)  # a failure is written at once
+        assert verdict.status is wire.Status.FAILED and verdict.reason.startswith(reason)
         assert transfer.state is TransferState.FAILED and transfer.error.startswith(reason)
         assert [c[0] for c in sink.calls] == ["landing"] and sink.called == []
         sink.answer = None  # the same connection serves the next transfer
         good = rx.expect("good", lease_s=30, token=TOKEN)
-        await tx.send_many(rx.address, "good", chunks, token=TOKEN)
-        await tx.finish(rx.address, "good", 4, token=TOKEN)
+        await send_split(writer, batch_message("good", chunks, TOKEN), len(whole))
+        writer.write(wire.encode(wire.Finish("good", 4, token=TOKEN)))
+        assert await read_verdict(reader) == wire.OK
         await good.wait()
-        assert sink.kv["good"] == b"".join(c[2] for c in chunks)
+        assert sink.kv["good"] == whole
+        writer.close()
     finally:
-        await tx.close()
         await rx.close()

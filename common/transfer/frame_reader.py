@@ -4,9 +4,10 @@ A ``BufferedProtocol`` rather than a ``StreamReader``: the event loop ``recv_int
 straight into this reader's buffers, so a payload reaches the sink without passing
 through an intermediate stream buffer or a ``bytes`` copy. Per connection it holds::
 
-    ahead    1 MiB                  what the socket had, read in one go: prefixes,
-                                    headers, payloads that fit; grown for a larger header
-    payload  largest chunk so far   the rest of a payload that did not fit, received
+    ahead    4 MiB + 64 KiB         what the socket had, read in one go: prefixes,
+                                    headers, payloads (the rest of one that fits its
+                                    room read in after it); grown for a larger header
+    payload  largest chunk so far   a payload that does not fit there, received
                                     straight into place; reused, grown, never shrunk
     scratch  1 MiB                  sink for payloads nobody wants (unknown request id)
 
@@ -65,7 +66,7 @@ from common.transfer.table import TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
 
-_AHEAD_BYTES = 1 << 20
+_AHEAD_BYTES = batch.MAX_BYTES + (64 << 10)  # a whole BATCH and its header, in place
 _EXACT_BYTES = 256 << 10  # a payload larger than this is read straight into place
 _SLACK_BYTES = 4096
 _WAKE_BYTES = 1 << 20  # at most a quarter of the receive buffer tcp.py asks for
@@ -162,8 +163,7 @@ class FrameReader(asyncio.BufferedProtocol):
                 self._complete(None)
 
     def _landed_into(self, nbytes: int) -> None:
-        filling = self._filling
-        filling.took(nbytes)
+        (filling := self._filling).took(nbytes)
         if filling.left < self._wake:  # never wait for more than will come
             self._wake_at(filling.left or 1)
         if not filling.left:
@@ -282,12 +282,13 @@ class FrameReader(asyncio.BufferedProtocol):
                 and self._lands_directly(message, self._ahead[start : start + have]):
             return
         if wanted:
-            if len(self._payload) < size:
-                # A new buffer rather than a resize: a view the sink wrongly kept must
-                # not make the resize fail with BufferError.
-                self._payload = bytearray(size)
-            self._view = memoryview(self._payload)[:size]
-            self._view[:have] = self._ahead[start : start + have]
+            if start + size <= len(self._ahead):  # the rest read in after it: no copy
+                self._view = self._ahead[start : start + size]
+            else:  # a new buffer, not a resize: a view the sink wrongly kept must not
+                if len(self._payload) < size:  # make the resize fail (BufferError)
+                    self._payload = bytearray(size)
+                self._view = memoryview(self._payload)[:size]
+                self._view[:have] = self._ahead[start : start + have]
             self._hasher = xxhash.xxh3_64(self._view[:have])  # seed 0, as wire.checksum
             self._filled = have
             self._stage = _Stage.PAYLOAD
@@ -298,10 +299,9 @@ class FrameReader(asyncio.BufferedProtocol):
             self._stage = _Stage.DISCARD
 
     def _lands_directly(self, message: batch.Batch, have: memoryview) -> bool:
-        """For a batch whose sink names destinations: read the rest of it straight into
-        them where they are large (``_DIRECT_BYTES`` each on average: a recv apiece),
-        hashing as it lands; where they are small, stage it and copy it there in one
-        copy-and-hash pass at the end. False (nothing done) where the sink names none."""
+        """A batch whose sink names large destinations (a recv apiece) is read into them,
+        hashed as it lands; small ones get the staged payload copied in at the end.
+        False (nothing done) where the sink names none or they are small."""
         try:
             dests = self._table.where(message)
             if dests is not None and self._payload_len >= _DIRECT_BYTES * len(dests):
