@@ -91,24 +91,28 @@ def goal(kind: str, mib: int) -> float | None:
 class Landing:
     """The receiving side's sink: each layer's bytes land at ``layer x size`` of one
     destination buffer (pre-faulted, as a worker's KV cache is), where a backend that
-    copies them out of somewhere (shm) puts them, or, called with them, it copies them
-    there itself; tcp's read out of the socket is its landing (``land=False``)."""
+    copies them out of somewhere (shm) puts them, a batch's at once (one view a layer),
+    or, called with them, it copies them there itself; tcp's read out of the socket is
+    its landing (``land=False``)."""
 
     def __init__(self, land: bool) -> None:
         self.land, self.buffer = land, memoryview(bytearray())
 
     def __call__(self, rid: str, layer: int, blocks: list[int], payload: memoryview) -> None:
         if self.land:
-            self.landing(rid, layer, blocks, payload.nbytes)[0][:] = payload
+            self.landing_many(rid, [layer], [blocks], [payload.nbytes])[0][:] = payload
 
-    def landing(self, rid: str, layer: int, blocks: list[int], nbytes: int) -> list | None:
+    def landing_many(self, rid: str, layers: list[int], blocks: list[list[int]],
+                     sizes: list[int]) -> list | None:
         if not self.land:
             return None
-        if (layer + 1) * nbytes > len(self.buffer):  # in the warm-up: zeroed, so faulted in
-            self.buffer = memoryview(bytearray(max(layer + 1, LAYERS) * nbytes))
-        return [self.buffer[layer * nbytes : (layer + 1) * nbytes]]
+        if (max(layers) + 1) * max(sizes) > len(self.buffer):  # in the warm-up: zeroed,
+            self.buffer = memoryview(bytearray(max(max(layers) + 1, LAYERS) * max(sizes)))
+        buf = self.buffer  # so faulted in
+        return [buf[at * n : (at + 1) * n] for at, n in zip(layers, sizes, strict=True)]
 
-    def landed(self, rid: str, layer: int, blocks: list[int], nbytes: int) -> None:
+    def landed_many(self, rid: str, layers: list[int], blocks: list[list[int]],
+                    sizes: list[int]) -> None:
         pass
 
 

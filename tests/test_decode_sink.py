@@ -67,6 +67,30 @@ def test_the_views_refuse_what_does_not_fit():
     assert landing.views(0, [], 0) == []
 
 
+def test_the_views_of_a_batch_are_each_layers_in_turn():
+    cache = KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, torch.float32)
+    landing = KVLanding.of(cache)
+    ids, block = [6, 2, 3, 9], SIZE * HEADS * DIM * 4
+    size = 2 * block * len(ids)
+    many = landing.views_many([2, 0, 1], ids, [size] * 3)
+    one = [v for layer in (2, 0, 1) for v in landing.views(layer, ids, size)]
+    assert [v.nbytes for v in many] == [v.nbytes for v in one] == [block, 2 * block, block] * 6
+    raw = torch.randn(3, 2, len(ids), SIZE, HEADS, DIM)
+    write_through(many, raw.view(torch.uint8).numpy().tobytes())
+    for i, layer in enumerate((2, 0, 1)):
+        assert torch.equal(cache.k[layer, ids], raw[i, 0])
+        assert torch.equal(cache.v[layer, ids], raw[i, 1])
+    # Any layer, block or size out of place refuses the whole batch, before any view.
+    with pytest.raises(ValueError, match="layer 3 outside 0..2"):
+        landing.views_many([0, 3], ids, [size] * 2)
+    with pytest.raises(ValueError, match=r"block ids out of range 0..9"):
+        landing.views_many([0, 1], [1, 10], [4 * block] * 2)
+    with pytest.raises(ValueError, match=f"KV payload of {size - 4} bytes for 4 blocks"):
+        landing.views_many([0, 1], ids, [size, size - 4])
+    with pytest.raises(ValueError, match="2 layers, 1 sizes"):
+        landing.views_many([0, 1], ids, [size])
+
+
 def test_unusual_caches_are_declined():
     def cache(**kw):
         return KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, kw.pop("dtype", torch.float32), **kw)
@@ -208,3 +232,55 @@ async def test_an_shm_transfer_lands_through_the_fused_pass(tiny_dirs, make_engi
     assert sink.received_bytes == sum(len(c[2]) for c in chunks)
     for layer, _, raw in chunks:
         assert bytes(b.kv_store.export_layer_bytes(layer, want)) == raw
+
+
+def test_the_decode_sink_lands_a_batch_in_two_calls(tiny_dirs, make_engine):
+    """``landing_many`` / ``landed_many``: every layer's chunk in the reserved blocks,
+    counted once the batch is verified; a batch naming other blocks (a hostile peer) or
+    a request no longer waiting (aborted mid-transfer) is a clear error, nothing counted."""
+    engine = make_engine(tiny_dirs["llama"], dtype="float32")
+    prompt = random_prompts([70], seed=4)[0]
+
+    async def go():
+        loop = EngineLoop(lambda outputs, step_s: None)
+        await loop.start(lambda: engine)
+        try:
+            slots = await loop.run(lambda e: e.reserve_remote_prefill(
+                "r", prompt, SamplingParams(max_tokens=2)))
+            metrics, remote = Metrics(), {"r": Remote(slots, None, "", 0.0)}
+            sink = DecodeSink(remote, loop, metrics, lambda: False)
+            want = slots.block_ids[slots.num_cached_blocks:]
+            store = engine.kv_store
+            size = store.block_nbytes // store.num_layers * len(want)
+            layers = list(range(store.num_layers))
+            blocks = [list(want) for _ in layers]
+            raws = [torch.randn(2, len(want), *store.k.shape[2:]).view(torch.uint8)
+                    .numpy().tobytes() for _ in layers]
+            write_through(sink.landing_many("r", layers, blocks, [size] * len(layers)),
+                          b"".join(raws))
+            before = sink.received_bytes
+            sink.landed_many("r", layers, blocks, [size] * len(layers))
+            after = sink.received_bytes
+            errors = []
+            hostile = [list(want) for _ in layers]
+            hostile[-1] = [b + 1 for b in want]
+            for rid, ids, sizes in (("r", hostile, [size] * len(layers)),
+                                    ("r", blocks, [size] * (len(layers) - 1) + [size + 1]),
+                                    ("x", blocks, [size] * len(layers))):
+                with pytest.raises(TransferError) as err:
+                    sink.landing_many(rid, layers, ids, sizes)
+                errors.append(str(err.value))
+            del remote["r"]  # aborted while its last batch was being verified
+            with pytest.raises(TransferError, match="no KV expected for r"):
+                sink.landed_many("r", layers, blocks, [size] * len(layers))
+            await loop.run(lambda e: e.abort("r"))
+        finally:
+            await loop.stop()
+        return want, raws, before, after, sink.received_bytes, \
+            metrics.kv_transfer_bytes.total, errors
+    want, raws, before, after, received, counted, errors = asyncio.run(go())
+    assert before == 0 and after == received == counted == sum(map(len, raws))
+    for layer, raw in enumerate(raws):
+        assert bytes(engine.kv_store.export_layer_bytes(layer, want)) == raw
+    assert "reserved" in errors[0] and f"{[b + 1 for b in want][:4]}" in errors[0]
+    assert "KV payload of" in errors[1] and errors[2] == "no KV expected for x"

@@ -184,3 +184,64 @@ async def test_a_sink_that_declines_takes_the_chunk_through_its_call(mod):
     table.on_finish("r", 1, TOKEN)
     assert sink.called == ["r"] and sink.landed_chunks["r"] == []
     assert transfer.state is TransferState.DONE and transfer.bytes_received == 5000
+
+
+class ManySink(Sink):
+    """A sink with the batch forms: one call each a batch, never the per-chunk ones."""
+
+    def __init__(self, chunks: list, rids: list[str]) -> None:
+        super().__init__(chunks, rids)
+        self.calls: list[tuple[str, str, list[int]]] = []
+
+    def landing(self, rid, layer, block_ids, nbytes):
+        raise AssertionError("the per-chunk form is not called when the batch form is there")
+
+    def landing_many(self, rid, layers, block_ids, sizes):
+        self.calls.append(("landing", rid, list(layers)))
+        return [v for layer, size in zip(layers, sizes, strict=True)
+                for v in Sink.landing(self, rid, layer, None, size)]
+
+    def landed_many(self, rid, layers, block_ids, sizes):
+        self.calls.append(("landed", rid, list(layers)))
+        self.landed_chunks[rid].extend(layers)
+
+
+async def test_a_sink_with_batch_forms_is_asked_once_a_batch(mod, monkeypatch):
+    chunks = [(layer, [1, 2], os.urandom(20000 + 3 * layer)) for layer in range(30)]
+    sink = ManySink(chunks, ["ok", "bad"])
+    real = shm_sender.stage_many
+
+    spoil = []
+
+    def stage_many(destination, sources):  # "bad" spoiled on both attempts
+        digest = real(destination, sources)
+        if spoil:
+            destination[7] ^= 1
+        return digest
+
+    monkeypatch.setattr(shm_sender, "stage_many", stage_many)
+    rx = make_receiver("shm", sink=sink)
+    await rx.start()
+    tx = make_sender("shm")
+    try:
+        transfers = {}
+        for rid in ("ok", "bad"):
+            if rid == "bad":
+                spoil.append(rid)
+            transfers[rid] = rx.expect(rid, lease_s=30, token=TOKEN)
+            try:
+                await tx.send_many(rx.address, rid, chunks, token=TOKEN)
+                await tx.finish(rx.address, rid, len(chunks), token=TOKEN)
+            except TransferError as exc:
+                assert rid == "bad" and "checksum mismatch" in exc.reason
+        await transfers["ok"].wait()
+    finally:
+        await tx.close()
+        await rx.close()
+    layers = list(range(30))
+    assert sink.calls == [("landing", "ok", layers), ("landed", "ok", layers),
+                          ("landing", "bad", layers), ("landing", "bad", layers)]
+    assert sink.kv["ok"] == b"".join(c[2] for c in chunks)
+    assert sink.landed_chunks == {"ok": layers, "bad": []} and sink.called == []
+    assert transfers["bad"].state is TransferState.FAILED
+    assert transfers["ok"].chunks_received == 30

@@ -75,6 +75,12 @@ class LandingSink(Protocol):
     verification is never ``landed``: it is sent again into the same place, or the
     transfer fails as on any checksum mismatch. Either method raising fails the transfer
     as the call raising does. Backends without such a pass call the sink as usual.
+
+    Optional, and what a receiver calls where a sink has them: the same two steps for a
+    whole BATCH at once, ``landing_many(request_id, layers, block_ids, sizes)`` (every
+    chunk's buffers, back to back in payload order, or None for the whole batch) and
+    ``landed_many(request_id, layers, block_ids, sizes)``, the columns as ``batch.Batch``
+    holds them (``landing.py``). One call each a batch instead of one each a chunk.
     """
 
     def __call__(self, request_id: str, layer: int, block_ids: list[int],

@@ -4,10 +4,10 @@ A ``BufferedProtocol`` rather than a ``StreamReader``: the event loop ``recv_int
 straight into this reader's buffers, so a payload reaches the sink without passing
 through an intermediate stream buffer or a ``bytes`` copy. Per connection it holds::
 
-    ahead    1 MiB                  what the socket had, read in one go: prefixes,
-                                    headers, and payloads that fit (handed to the sink
-                                    from here); grown only for a header larger than it
-    payload  largest chunk so far   the rest of a payload that did not fit, received
+    ahead    4 MiB + 64 KiB         what the socket had, read in one go: prefixes,
+                                    headers, payloads (the rest of one that fits its
+                                    room read in after it); grown for a larger header
+    payload  largest chunk so far   a payload that does not fit there, received
                                     straight into place; reused, grown, never shrunk
     scratch  1 MiB                  sink for payloads nobody wants (unknown request id)
 
@@ -26,10 +26,11 @@ every 100-200 KiB the kernel happens to hold (89 turns for a 16 MiB request of 3
 before, each 10-20 µs of Python on top of the copy). It goes back to 1 byte between
 messages. Linux wakes a reader at end of stream whatever the mark.
 
-A payload read straight into place is hashed as it comes in, each piece right after the
-kernel copied it there (still in cache), and the table is handed that checksum: the
-receiver's own bytes, hashed once, rather than a second pass over the whole payload
-after its last byte (16 MiB read back from memory).
+A payload read straight into place is hashed as it comes in, each piece while in cache,
+and the table is handed that checksum (not a second pass after its last byte). Where
+the sink names a BATCH's destinations (``landing.py``), that place is theirs: large ones
+(``_DIRECT_BYTES`` on average) are read into from the socket; a payload in ``ahead`` or
+staged for small ones is copied there and hashed in one pass. No sink copy follows.
 
 Every CHUNK and BATCH is answered with one VERDICT (``wire.py``) on this connection, in the order
 the chunks arrived. Urgent ones (``wire.is_urgent``) are written at once; the others
@@ -60,15 +61,17 @@ import structlog
 import xxhash
 
 from common.transfer import batch, wire
+from common.transfer.landing import Filling, scatterer
 from common.transfer.table import TransferTable
 
 log = structlog.get_logger("pdserve.transfer")
 
-_AHEAD_BYTES = 1 << 20
+_AHEAD_BYTES = batch.MAX_BYTES + (64 << 10)  # a whole BATCH and its header, in place
 _EXACT_BYTES = 256 << 10  # a payload larger than this is read straight into place
 _SLACK_BYTES = 4096
 _WAKE_BYTES = 1 << 20  # at most a quarter of the receive buffer tcp.py asks for
 _SCRATCH_BYTES = 1 << 20
+_DIRECT_BYTES = 128 << 10  # a sink's destinations this large are read into directly
 VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
 VERDICT_BATCH_BYTES = 16 << 20  # what the sender keeps until they come
 _CARRIERS = (wire.Chunk, batch.Batch)  # the messages with a payload and a verdict
@@ -127,6 +130,8 @@ class FrameReader(asyncio.BufferedProtocol):
                 return self._ahead[self._end : self._start + self._head + _SLACK_BYTES]
             return self._ahead[self._end :]
         if stage is _Stage.PAYLOAD:
+            if self._filling is not None:  # straight into the sink's destinations
+                return self._filling.buffer
             return self._view[self._filled :]
         if stage is _Stage.DISCARD:
             return self._scratch[: min(self._discard_left, len(self._scratch))]
@@ -138,20 +143,32 @@ class FrameReader(asyncio.BufferedProtocol):
             self._end += nbytes
             self._parse()
         elif stage is _Stage.PAYLOAD:
+            if self._filling is not None:
+                self._landed_into(nbytes)
+                return
             filled = self._filled
             self._filled = filled + nbytes
-            self._hasher.update(self._view[filled : self._filled])
+            if self._scatter is None:  # else hashed as the bytes land in their place
+                self._hasher.update(self._view[filled : self._filled])
             left = len(self._view) - self._filled
             if left < self._wake:  # never wait for more than will come
                 self._wake_at(left or 1)
             if not left:
                 self._stage = _Stage.AHEAD
-                self._complete(self._view, self._hasher.intdigest())
+                self._complete(self._view, None if self._scatter else self._hasher.intdigest())
         elif stage is _Stage.DISCARD:
             self._discard_left -= nbytes
             if not self._discard_left:
                 self._stage = _Stage.AHEAD
                 self._complete(None)
+
+    def _landed_into(self, nbytes: int) -> None:
+        (filling := self._filling).took(nbytes)
+        if filling.left < self._wake:  # never wait for more than will come
+            self._wake_at(filling.left or 1)
+        if not filling.left:
+            self._stage = _Stage.AHEAD
+            self._complete(None, filling.digest())
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -185,6 +202,9 @@ class FrameReader(asyncio.BufferedProtocol):
         self._message: wire.Message | None = None
         self._verdict: wire.Verdict | None = None  # decided before the payload arrived
         self._payload_len = 0
+        self._filling: Filling | None = None  # the sink's destinations, read into
+        self._scatter = None  # copies a staged payload into the sink's destinations
+        self._where: list | None = None  # those destinations
 
     def _parse(self) -> None:
         """Apply every whole message in ``ahead``; start on the payload of a message
@@ -258,13 +278,17 @@ class FrameReader(asyncio.BufferedProtocol):
             self._complete(self._ahead[start : start + size] if wanted else None)
             return
         self._start = self._end = 0
+        if wanted and type(message) is batch.Batch and self._table.lands \
+                and self._lands_directly(message, self._ahead[start : start + have]):
+            return
         if wanted:
-            if len(self._payload) < size:
-                # A new buffer rather than a resize: a view the sink wrongly kept must
-                # not make the resize fail with BufferError.
-                self._payload = bytearray(size)
-            self._view = memoryview(self._payload)[:size]
-            self._view[:have] = self._ahead[start : start + have]
+            if start + size <= len(self._ahead):  # the rest read in after it: no copy
+                self._view = self._ahead[start : start + size]
+            else:  # a new buffer, not a resize: a view the sink wrongly kept must not
+                if len(self._payload) < size:  # make the resize fail (BufferError)
+                    self._payload = bytearray(size)
+                self._view = memoryview(self._payload)[:size]
+                self._view[:have] = self._ahead[start : start + have]
             self._hasher = xxhash.xxh3_64(self._view[:have])  # seed 0, as wire.checksum
             self._filled = have
             self._stage = _Stage.PAYLOAD
@@ -273,6 +297,29 @@ class FrameReader(asyncio.BufferedProtocol):
         else:
             self._discard_left = size - have
             self._stage = _Stage.DISCARD
+
+    def _lands_directly(self, message: batch.Batch, have: memoryview) -> bool:
+        """A batch whose sink names large destinations (a recv apiece) is read into them,
+        hashed as it lands; small ones get the staged payload copied in at the end.
+        False (nothing done) where the sink names none or they are small."""
+        try:
+            dests = self._table.where(message)
+            if dests is not None and self._payload_len >= _DIRECT_BYTES * len(dests):
+                self._filling = Filling(dests, self._payload_len)
+        except Exception as exc:
+            log.exception("kv_transfer.sink_raised", request_id=message.request_id)
+            self._verdict = self._table.fail(
+                message.request_id, f"sink raised {type(exc).__name__}: {exc}")
+            self._discard_left, self._stage = self._payload_len - len(have), _Stage.DISCARD
+            return True
+        if self._filling is None:
+            if dests is not None:
+                self._scatter, self._where = scatterer(True), dests
+            return False
+        self._stage = _Stage.PAYLOAD
+        self._filling.fill(have)  # what came with the header
+        self._wake_at(min(self._filling.left, _WAKE_BYTES))
+        return True
 
     def _wake_at(self, nbytes: int) -> None:
         """Have the event loop wake this reader once ``nbytes`` can be read."""
@@ -288,13 +335,13 @@ class FrameReader(asyncio.BufferedProtocol):
         it came in."""
         message, verdict = self._message, self._verdict
         if type(message) in _CARRIERS and verdict is None:
-            if payload is None:  # not live (dropped here) or refused (by admits)
+            if payload is None and self._filling is None:  # not live, or refused (admits)
                 if not self._table.is_live(message.request_id):
                     self._table.drop(message.request_id, "chunk")
                 verdict = wire.DROPPED
             elif type(message) is batch.Batch:
                 self._carried.add(message.request_id)
-                verdict = self._table.on_batch(message, payload, actual)
+                verdict = self._on_batch(message, payload, actual)
             else:
                 self._carried.add(message.request_id)
                 verdict = self._table.on_chunk(
@@ -327,6 +374,20 @@ class FrameReader(asyncio.BufferedProtocol):
                 self._flush_verdicts()
         self._begin_message()
 
+    def _on_batch(self, message: batch.Batch, payload: memoryview | None,
+                  actual: int | None) -> wire.Verdict:
+        scatter = self._scatter
+        if payload is not None and scatter is not None and self._where is not None:
+            try:  # staged: into the sink's destinations now, hashed in the same pass
+                actual, payload = scatter(payload, self._where), None
+            except Exception as exc:
+                log.exception("kv_transfer.sink_raised", request_id=message.request_id)
+                return self._table.fail(message.request_id,
+                                        f"sink raised {type(exc).__name__}: {exc}")
+        elif payload is not None and actual is None:  # whole in ``ahead``
+            scatter = scatterer(self._table.lands)
+        return self._table.on_batch(message, payload, actual, scatter)
+
     def _flush_verdicts(self) -> None:
         if not self._transport.is_closing():
             self._transport.write(b"".join(self._verdicts))
@@ -336,3 +397,4 @@ class FrameReader(asyncio.BufferedProtocol):
     def _protocol_error(self, reason: str) -> None:
         log.warning("kv_transfer.protocol_error", peer=self._peer, error=reason)
         self.abort()
+

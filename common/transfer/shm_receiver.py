@@ -9,6 +9,7 @@ import structlog
 
 from common.transfer import control, wire
 from common.transfer.batch import Batch
+from common.transfer.landing import scatterer
 from common.transfer.shm import OK_FRAMES, SCHEME, VERSION, read_chunk, verdict_frame
 from common.transfer.shm_segment import (
     SHM_DIR,
@@ -18,7 +19,6 @@ from common.transfer.shm_segment import (
     unlink_prefix,
 )
 from common.transfer.table_receiver import TableReceiver
-from kernels import cpu_copysum
 
 log = structlog.get_logger("pdserve.transfer")
 
@@ -121,8 +121,7 @@ class _Peer(asyncio.Protocol):
                 view = self._view(slot, generation, offset, length)
                 # Copying out of the segment is the one pass over the bytes: hash them
                 # as they land where the sink wants them (where it names a place).
-                kernel = cpu_copysum.kernel() if table.lands else None
-                scatter = None if kernel is None else kernel.scatter_all
+                scatter = scatterer(table.lands)
                 if type(msg) is Batch:
                     verdict = table.on_batch(msg, view, None, scatter)
                 else:

@@ -21,6 +21,7 @@ import structlog
 
 from common.transfer.base import ChunkSink, SliceSink, Transfer, TransferState
 from common.transfer.batch import Batch
+from common.transfer.landing import Landings
 from common.transfer.slices import SliceLedger
 from common.transfer.wire import DROPPED, MAX_ATTEMPTS, OK, WHOLE, Status, Verdict, checksum
 
@@ -43,9 +44,9 @@ class TransferTable:
         self._sink = sink
         # A sink that offers destinations (base.LandingSink) has a chunk copied into them
         # and hashed in the same pass where the backend can (``scatter``), instead.
-        self._landing = getattr(sink, "landing", None)
-        self._landed = getattr(sink, "landed", None) if self._landing else None
-        self.lands = self._landed is not None  # whether a backend's fused pass is of use
+        # Asked once a batch, not once a chunk (``landing.py``).
+        self._landings = Landings.of(sink)
+        self.lands = self._landings is not None  # whether a backend's fused pass is of use
         self._slice_sink = slice_sink  # None: head slices are refused
         # Per live transfer sent as head slices (slices.py): the heads landed so far.
         self._slices: dict[str, SliceLedger] = {}
@@ -152,7 +153,7 @@ class TransferTable:
         if heads != WHOLE or request_id in self._slices:
             verdict = self._verify_slice(transfer, layer, block_ids, payload,
                                          expected_checksum, attempt, heads)
-        elif attempt == 0:
+        elif attempt == 0:  # the usual chunk: straight back
             return self._verify(transfer, layer, block_ids, payload, expected_checksum, 0,
                                 actual, scatter)
         else:
@@ -193,14 +194,15 @@ class TransferTable:
         transfer._accept_chunk(payload.nbytes)
         return OK
 
-    def on_batch(self, batch: Batch, payload: memoryview, actual: int | None = None,
+    def on_batch(self, batch: Batch, payload: memoryview | None, actual: int | None = None,
                  scatter=None) -> Verdict:
         """Verify a BATCH's chunks (``batch.py``) and hand each to the sink, in order;
         ``payload`` (their bytes back to back) is borrowed for the call. Its one checksum
         is checked before the first sink call: a mismatch asks for the whole batch again
         (or fails the transfer on the last attempt) having changed nothing but the bytes
         of a ``LandingSink``'s destinations, never ``landed``. ``actual``, ``scatter`` as
-        for ``on_chunk``."""
+        for ``on_chunk``; no ``payload``: the bytes are where ``where`` named, ``actual``
+        their digest (the tcp receiver read them there)."""
         request_id = batch.request_id
         transfer = self._live.get(request_id)
         if transfer is None or not self.admits(request_id, batch.token):
@@ -209,14 +211,14 @@ class TransferTable:
             return DROPPED
         if request_id in self._slices:
             return self.fail(request_id, "a transfer mixes head slices and whole chunks")
-        tell = None  # the sink's ``landed``, once the fused pass landed the bytes
+        landed = payload is None  # whether the bytes are where the sink wants them
         if actual is None and scatter is not None and self.lands:
             try:
-                entries = zip(batch.layers, batch.block_ids, batch.sizes, strict=True)
-                actual = self._scatter(request_id, entries, payload, scatter)
+                actual = self._scatter(request_id, batch.layers, batch.block_ids,
+                                       batch.sizes, payload, scatter)
             except Exception as exc:
                 return self._sink_raised(request_id, batch.layers[0], exc)
-            tell = self._landed if actual is not None else None
+            landed = actual is not None
         if actual is None:
             actual = checksum(payload)  # one pass over every byte the batch holds
         if actual != batch.checksum:
@@ -224,15 +226,20 @@ class TransferTable:
             verdict = self._mismatch(transfer, layers[0], batch.block_ids[0], batch.checksum,
                                      actual, batch.attempt,
                                      f"layers {layers[0]}..{layers[-1]} ({len(layers)} chunks)")
+        elif landed:  # in place already: one word to the sink for the whole batch
+            try:
+                self._landings.landed(request_id, batch.layers, batch.block_ids, batch.sizes)
+            except Exception as exc:
+                verdict = self._sink_raised(request_id, batch.layers[0], exc)
+            else:
+                verdict = OK
+                transfer._accept_chunk(sum(batch.sizes), len(batch.layers))
         else:
             verdict = OK
             take, layers, blocks, i, start = self._sink, batch.layers, batch.block_ids, 0, 0
             try:
                 for i, size in enumerate(batch.sizes):
-                    if tell is None:
-                        take(request_id, layers[i], blocks[i], payload[start : start + size])
-                    else:  # in place already: no view sliced out for the sink
-                        tell(request_id, layers[i], blocks[i], size)
+                    take(request_id, layers[i], blocks[i], payload[start : start + size])
                     start += size
             except Exception as exc:
                 transfer._accept_chunk(start, i)  # those it took before raising
@@ -257,22 +264,14 @@ class TransferTable:
             if request_id in self._finish_due and transfer.is_live:
                 self._settle(transfer, self._finish_due.pop(request_id))
 
-    def _verify(
-        self,
-        transfer: Transfer,
-        layer: int,
-        block_ids: list[int],
-        payload: memoryview,
-        expected_checksum: int,
-        attempt: int,
-        actual: int | None = None,
-        scatter=None,
-    ) -> Verdict:
+    def _verify(self, transfer: Transfer, layer: int, block_ids: list[int],
+                payload: memoryview, expected_checksum: int, attempt: int,
+                actual: int | None = None, scatter=None) -> Verdict:
         request_id = transfer.request_id
         take = self._sink
         if actual is None and scatter is not None and self.lands:
             try:
-                actual = self._scatter(request_id, ((layer, block_ids, payload.nbytes),),
+                actual = self._scatter(request_id, [layer], [block_ids], [payload.nbytes],
                                        payload, scatter)
             except Exception as exc:
                 return self._sink_raised(request_id, layer, exc)
@@ -288,22 +287,23 @@ class TransferTable:
         transfer._accept_chunk(payload.nbytes)
         return OK
 
-    def _scatter(self, request_id: str, entries, payload: memoryview, scatter) -> int | None:
-        """The digest of ``payload`` as ``scatter`` landed it in the sink's destinations
-        for ``entries`` (``(layer, block_ids, size)`` each, back to back), or None, having
-        copied nothing, where the sink declines one: the sink call takes them then."""
-        destinations = []
-        for layer, block_ids, size in entries:
-            views = self._landing(request_id, layer, block_ids, size)
-            if views is None:
-                return None
-            destinations.extend(views)
-        return scatter(payload, destinations)
+    def where(self, batch: Batch) -> list | None:
+        """The sink's destinations for ``batch`` (admitted), or None where it names none;
+        raising as the sink did (the caller fails the transfer)."""
+        landings, b = self._landings, batch
+        return None if landings is None else \
+            landings.where(b.request_id, b.layers, b.block_ids, b.sizes)
+
+    def _scatter(self, request_id: str, layers: list[int], block_ids: list[list[int]],
+                 sizes: list[int], payload: memoryview, scatter) -> int | None:
+        """The digest of ``payload`` as ``scatter`` landed it where the sink names, or
+        None, having copied nothing, where it declines (its call takes the chunks)."""
+        destinations = self._landings.where(request_id, layers, block_ids, sizes)
+        return None if destinations is None else scatter(payload, destinations)
 
     def _take_landed(self, request_id: str, layer: int, block_ids: list[int],
-                     payload: memoryview) -> None:
-        """The sink call of a verified chunk its ``landing`` destinations already hold."""
-        self._landed(request_id, layer, block_ids, payload.nbytes)
+                     payload: memoryview) -> None:  # a verified chunk, in place already
+        self._landings.landed(request_id, [layer], [block_ids], [payload.nbytes])
 
     def _sink_raised(self, request_id: str, layer: int, exc: Exception) -> Verdict:
         log.exception("kv_transfer.sink_raised", request_id=request_id, layer=layer)

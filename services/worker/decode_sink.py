@@ -80,6 +80,36 @@ class DecodeSink:
         self._reserved(rid, block_ids)
         self.count(nbytes)
 
+    def landing_many(self, rid: str, layers: list[int], block_ids: list[list[int]],
+                     sizes: list[int]) -> list[memoryview] | None:
+        """``landing`` for a batch's chunks at once (``common/transfer/landing.py``): the
+        same checks, every chunk's blocks the reserved ones, each layer in range."""
+        want = self._reserved_all(rid, block_ids)
+        if self._ranks():
+            return None
+        try:
+            return self._loop.landing_many(layers, want, sizes)
+        except ValueError as exc:
+            raise TransferError(str(exc)) from exc
+
+    def landed_many(self, rid: str, layers: list[int], block_ids: list[list[int]],
+                    sizes: list[int]) -> None:
+        """The batch ``landing_many`` placed was verified: count it."""
+        self._reserved_all(rid, block_ids)
+        self.count(sum(sizes))
+
+    def _reserved_all(self, rid: str, block_ids: list[list[int]]) -> list[int]:
+        """The blocks ``rid`` waits for KV into; ``TransferError`` unless every chunk's
+        ``block_ids`` are exactly those (a request's layers all name the same blocks)."""
+        remote = self._remote.get(rid)
+        if remote is None:
+            raise TransferError(f"no KV expected for {rid}")
+        want = remote.slots.block_ids[remote.slots.num_cached_blocks:]
+        if block_ids.count(want) != len(block_ids):  # compared at C speed
+            bad = next(b for b in block_ids if b != want)
+            raise TransferError(f"KV for blocks {bad[:4]}…, reserved {want[:4]}…")
+        return want
+
     def count(self, nbytes: int) -> None:
         self.received_bytes += nbytes
         self._metrics.kv_transfer_bytes.inc(nbytes)

@@ -221,6 +221,12 @@ class EngineLoop:
         landing = self._landing
         return None if landing is None else landing.views(layer, block_ids, nbytes)
 
+    def landing_many(self, layers: Sequence[int], block_ids: Sequence[int],
+                     sizes: Sequence[int]) -> list[memoryview] | None:
+        """``landing`` for several layers' chunks of the same ``block_ids``, back to back."""
+        landing = self._landing
+        return None if landing is None else landing.views_many(layers, block_ids, sizes)
+
     def import_layer_slice(self, layer: int, block_ids: Sequence[int],
                            heads: tuple[int, int, int], payload: memoryview) -> None:
         """``import_layer`` for one tensor-parallel rank's slice of the KV heads (the same

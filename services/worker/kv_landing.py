@@ -57,21 +57,33 @@ class KVLanding:
         """The K spans of ``block_ids`` in ``layer``, then their V spans, ``nbytes`` in
         all; ``ValueError`` for a layer or block id out of range, or a length that is not
         that many blocks (as ``KVCache.import_layer_bytes``)."""
-        if not (isinstance(layer, int) and 0 <= layer < self._num_layers):
-            raise ValueError(f"layer {layer} outside 0..{self._num_layers - 1}")
+        return self.views_many((layer,), block_ids, (nbytes,))
+
+    def views_many(self, layers: Sequence[int], block_ids: Sequence[int],
+                   sizes: Sequence[int]) -> list[memoryview]:
+        """``views`` of each of ``layers`` in turn (``sizes[i]`` bytes for ``layers[i]``)
+        for the same ``block_ids``, back to back: the ids checked and cut into runs once,
+        not once a layer. The same ``ValueError``s, before any view is made."""
+        if len(layers) != len(sizes):
+            raise ValueError(f"{len(layers)} layers, {len(sizes)} sizes")
+        for layer in layers:
+            if not (isinstance(layer, int) and 0 <= layer < self._num_layers):
+                raise ValueError(f"layer {layer} outside 0..{self._num_layers - 1}")
         ids = [int(b) for b in block_ids]
         if ids and (min(ids) < 0 or max(ids) >= self._num_blocks):
             raise ValueError(f"block ids out of range 0..{self._num_blocks - 1}")
-        if nbytes != 2 * self._block * len(ids):
-            raise ValueError(f"KV payload of {nbytes} bytes for {len(ids)} blocks of "
+        nbytes = 2 * self._block * len(ids)
+        if sizes.count(nbytes) != len(sizes):
+            bad = next(n for n in sizes if n != nbytes)
+            raise ValueError(f"KV payload of {bad} bytes for {len(ids)} blocks of "
                              f"{2 * self._block} bytes")
-        spans = _runs(ids)
-        base = layer * self._num_blocks
+        spans = [(first * self._block, count * self._block) for first, count in _runs(ids)]
         out = []
-        for whole in (self._k, self._v):
-            for first, count in spans:
-                at = (base + first) * self._block
-                out.append(whole[at : at + count * self._block])
+        for layer in layers:
+            base = layer * self._num_blocks * self._block
+            for whole in (self._k, self._v):
+                for at, size in spans:
+                    out.append(whole[base + at : base + at + size])
         return out
 
 
