@@ -76,6 +76,31 @@ def test_dot_path_equals_the_rounding_reference(dot, lens, block_size, kv_heads,
         assert torch.equal(got, row.repeat_interleave(heads // kv_heads, 0)[None])
 
 
+def test_dot_path_reads_queries_in_place_and_threads_split_by_work(dot):
+    # q as the model hands it over (rows of the fused QKV projection); one thread and
+    # two give the same bits, each thread with its own rounded q and probabilities.
+    lens = [600, 3, 5, 400, 7, 9, 11, 250]
+    q, k_cache, v_cache, tables, ctx = _cache(lens, 16, 3, 9, 64, seed=3)
+    kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
+    wide = torch.randn(len(lens), 9 * 64 + 2 * 3 * 64)
+    wide[:, :9 * 64] = q.reshape(len(lens), -1)
+    qv = wide[:, :9 * 64].view(len(lens), 9, 64)
+    assert not qv.is_contiguous()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty_like(q)
+            attention_paged_cpu.paged_decode(qv, kb, vb, tables, ctx, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), _dot_reference(q, kb, vb, tables, ctx),
+                               rtol=0, atol=DOT_ATOL)
+
+
 @pytest.mark.parametrize("spike", [0, 701, 999])
 def test_dot_path_one_dominant_token_in_a_long_context(dot, spike):
     # Score ~ +200 for one key, ~ 0 for 999 others: p rounds to 1 there and to 0 elsewhere
