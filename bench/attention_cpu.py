@@ -6,7 +6,7 @@
                                   [--quantization none|int8|w8a16|...]
                                   [--kv-cache-dtype auto|bfloat16]
     python bench/attention_cpu.py --kernel-only [--batch 64] [--threads 1]
-                                  [--kv-cache-dtype auto,bfloat16]
+                                  [--kv-cache-dtype auto,bfloat16,bfloat16-widen]
 
 One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
 between ``TorchAttention("gather")`` (each decode group's context copied out of the
@@ -28,7 +28,9 @@ the same bytes (the streaming floor); thread CPU time at one thread, wall time a
 ``--kv-cache-dtype`` (EngineConfig.kv_cache_dtype): ``bfloat16`` runs the engine with a
 bfloat16 KV cache (half the bytes attention reads). With ``--kernel-only`` it takes a
 comma-separated list, timed in turn round by round (``auto``: float32), each with its
-own floor over its own bytes and the float32 floor for comparison.
+own floor over its own bytes and the float32 floor for comparison; ``bfloat16`` is the
+kernel's default on that cache (bf16 dot products where the CPU has AVX512_BF16),
+``bfloat16-widen`` its widening path on the same bytes.
 """
 
 from __future__ import annotations
@@ -90,9 +92,11 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
         first += k
     f32 = [(torch.randn(first, bs, kv, dim), torch.randn(first, bs, kv, dim))
            for _ in range(layers)]
-    names = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
-    caches = {d: f32 if names[d] == torch.float32 else [(k.to(names[d]), v.to(names[d]))
-                                                        for k, v in f32] for d in kv_dtypes}
+    names = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "bfloat16-widen": torch.bfloat16}
+    bf16 = ([(k.bfloat16(), v.bfloat16()) for k, v in f32]
+            if any(names[d] == torch.bfloat16 for d in kv_dtypes) else [])
+    caches = {d: f32 if names[d] == torch.float32 else bf16 for d in kv_dtypes}
     ctx = torch.tensor(lens)
     q = torch.randn(batch, heads, dim)
     out = torch.empty_like(q)
@@ -103,8 +107,11 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
             fn(kc, vc)
         return (clock() - t0) / layers * 1e3
 
-    def kernel(kc, vc):
-        attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, out)
+    def kernel(kc, vc, widen=False):
+        attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, out, widen=widen)
+
+    def widened(kc, vc):
+        kernel(kc, vc, widen=True)
 
     def floor(kc, vc):
         return kc.sum(), vc.sum()
@@ -114,7 +121,8 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
     best: dict = {}
     for _ in range(5):  # round by round, so a noisy neighbour hits every dtype alike
         for d in kv_dtypes:
-            for name, fn in (("kernel", kernel), ("floor", floor)):
+            for name, fn in (("kernel", widened if d.endswith("-widen") else kernel),
+                             ("floor", floor)):
                 t = timed(caches[d], fn)
                 best[d, name] = min(best.get((d, name), t), t)
         best["f32", "floor"] = min(best.get(("f32", "floor"), 1e9), timed(f32, floor))

@@ -5,13 +5,16 @@ with kernels/cpu_build.py. How it works and why: that module's docstring.
 """
 
 from kernels.cpu_avx512_math import AVX512_MATH
+from kernels.cpu_bf16_dot import BF16_DOT
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,6 +36,7 @@ struct Args {
   const T* k; const T* v; const int64_t* tables; const int64_t* lens;
   float* out; int64_t out_row;
   int64_t H, D, BS, CAP, KV, R, W; float scale;  // CAP: a head's row of scores
+  bool dot;  // bf16 only: dot products on bf16 (seq_dot), not widening to float
 };
 
 // a . b over D floats (D a multiple of 16), in 16 lanes then summed (vectorizable
@@ -92,7 +96,7 @@ static inline __m512 load16(const bf16* p) {  // 16 bf16 widened: each to a floa
 // Elements a prefetch of one 64-byte line skips ahead (a row's d-th vector is d * L in).
 template <typename T> constexpr int PF = 64 / (L * sizeof(T));
 
-""" + AVX512_MATH + r"""
+""" + AVX512_MATH + BF16_DOT + r"""
 // Scores of one query head (its queries, pre-scaled, in qv) over m <= 16 tokens whose K
 // rows (this KV head's part) start at kr, row floats apart: lane t is token t's score.
 // pf: the same rows of a block read later, whose rows t % R == phase are prefetched.
@@ -240,7 +244,8 @@ static void run(const Args<T>& a, int64_t n, const std::vector<int64_t>& cost) {
     bounds[p] = i;
   }
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(H * D), sb(H * CAP), mx(H), sum(H), qs(H * D);
+    std::vector<float> acc(H * (D + L)), sb(H * CAP), mx(H), sum(H), qs(H * D);
+    std::vector<uint16_t> pb(a.dot ? H * CAP : 0), qb(a.dot ? H * D : 0);
     // The blocks in the order this thread reads them (a sequence's K blocks, then its V
     // blocks, then the next sequence's): while one is read, the one AHEAD places later
     // is asked for into L2, a token row at a time (a burst of a whole block's lines at
@@ -257,6 +262,11 @@ static void run(const Args<T>& a, int64_t n, const std::vector<int64_t>& cost) {
     for (int64_t i = bounds[p0]; i < bounds[p1]; ++i) {
 #if defined(__AVX512F__)
       const T* const* ahead = order.data() + start[i - bounds[p0]] + AHEAD;
+#if defined(PDSERVE_BF16_DOT)
+      if constexpr (std::is_same_v<T, bf16>)
+        if (a.dot && seq_dots(a, i, ahead, acc.data(), sb.data(), pb.data(), qb.data(), sum.data()))
+          continue;
+#endif
       switch (D / L) {
         case 1: seq_avx512<1>(a, i, ahead, acc.data(), sb.data(), qs.data(), sum.data()); continue;
         case 2: seq_avx512<2>(a, i, ahead, acc.data(), sb.data(), qs.data(), sum.data()); continue;
@@ -270,17 +280,29 @@ static void run(const Args<T>& a, int64_t n, const std::vector<int64_t>& cost) {
   });
 }
 
+// Whether seq_dot is built in and this CPU runs it (a built file may meet another CPU).
+bool has_bf16_dot() {
+#if defined(PDSERVE_BF16_DOT)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 // out[i, h*R + r, :] = softmax(q_r . K^T * scale) V over sequence i's first lens[i]
 // cached tokens, for every KV head h; K/V rows read from the cache through the table.
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& tables,
-                  const torch::Tensor& lens, const torch::Tensor& out, double scale) {
+                  const torch::Tensor& lens, const torch::Tensor& out, double scale, bool dot) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 &&
               k_cache.dtype() == v_cache.dtype() && (k_cache.dtype() == torch::kFloat32 ||
                                                      k_cache.dtype() == torch::kBFloat16),
               "paged_decode: float32 queries over a float32 or bfloat16 cache only");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64,
               "paged_decode: block tables and lengths must be int64");
+  TORCH_CHECK(!dot || (k_cache.dtype() == torch::kBFloat16 && has_bf16_dot()),
+              "paged_decode: bfloat16 dot products need a bfloat16 cache and AVX512_BF16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
               tables.is_contiguous() && lens.is_contiguous(),
               "paged_decode: contiguous cache, tables and lengths only");
@@ -315,11 +337,11 @@ void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   if (k_cache.dtype() == torch::kBFloat16)
     run(Args<bf16>{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<bf16>(),
                    v_cache.data_ptr<bf16>(), tp, lp, out.data_ptr<float>(), out.stride(0),
-                   H, D, BS, CAP, KV, H / KV, W, s}, n, cost);
+                   H, D, BS, CAP, KV, H / KV, W, s, dot}, n, cost);
   else
     run(Args<float>{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
                     v_cache.data_ptr<float>(), tp, lp, out.data_ptr<float>(), out.stride(0),
-                    H, D, BS, CAP, KV, H / KV, W, s}, n, cost);
+                    H, D, BS, CAP, KV, H / KV, W, s, false}, n, cost);
 }
 
 // A decode-only step's layer in one call: k/v rows (views of the fused q/k/v projection)
@@ -328,7 +350,7 @@ void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
 torch::Tensor write_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& slots, const torch::Tensor& tables,
-                           const torch::Tensor& lens) {
+                           const torch::Tensor& lens, bool dot) {
   const int64_t T = slots.size(0), KV = k_cache.size(2), D = k_cache.size(3), row = KV * D;
   TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 &&
               k_cache.dtype() == v_cache.dtype() && (k_cache.dtype() == torch::kFloat32 ||
@@ -356,12 +378,14 @@ torch::Tensor write_decode(const torch::Tensor& q, const torch::Tensor& k, const
   else
     write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   torch::Tensor out = torch::empty(q.sizes(), q.options());  // scale: as Python's D ** -0.5
-  paged_decode(q, k_cache, v_cache, tables, lens, out, std::pow(static_cast<double>(D), -0.5));
+  paged_decode(q, k_cache, v_cache, tables, lens, out, std::pow(static_cast<double>(D), -0.5),
+               dot);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
   m.def("write_decode", &write_decode, py::call_guard<py::gil_scoped_release>());
+  m.def("has_bf16_dot", &has_bf16_dot);
 }
 """

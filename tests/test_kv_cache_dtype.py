@@ -50,8 +50,9 @@ def test_bf16_kernel_is_the_float32_kernel_over_rounded_values(lens, block_size,
     q, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=3)
     kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
     got = torch.full_like(q, float("nan"))
-    attention_paged_cpu.paged_decode(q, kb, vb, tables, ctx, got)
-    # Widening is exact: the same arithmetic on the same values, bit for bit.
+    attention_paged_cpu.paged_decode(q, kb, vb, tables, ctx, got, widen=True)
+    # Widening is exact: the same arithmetic on the same values, bit for bit. (Without
+    # widen, a CPU with AVX512_BF16 takes dot products: tests/test_paged_kernel_bf16_dot.py.)
     want = torch.full_like(q, float("nan"))
     attention_paged_cpu.paged_decode(q, kb.float(), vb.float(), tables, ctx, want)
     assert torch.equal(got, want)
@@ -59,7 +60,7 @@ def test_bf16_kernel_is_the_float32_kernel_over_rounded_values(lens, block_size,
                                rtol=1e-5, atol=1e-5)
     # And not the unrounded cache's answer: the rounding is what the test sees.
     unrounded = torch.empty_like(q)
-    attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, unrounded)
+    attention_paged_cpu.paged_decode(q, k_cache, v_cache, tables, ctx, unrounded, widen=True)
     assert not torch.equal(got, unrounded)
 
 
@@ -114,12 +115,19 @@ def test_bf16_write_decode_refuses_a_bad_slot_before_writing():
     assert torch.equal(kc, k_cache.bfloat16()) and torch.equal(vc, v_cache.bfloat16())
 
 
+def _widen(monkeypatch) -> None:
+    """The paged kernel widens bfloat16 K/V (v8) even where it could take bf16 dot
+    products (v9, which rounds q and p too): the path held to float32 bit for bit."""
+    monkeypatch.setattr(attention_paged_cpu, "_dot", lambda mod, k_cache, widen: False)
+
+
 @pytest.mark.parametrize("path", ["paged", "chunked", "gather"])
-def test_backend_on_a_bf16_cache_equals_float32_over_rounded_kv(path):
+def test_backend_on_a_bf16_cache_equals_float32_over_rounded_kv(path, monkeypatch):
     # Decodes and a prefill chunk with a cached prefix, in one step: each torch path on
     # the bfloat16 cache equals itself on a float32 cache holding the rounded values.
     if path == "paged" and not attention_paged_cpu.available():
         pytest.skip("no compiled kernel")
+    _widen(monkeypatch)
     lens = [9, 16, 17, 4]
     _, k_cache, v_cache, tables, ctx = _cache(lens, 4, 2, 6, 16, seed=5)
     q, k, v = _qkv_rows(7, 6, 2, 16, seed=6)
@@ -155,13 +163,14 @@ class _RoundingBackend(TorchAttention):
 
 @pytest.mark.parametrize("quantization", ["none", "w4a16"])
 def test_engine_bf16_kv_tokens_equal_float32_over_rounded_kv(tiny_dirs, make_engine,
-                                                             quantization):
+                                                             quantization, monkeypatch):
     # w4a16 steps of <= 8 rows run the fused layers (kernels/cpu_layer.py) around attention.
     prompts = [[1, 5, 9, 200, 17, 3, 3, 8, 40, 41, 42, 7, 6, 5, 4, 3, 2, 100, 101],
                [1, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     runs = {}
     path = "paged" if attention_paged_cpu.available() else "chunked"
+    _widen(monkeypatch)
     for kv in ("bfloat16", "auto"):
         engine = make_engine(tiny_dirs["llama"], dtype="float32", block_size=4,
                              num_kv_blocks=64, kv_cache_dtype=kv, quantization=quantization)
@@ -255,3 +264,29 @@ def test_bf16_kv_moves_between_bf16_engines_and_continues_as_one(tiny_dirs, make
     got = [_continue_in_b(None, b, p, params, lambda _dir, hooks: engine(hooks))
            for p in prompts]
     assert got == want and all(len(t) == 20 for t in got)
+
+
+@pytest.mark.slow
+def test_default_model_chat_answers_on_bf16_dot_products_equal_float32_kv():
+    """The default model, w4a16 (the configuration the batch-64 decode benchmark runs),
+    on the five chat prompts: with a bfloat16 cache on the kernel's default path (bf16
+    dot products where the CPU has AVX512_BF16, q and p rounded too) every answer is
+    the float32-KV engine's token for token, each chosen token's log-probability within
+    0.1 (measured: up to 0.042). The widening path parts from float32 at the fourth
+    answer's last token, a near tie (tests/test_default_model.py); this one does not."""
+    from services.engine.engine import LLMEngine
+    from services.engine.weights import DEFAULT_MODEL
+    from tests.test_default_model import CHAT_PROMPTS, _chat_params, _logprobs
+
+    if not attention_paged_cpu.bf16_dot():
+        pytest.skip("no AVX512_BF16 (or no compiler): the cache takes the widening path")
+    runs = {}
+    for kv in ("auto", "bfloat16"):
+        engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
+                                        quantization="w4a16", kv_cache_dtype=kv))
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                   for p in CHAT_PROMPTS]
+        runs[kv] = engine.generate(prompts, _chat_params())
+    assert [o.token_ids for o in runs["bfloat16"]] == [o.token_ids for o in runs["auto"]]
+    assert len(_logprobs(runs["bfloat16"])) == 5 * 24
+    assert _logprobs(runs["bfloat16"]) == pytest.approx(_logprobs(runs["auto"]), abs=0.1)

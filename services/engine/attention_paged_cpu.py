@@ -31,6 +31,18 @@ instantiation of the same loops reads bfloat16 rows and widens each to float32 i
 registers (a 16-bit shift, exact), so the arithmetic is the float32 kernel's over the
 rounded values at half the bytes read; ``write_decode`` rounds new rows to the cache's
 type as ``Tensor.to`` does (nearest, ties to even).
+
+Where the CPU has AVX512_BF16 (the build targets it and the CPU says so at run time,
+:func:`bf16_dot`), a bfloat16 cache takes bf16 dot products instead (v9,
+kernels/cpu_bf16_dot.py): widening every element and multiplying in float was the
+bound once K/V were in L1, and ``vdpbf16ps`` does 32 bf16 multiply-adds in one
+instruction. Scores: q rounded to bfloat16 once per sequence and head, one accumulator
+per token against its K row, 16 tokens summed across lanes at once. Values: the
+probabilities rounded to bfloat16 (their float sum, of the rounded values, normalises),
+V rows paired two tokens at a time (unpacklo/hi, shared by a KV head's query heads)
+against the broadcast pair (p_t, p_t+1). So the output is attention with q and p
+carrying 8 significant bits (tests/test_paged_kernel_bf16_dot.py: within 1e-3 of a
+reference rounding the same way); ``widen=True`` keeps the exact path.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import torch
 from kernels.cpu_build import CppKernel
 from kernels.cpu_paged_decode import SOURCE
 
-_KERNEL = CppKernel("pdserve_paged_decode_v8", SOURCE,
+_KERNEL = CppKernel("pdserve_paged_decode_v9", SOURCE,
                     "decode attention gathers K/V chunks in torch instead")
 
 
@@ -64,17 +76,34 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and head_dim % 16 == 0 and q.shape[1] % kv_heads == 0)
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, context_lens, out) -> None:
+def bf16_dot() -> bool:
+    """Whether the built kernel has the bfloat16 dot-product path (v9) and this CPU runs
+    it (AVX512_BF16); builds the kernel, waiting, on first call."""
+    mod = _KERNEL.module()
+    return mod is not None and mod.has_bf16_dot()
+
+
+def _dot(mod, k_cache: torch.Tensor, widen: bool) -> bool:
+    return not widen and k_cache.dtype == torch.bfloat16 and mod.has_bf16_dot()
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, *,
+                 widen: bool = False) -> None:
     """Write into ``out`` ``[n, heads, dim]`` the attention of ``q`` ``[n, heads, dim]``
     (one query per sequence) over each sequence's first ``context_lens[i]`` cached tokens,
-    through ``block_tables`` ``[n, width]``; bad ids or lengths: ``RuntimeError``."""
-    _KERNEL.module().paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
-                                  q.shape[-1] ** -0.5)
+    through ``block_tables`` ``[n, width]``; bad ids or lengths: ``RuntimeError``. A
+    bfloat16 cache takes the dot-product path where :func:`bf16_dot` (q and the
+    probabilities rounded to bfloat16), or with ``widen`` the widening one (exact)."""
+    mod = _KERNEL.module()
+    mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
+                     q.shape[-1] ** -0.5, _dot(mod, k_cache, widen))
 
 
-def write_decode(q, k, v, k_cache, v_cache, slots, tables, lens):
+def write_decode(q, k, v, k_cache, v_cache, slots, tables, lens, *, widen: bool = False):
     """Decodes only: ``k``/``v`` ``[n, kv_heads, dim]`` written at ``slots`` ``[n]`` (as
     ``index_copy_``), then :func:`paged_decode` of ``q`` into a new tensor. A bad slot:
     ``RuntimeError``, nothing written; a bad block id or length: the same before any
     read (as ``index_copy_`` then :func:`paged_decode` did)."""
-    return _KERNEL.module().write_decode(q, k, v, k_cache, v_cache, slots, tables, lens)
+    mod = _KERNEL.module()
+    return mod.write_decode(q, k, v, k_cache, v_cache, slots, tables, lens,
+                            _dot(mod, k_cache, widen))
