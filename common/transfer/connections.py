@@ -198,7 +198,7 @@ class ConnectionSender(KVSender):
             for layer, blocks, view in items:
                 await self.send(address, request_id, layer, blocks, view, token=token)
             return
-        if self._coalescer is not None:
+        if self._coalescer is not None and self._coalescer.busy:
             await self._coalescer.flush(address, request_id)  # what send queued goes first
         if type(items) is batch.Run:  # the usual request: one batch, its columns already built
             layers, blocks, views, sizes = items.layers, items.blocks, items.views, items.sizes
@@ -231,7 +231,7 @@ class ConnectionSender(KVSender):
                      token: bytes) -> None:
         message = wire.Finish(request_id, num_chunks, token)
         wire.validate(message)
-        if self._coalescer is not None:
+        if self._coalescer is not None and self._coalescer.busy:
             await self._coalescer.flush(address, request_id)  # the FINISH comes after them
         request = self._requests.pop(request_id, None)
         if request is not None and request.failed is not None:
