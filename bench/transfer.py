@@ -14,7 +14,7 @@ built, else it hashes the segment and the sink copies). Figures are medians over
 repetitions after a warm-up, backend and limit alternating. Each transfer ends when its
 sender knows that all of it landed: a backend's at its verdict (``finish``), a limit's,
 which has none, when the receiving process says so (a stdout line); the backend's
-receiving process prints the same lines, read once a round for its CPU figure. A round
+receiving process prints one such line a round (its CPU figure), read then. A round
 of each side is as many whole transfers, one after another, as make ``--round-mib`` (8
 MiB: six 1.4 MiB transfers, one of 16 MiB or more), the same count on both sides;
 ``--round-mib 0`` times one transfer a round.
@@ -75,9 +75,8 @@ from bench.transfer_limits import (  # noqa: E402
 LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
 MIB = 1 << 20
-# A round of one 1.4 MiB transfer lasts about a millisecond: one burst of the machine's
-# other work in it moves that round's ratio by 2-3x either way. Rounds of several
-# transfers, the same number on both sides, average such bursts out.
+# A round of one 1.4 MiB transfer lasts about a millisecond: one burst of other work moves
+# its ratio 2-3x either way. Rounds of several transfers, as many a side, average that out.
 ROUND_MIB = 8.0
 
 
@@ -90,10 +89,9 @@ def goal(kind: str, mib: int) -> float | None:
 
 class Landing:
     """The receiving side's sink: each layer's bytes land at ``layer x size`` of one
-    destination buffer (pre-faulted, as a worker's KV cache is), where a backend that
-    copies them out of somewhere (shm) puts them, a batch's at once (one view a layer),
-    or, called with them, it copies them there itself; tcp's read out of the socket is
-    its landing (``land=False``)."""
+    destination buffer (pre-faulted, as a worker's KV cache is), where a backend that copies
+    them out of somewhere (shm) puts them, a batch's at once (one view a layer), or, called
+    with them, it copies them there; tcp's read out of the socket is its landing."""
 
     def __init__(self, land: bool) -> None:
         self.land, self.buffer = land, memoryview(bytearray())
@@ -116,7 +114,7 @@ class Landing:
         pass
 
 
-async def serve_backend(kind: str, count: str) -> None:
+async def serve_backend(kind: str, count: str, per_round: str = "1") -> None:
     from common.transfer import make_receiver
 
     with contextlib.suppress(ImportError):  # a receiver is a model worker, torch loaded:
@@ -131,9 +129,13 @@ async def serve_backend(kind: str, count: str) -> None:
     transfers = [rx.expect(f"r{i}", lease_s=600, token=t) for i, t in enumerate(tokens)]
     print(f"addr {rx.address}", flush=True)
     print("tokens " + ",".join(t.hex() for t in tokens), flush=True)
+    # A line a round, not a transfer (a write here, a wake-up and a read there): the
+    # backend's word that a transfer landed is its verdict; the limit's line is its only one.
+    every = int(per_round)
     for i, transfer in enumerate(transfers):
         await transfer.wait()
-        print(f"done r{i} {time.process_time()}", flush=True)
+        if (i + 1) % every == 0 or i + 1 == len(transfers):
+            print(f"done r{i} {time.process_time()}", flush=True)
     await rx.close()
 
 
@@ -172,14 +174,14 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[int], reps: int):
+async def backend(peer: Peer, kind: str, chunks, blocks: list[int], reps: int, per_round: int):
     from common.transfer import make_sender
 
-    sender, address = make_sender(kind), await peer.start("backend", kind, str(reps))
+    sender = make_sender(kind)
+    address = await peer.start("backend", kind, str(reps), str(per_round))
     tokens = [bytes.fromhex(t) for t in (await peer.line()).removeprefix("tokens ").split(",")]
 
     layers = [(layer, blocks, chunk) for layer, chunk in enumerate(chunks)]
-
     unread: list[int] = []
 
     async def one(rep: int) -> None:
@@ -190,10 +192,10 @@ async def backend(peer: Peer, kind: str, chunks: list[memoryview], blocks: list[
         unread.append(rep)
 
     async def settle() -> None:
-        """The receiving process's lines for the round's transfers (its CPU figure, and
-        each transfer done there too): read once a round, not waited for each time."""
-        while unread:
-            rep = unread.pop(0)
+        """The receiving process's line for the round (its CPU figure), read once a round:
+        after the round's last transfer (several() runs whole rounds), all done there."""
+        if unread:
+            rep, unread[:] = unread[-1], []
             if await peer.done() != f"done r{rep}":
                 raise RuntimeError(f"{kind} transfer r{rep} did not complete")
 
@@ -209,8 +211,7 @@ TRANSFER_ENDS = {"backend": "its verdict (finish)", "limit": "the receiver's std
 
 METRICS = [Metric("gbps", "throughput", "GB/s"),
            Metric("cpu_ms", "CPU of both processes per transfer", "ms", higher_is_better=False),
-           # Where that CPU goes: what a side's fixed per-request cost is made of shows
-           # in which process it is spent.
+           # Where that CPU goes: in which process a side's fixed per-request cost is spent.
            Metric("send_cpu_ms", "of it, the sending process", "ms", higher_is_better=False),
            Metric("recv_cpu_ms", "of it, the receiving process", "ms", higher_is_better=False)]
 
@@ -223,7 +224,7 @@ def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, rep
 
     async def open_both():
         ours = await stack.enter_async_context(
-            backend(peers[0], kind, chunks, blocks, (warmup + repeats) * per_round))
+            backend(peers[0], kind, chunks, blocks, (warmup + repeats) * per_round, per_round))
         limit = await stack.enter_async_context(LIMITS[kind](peers[1], chunks, payload))
         return ours, limit
 
@@ -291,14 +292,13 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
                    "limit_cpu_ms": report["sides"]["limit"]["cpu_ms"]["median"],
                    "cpu_ratio": ratio["cpu_ms"]["median"], "report": report}
             rows.append(row)
-            spread = ratio["gbps"]
 
             def med(side: str, key: str, sides=report["sides"]) -> float:
                 return sides[side][key]["median"]
             print(f"{kind:>4} {mib:>4} MiB ({len(blocks):>3} blocks) "
                   f"{row['backend_gbps']:7.2f} GB/s  limit {row['limit_gbps']:7.2f} GB/s  "
-                  f"{row['ratio']:4.2f}x [{spread['q1']:.2f}-{spread['q3']:.2f}, "
-                  f"n={spread['n']}]  CPU {row['backend_cpu_ms']:.2f} vs "
+                  f"{row['ratio']:4.2f}x [{ratio['gbps']['q1']:.2f}-{ratio['gbps']['q3']:.2f}, "
+                  f"n={ratio['gbps']['n']}]  CPU {row['backend_cpu_ms']:.2f} vs "
                   f"{row['limit_cpu_ms']:.2f} ms ({row['cpu_ratio']:.2f}x; send "
                   f"{med('backend', 'send_cpu_ms'):.2f} vs {med('limit', 'send_cpu_ms'):.2f}, "
                   f"receive {med('backend', 'recv_cpu_ms'):.2f} vs "

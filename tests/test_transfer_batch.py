@@ -315,6 +315,14 @@ def test_a_requests_layers_come_back_as_one_run_of_columns_and_flat_bytes():
     assert all(v.format == "B" and v.ndim == 1 for v in run.views)
     assert list(run) == [(0, [7, 3], run.views[0]), (5, [7, 3], run.views[1]),
                          (2, [7, 3], run.views[2])]
+    # Equal block lists that are not one list are one run all the same; other blocks in
+    # one chunk, or a chunk of two fields, are checked chunk by chunk.
+    same = _items([(0, [7, 3], b"ab"), (1, [7, 3], b"cd"), (2, list(blocks), b"ef")])
+    assert type(same) is Run and same.blocks == [7, 3] and same.layers == [0, 1, 2]
+    other = _items([(0, [7, 3], b"ab"), (1, [7, 4], b"cd")])
+    assert [(layer, runs) for layer, runs, _ in other] == [(0, [7, 3]), (1, [7, 4])]
+    with pytest.raises(ValueError, match="each chunk must be"):
+        _items([(0, blocks, b"ab"), (1, blocks)])
     # More chunks than one batch holds: the chunks one by one, for batch.groups.
     many = _items([(i, blocks, b"z") for i in range(MAX_CHUNKS + 1)])
     assert type(many) is list and len(many) == MAX_CHUNKS + 1

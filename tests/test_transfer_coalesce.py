@@ -48,7 +48,9 @@ async def test_a_requests_layers_sent_one_by_one_arrive_as_one_batch(pair):
     chunks = plan("r", [48 << 10] * 30)  # 1.4 MiB: a few hundred tokens, a layer each
     transfer = rx.expect("r", lease_s=10, token=TOKEN)
     await send_each(tx, rx.address, chunks)
+    assert tx._coalescer.busy  # queued: the FINISH must post them first
     await tx.finish(rx.address, "r", 30, token=TOKEN)
+    assert not tx._coalescer.busy  # nothing left for a later flush to do
     await transfer.wait()
     assert got == chunks  # every byte, in the order sent
     assert messages == [30]  # one message, one verdict

@@ -170,9 +170,9 @@ class Transfer:
 
     def _end(self, state: TransferState, error: str | None = None) -> bool:
         """Move to terminal ``state``; False (and no change) if already ended."""
-        if not self.is_live:
+        if self.state not in _LIVE:  # once a transfer: not through two properties
             return False
-        if state.is_live:
+        if state in _LIVE:
             raise ValueError(f"{state} is not a terminal state")
         self.state = state
         self.error = error

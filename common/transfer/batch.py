@@ -85,7 +85,7 @@ def encode(batch: Batch, checksum: int, payload_len: int) -> bytes:
         entries[2::_ENTRY] = array.array("Q", map(len, runs))
         if _BIG_ENDIAN:
             entries.byteswap()
-        if len(set(map(id, runs))) == 1:  # a request's layers share one block list
+        if runs.count(runs[0]) == count:  # a request's layers: one block list (C-speed count)
             blocks = _blocks_struct(len(runs[0])).pack(*runs[0]) * count
         else:
             flat = [b for run in runs for b in run]
@@ -138,7 +138,7 @@ def decode(raw: bytes | bytearray | memoryview, payload_len: int, start: int = 0
                         rid)
     first = counts[0]
     if first and counts.count(first) == count \
-            and bytes(raw[blocks_at : blocks_at + 8 * first]) * count == raw[blocks_at:]:
+            and bytes(raw[blocks_at : blocks_at + 8 * first]) * count == bytes(raw[blocks_at:]):
         # Every chunk names the same blocks (a request's layers): unpacked once, a list
         # of its own for each chunk all the same.
         run = list(_blocks_struct(first).unpack_from(raw, blocks_at))

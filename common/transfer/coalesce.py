@@ -74,6 +74,12 @@ class Coalescer:
         if len(queue.items) >= batch.MAX_CHUNKS or queue.nbytes >= batch.MAX_BYTES:
             await self.flush(address, request_id)
 
+    @property
+    def busy(self) -> bool:
+        """Whether anything is queued or being posted: else ``flush`` has nothing to do
+        (a request sent with ``send_many`` alone skips it)."""
+        return bool(self._queues or self._posting)
+
     async def flush(self, address: str, request_id: str) -> None:
         """Post what is queued for ``(address, request_id)`` now, in the caller's task
         (so its frame is corked with what the caller writes next), after the posts

@@ -17,6 +17,7 @@ A chunk's life on the sending side::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import structlog
@@ -197,7 +198,7 @@ class ConnectionSender(KVSender):
             for layer, blocks, view in items:
                 await self.send(address, request_id, layer, blocks, view, token=token)
             return
-        if self._coalescer is not None:
+        if self._coalescer is not None and self._coalescer.busy:
             await self._coalescer.flush(address, request_id)  # what send queued goes first
         if type(items) is batch.Run:  # the usual request: one batch, its columns already built
             layers, blocks, views, sizes = items.layers, items.blocks, items.views, items.sizes
@@ -230,7 +231,7 @@ class ConnectionSender(KVSender):
                      token: bytes) -> None:
         message = wire.Finish(request_id, num_chunks, token)
         wire.validate(message)
-        if self._coalescer is not None:
+        if self._coalescer is not None and self._coalescer.busy:
             await self._coalescer.flush(address, request_id)  # the FINISH comes after them
         request = self._requests.pop(request_id, None)
         if request is not None and request.failed is not None:
@@ -347,11 +348,17 @@ def _items(items: list) -> batch.Run | list[tuple[int, list[int], memoryview]]:
     taken apart again."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
-    if set(map(type, items)) <= _TUPLE and set(map(len, items)) == _THREE:
-        layers, blocks, payloads = zip(*items, strict=True)
+    columns = None
+    if set(map(type, items)) <= _TUPLE:
+        # Not all of three fields (ValueError): checked one by one below, with its error.
+        with contextlib.suppress(ValueError):
+            columns = tuple(zip(*items, strict=True))
+    if columns is not None and len(columns) == 3:
+        layers, blocks, payloads = columns
         shared = blocks[0]
-        if (wire._are_uints(list(layers)) and len(set(map(id, blocks))) == 1
-                and isinstance(shared, list | tuple) and wire._are_uints(list(shared))):
+        # One block list (or equal ones) for all: counted at C speed, by identity mostly.
+        if (wire._are_uints(layers) and isinstance(shared, list | tuple)
+                and _all_same(blocks, shared) and wire._are_uints(shared)):
             shared = list(shared)
             views = list(payloads) if batch.flat_views(payloads) else list(map(_flat, payloads))
             sizes = list(map(batch.NBYTES, views))
@@ -374,7 +381,15 @@ def _items(items: list) -> batch.Run | list[tuple[int, list[int], memoryview]]:
     return checked
 
 
-_TUPLE, _THREE = frozenset({tuple}), frozenset({3})
+_TUPLE = frozenset({tuple})
+
+
+def _all_same(values: tuple, first) -> bool:
+    """Whether all ``values`` are (or equal) ``first``; False where comparing raises."""
+    try:
+        return values.count(first) == len(values)
+    except (TypeError, ValueError):
+        return False
 
 
 def _flat(payload) -> memoryview:

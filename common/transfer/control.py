@@ -124,6 +124,7 @@ def message(fields: dict, cls: type[wire.Message], extra: tuple[str, ...] = ()) 
 
 
 @functools.cache
+@functools.cache  # a few message types: not a set built a frame
 def _keys(cls: type[wire.Message], extra: tuple[str, ...]) -> frozenset[str]:
     return frozenset({"t", *cls._fields, *extra})
 

@@ -121,7 +121,7 @@ class _Peer(asyncio.Protocol):
                 view = self._view(slot, generation, offset, length)
                 # Copying out of the segment is the one pass over the bytes: hash them
                 # as they land where the sink wants them (where it names a place).
-                scatter = scatterer(table.lands)
+                scatter = self.rx.scatter()
                 if type(msg) is Batch:
                     verdict = table.on_batch(msg, view, None, scatter)
                 else:
@@ -173,6 +173,14 @@ class ShmReceiver(TableReceiver):
         super().__init__(host, port, **common)
         self.directory = directory
         self._server: asyncio.Server | None = None
+        self._scatter = None  # the fused copy-and-checksum pass, once there is one
+
+    def scatter(self):
+        """``landing.scatterer`` for this receiver's table, looked up until the kernel is
+        built, then kept (asked once a BATCH)."""
+        if self._scatter is None:
+            self._scatter = scatterer(self.table.lands)
+        return self._scatter
 
     async def _listen(self) -> int:
         loop = asyncio.get_running_loop()
