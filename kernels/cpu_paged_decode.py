@@ -386,6 +386,6 @@ torch::Tensor write_decode(const torch::Tensor& q, const torch::Tensor& k, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
   m.def("write_decode", &write_decode, py::call_guard<py::gil_scoped_release>());
-  m.def("has_bf16_dot", &has_bf16_dot);
+  m.def("has_bf16_dot", &has_bf16_dot, py::call_guard<py::gil_scoped_release>());
 }
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -358,13 +359,17 @@ def test_no_decode_worker_within_the_wait_fails_cleanly(model_dir, tmp_path, pro
 
 def test_request_right_after_a_conductor_restart_waits_for_a_worker(model_dir, tmp_path):
     """Sent when the restarted conductor answers but no worker has registered with it
-    yet (heartbeats every 3 s here, so that window is wide), a request waits for the
-    worker to come back instead of failing with "no live decode worker"."""
+    yet, a request waits for the worker to come back instead of failing with "no live
+    decode worker". The worker is held stopped (SIGSTOP) across the restart, so the
+    window is there however slowly a loaded host starts the conductor; it resumes once
+    the gateway says the request waits."""
     slow_beats = ["--heartbeat-interval-s", "3"]
     cluster = Cluster(str(model_dir), tmp_path, ["unified"], worker_args=slow_beats,
                       conductor_args=slow_beats)
     cluster.start()
+    pool = ThreadPoolExecutor(1)
     try:
+        cluster.signal("unified-0", signal.SIGSTOP)
         cluster.signal("conductor", signal.SIGKILL)
         cluster.restart("conductor")
         deadline = time.monotonic() + 30
@@ -376,12 +381,23 @@ def test_request_right_after_a_conductor_restart_waits_for_a_worker(model_dir, t
                 assert time.monotonic() < deadline, "the conductor did not come back"
                 time.sleep(0.05)
         assert not any(w.alive for w in workers)  # the window: nobody registered yet
+
+        def generate():
+            with Client(cluster.zmq_addr, timeout_s=60) as client:
+                return client.generate(prompt_token_ids=PROMPT, max_tokens=4,
+                                       temperature=0, ignore_eos=True)
+
         started = time.monotonic()
-        with Client(cluster.zmq_addr, timeout_s=60) as client:
-            done = client.generate(prompt_token_ids=PROMPT, max_tokens=4, temperature=0,
-                                   ignore_eos=True)
+        future = pool.submit(generate)
+        log = cluster.procs["gateway"].log
+        while "waiting for a decode worker" not in log.read_text():
+            assert time.monotonic() - started < 5, "the request did not wait"
+            assert not future.done(), future.result()
+            time.sleep(0.02)
+        cluster.signal("unified-0", signal.SIGCONT)
+        done = future.result(timeout=60)
         assert done.finish_reason == "length" and len(done.token_ids) == 4
         assert time.monotonic() - started < 5 + 3  # within route_wait_s (+ its answer)
-        assert "waiting for a decode worker" in cluster.procs["gateway"].log.read_text()
     finally:
         cluster.stop()
+        pool.shutdown(wait=False)
