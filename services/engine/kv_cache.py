@@ -1,7 +1,9 @@
 """The paged KV cache tensors: the torch implementation of the ``KVStore`` contract.
 
 Layout: K and V are each ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so a
-run of consecutive block ids in one layer is one contiguous span of memory.
+run of consecutive block ids in one layer is one contiguous span of memory. An int8
+cache's last dimension is ``head_dim + 4``: each row's values, then its float32 scale
+(kernels/kv_int8.py), so a block's bytes are still all it takes to move it.
 
 Exports use one byte layout, the same in every engine that shares a model fingerprint::
 
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.kv_int8 import row_width
 from services.engine.host_buffers import HostBufferPool, PendingBytes, SideStream
 from services.engine.kv_store import Buffer
 
@@ -39,7 +42,7 @@ from services.engine.kv_store import Buffer
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -59,7 +62,8 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        row = row_width(head_dim, dtype)
+        return 2 * num_layers * block_size * num_kv_heads * row * itemsize
 
     def check_ids(self, block_ids: Sequence[int]) -> list[int]:
         """``block_ids`` as ints; ``ValueError`` if one is out of range."""
