@@ -25,7 +25,27 @@ static inline float row_scale(const int8_t* r, int64_t D) {  // the float32 afte
 
 // x's D floats as int8 in out: scale = max|x| / 127, round(x / scale), ties to even (the
 // default rounding mode, as torch.round); returns the scale (0 for a row of zeros).
+// Vectorized where D is whole vectors (the same IEEE division and rounding: the same
+// bytes); a step's queries and new K/V rows are quantized here, ~60k values a layer.
 static inline float quantize_values(const float* x, int8_t* out, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 mv = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16)
+      mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+    const float scale = _mm512_reduce_max_ps(mv) / 127.f;
+    const __m512 div = _mm512_set1_ps(scale > 0.f ? scale : 1.f);
+    const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + d), div),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm512_min_ps(hi, _mm512_max_ps(lo, r));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
+                       _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+    }
+    return scale;
+  }
+#endif
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
   const float scale = amax / 127.f, div = scale > 0.f ? scale : 1.f;
@@ -109,16 +129,26 @@ static inline __m512 tile_i8(const __m512i* qv, const int8_t* kr, int64_t row, i
   return sum16(part);
 }
 
-static inline void prefetch_row(const int8_t* p, int64_t RS) {  // a row's lines, into L2
-  for (int64_t o = 0; o < RS + 63; o += 64) __builtin_prefetch(p + std::min(o, RS - 1), 0, 1);
+// Part j of a block read later, into L2: its lines [j step, (j + 1) step) >> 16, where
+// step = ceil(lines * 65536 / parts) (part_step), so a block's parts asked for one by one
+// through the work on this one cover it, each line once. Prefetching each row's lines
+// asked for most lines twice (rows are D + 4 bytes) and stalled on the core's miss
+// buffers; fixed point, because a division a token cost as much as the token's work.
+static inline int64_t part_step(int64_t lines, int64_t parts) {
+  return ((lines << 16) + parts - 1) / parts;
+}
+
+static inline void prefetch_part(const int8_t* p, int64_t step, int64_t j) {
+  for (int64_t l = (j * step) >> 16; l < ((j + 1) * step) >> 16; ++l)
+    __builtin_prefetch(p + 64 * l, 0, 1);
 }
 
 // acc[g] (+)= sum_t p[g][t] * scale_t * V_t for G query heads over one block's nt tokens:
 // each V row widened to float once for the G heads, their accumulators in registers.
 template <int ND, int G>
-static inline void block_values_i8(const int8_t* vr, int64_t row, int64_t RS, int64_t nt,
+static inline void block_values_i8(const int8_t* vr, int64_t row, int64_t nt,
                                    const float* p, int64_t cap, float* acc, bool first,
-                                   const int8_t* pf) {
+                                   const int8_t* pf, int64_t step, int64_t j0) {
   constexpr int64_t D = 16 * ND;
   __m512 av[G][ND];
   for (int g = 0; g < G; ++g)
@@ -126,7 +156,7 @@ static inline void block_values_i8(const int8_t* vr, int64_t row, int64_t RS, in
       av[g][d] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + g * D + d * L);
   for (int64_t t = 0; t < nt; ++t) {
     const int8_t* r = vr + t * row;
-    if (pf) prefetch_row(pf + t * row, RS);
+    if (pf) prefetch_part(pf, step, j0 + t);
     __m512 vv[ND];
     for (int d = 0; d < ND; ++d)
       vv[d] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -153,6 +183,8 @@ static void seq_i8(const Args<int8_t>& a, int64_t i, const int8_t* const* ahead,
   const int64_t len = a.lens[i], cap = a.CAP, nblk = (len + BS - 1) / BS, block = BS * row;
   const int64_t* tab = a.tables + i * a.W;
   const float* qi = a.q + i * a.q_row;
+  const int64_t lines = (block + 127) / 64;  // a block's lines, wherever it starts
+  const int64_t kstep = part_step(lines, H);
   float* corr = qf + H;
   for (int64_t hq = 0; hq < H; ++hq) {
     int8_t* qh = q8 + hq * QS;
@@ -172,13 +204,12 @@ static void seq_i8(const Args<int8_t>& a, int64_t i, const int8_t* const* ahead,
         const int8_t* kr = kb + t0 * row + kh * RS;
         float ks[L] = {0.f};  // the tile's K row scales, shared by the KV head's heads
         for (int64_t t = 0; t < m; ++t) ks[t] = row_scale(kr + t * row, D);
-        if (pfb)
-          for (int64_t t = 0; t < m; ++t) prefetch_row(pfb + (t0 + t) * row + kh * RS, RS);
         const __m512 ksv = _mm512_loadu_ps(ks);
         const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
         for (int64_t hq = kh * R; hq < (kh + 1) * R; ++hq) {
           __m512i qv[NC];
           for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_si512(q8 + hq * QS + 64 * c);
+          if (pfb && t0 == 0) prefetch_part(pfb, kstep, hq);  // the block, once
           const __m512 dots = m == L ? tile_i8<ND, true>(qv, kr, row, L)
                                      : tile_i8<ND, false>(qv, kr, row, m);
           const __m512 s = _mm512_mul_ps(
@@ -194,17 +225,22 @@ static void seq_i8(const Args<int8_t>& a, int64_t i, const int8_t* const* ahead,
     const int64_t nt = std::min(BS, len - b * BS);
     const int8_t* vb = a.v + tab[b] * block;
     const int8_t* pfb = ahead[nblk + b];
+    const int64_t vstep = part_step(lines, KV * nt);
     for (int64_t kh = 0; kh < KV; ++kh)
       for (int64_t h0 = kh * R; h0 < (kh + 1) * R; h0 += gmax) {
         const int8_t* vr = vb + kh * RS;
         const float* p = sb + h0 * cap + b * BS;
         float* ac = acc + h0 * D;
-        const int8_t* pf = pfb && h0 == kh * R ? pfb + kh * RS : nullptr;
+        const int8_t* pf = h0 == kh * R ? pfb : nullptr;
+        const int64_t j = kh * nt;  // token t's share of the V block: part j + t
+        auto go = [&](auto g) {
+          block_values_i8<ND, decltype(g)::value>(vr, row, nt, p, cap, ac, b == 0, pf, vstep, j);
+        };
         switch (std::min<int64_t>(gmax, (kh + 1) * R - h0)) {
-          case 1: block_values_i8<ND, 1>(vr, row, RS, nt, p, cap, ac, b == 0, pf); break;
-          case 2: block_values_i8<ND, 2>(vr, row, RS, nt, p, cap, ac, b == 0, pf); break;
-          case 3: block_values_i8<ND, 3>(vr, row, RS, nt, p, cap, ac, b == 0, pf); break;
-          default: block_values_i8<ND, 4>(vr, row, RS, nt, p, cap, ac, b == 0, pf);
+          case 1: go(std::integral_constant<int, 1>{}); break;
+          case 2: go(std::integral_constant<int, 2>{}); break;
+          case 3: go(std::integral_constant<int, 3>{}); break;
+          default: go(std::integral_constant<int, 4>{});
         }
       }
   }
