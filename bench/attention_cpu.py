@@ -4,9 +4,9 @@
                                   [--prompt-min 64] [--prompt-max 512] [--pairs 10]
                                   [--threads 1] [--paths gather,chunked]
                                   [--quantization none|int8|w8a16|...]
-                                  [--kv-cache-dtype auto|bfloat16]
+                                  [--kv-cache-dtype auto|bfloat16|int8]
     python bench/attention_cpu.py --kernel-only [--batch 64] [--threads 1]
-                                  [--kv-cache-dtype auto,bfloat16,bfloat16-widen]
+                                  [--kv-cache-dtype auto,bfloat16,bfloat16-widen,int8]
 
 One engine, ``--batch`` random prompts prefilled once; then decode steps alternate
 between ``TorchAttention("gather")`` (each decode group's context copied out of the
@@ -26,11 +26,13 @@ contexts, over 12 layers' caches so K/V comes from memory, against ``torch.sum``
 the same bytes (the streaming floor); thread CPU time at one thread, wall time above.
 
 ``--kv-cache-dtype`` (EngineConfig.kv_cache_dtype): ``bfloat16`` runs the engine with a
-bfloat16 KV cache (half the bytes attention reads). With ``--kernel-only`` it takes a
-comma-separated list, timed in turn round by round (``auto``: float32), each with its
-own floor over its own bytes and the float32 floor for comparison; ``bfloat16`` is the
-kernel's default on that cache (bf16 dot products where the CPU has AVX512_BF16),
-``bfloat16-widen`` its widening path on the same bytes.
+bfloat16 KV cache (half the bytes attention reads), ``int8`` with int8 rows and a scale
+each (a bit over a quarter). With ``--kernel-only`` it takes a comma-separated list,
+timed in turn round by round (``auto``: float32), each with its own floor over its own
+bytes and the float32 floor for comparison; ``bfloat16`` and ``int8`` are the kernel's
+default on that cache (bf16 dot products where the CPU has AVX512_BF16, int8 ones where
+it has AVX512_VNNI), ``bfloat16-widen`` and ``int8-widen`` its widening (dequantizing)
+paths on the same bytes.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def _stats(xs: list[float]) -> dict:
 
 def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
                 kv_dtypes: tuple[str, ...] = ("auto",)) -> None:
+    from kernels.kv_int8 import quantize_rows, row_width
     from services.engine import attention_paged_cpu
 
     torch.set_num_threads(threads)
@@ -93,10 +96,12 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
     f32 = [(torch.randn(first, bs, kv, dim), torch.randn(first, bs, kv, dim))
            for _ in range(layers)]
     names = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "bfloat16-widen": torch.bfloat16}
-    bf16 = ([(k.bfloat16(), v.bfloat16()) for k, v in f32]
-            if any(names[d] == torch.bfloat16 for d in kv_dtypes) else [])
-    caches = {d: f32 if names[d] == torch.float32 else bf16 for d in kv_dtypes}
+             "bfloat16-widen": torch.bfloat16, "int8": torch.int8, "int8-widen": torch.int8}
+    made = {torch.float32: lambda: f32,
+            torch.bfloat16: lambda: [(k.bfloat16(), v.bfloat16()) for k, v in f32],
+            torch.int8: lambda: [(quantize_rows(k), quantize_rows(v)) for k, v in f32]}
+    kinds = {t: made[t]() for t in {names[d] for d in kv_dtypes}}
+    caches = {d: kinds[names[d]] for d in kv_dtypes}
     ctx = torch.tensor(lens)
     q = torch.randn(batch, heads, dim)
     out = torch.empty_like(q)
@@ -113,7 +118,9 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
     def widened(kc, vc):
         kernel(kc, vc, widen=True)
 
-    def floor(kc, vc):
+    def floor(kc, vc):  # int8 rows summed as float32 words: int8 sums widen to int64
+        if kc.dtype == torch.int8:
+            kc, vc = kc.view(torch.float32), vc.view(torch.float32)
         return kc.sum(), vc.sum()
 
     for d in kv_dtypes:
@@ -127,7 +134,8 @@ def kernel_only(batch: int, lo: int, hi: int, threads: int, seed: int,
                 best[d, name] = min(best.get((d, name), t), t)
         best["f32", "floor"] = min(best.get(("f32", "floor"), 1e9), timed(f32, floor))
     for d in kv_dtypes:
-        mb = 2 * sum(lens) * kv * dim * torch.empty((), dtype=names[d]).element_size() / 1e6
+        mb = 2 * sum(lens) * kv * row_width(dim, names[d]) * torch.empty(
+            (), dtype=names[d]).element_size() / 1e6
         print(f"one layer, batch {batch}, K/V {d} ({mb:.1f} MB), {threads} thread(s): "
               f"kernel {best[d, 'kernel']:.2f} ms, torch.sum over the same K/V "
               f"{best[d, 'floor']:.2f} ms, over float32 K/V {best['f32', 'floor']:.2f} ms")
@@ -145,7 +153,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none",
                     help="weights as EngineConfig.quantization (attention computes in float32)")
     ap.add_argument("--kv-cache-dtype", default="auto",
-                    help="EngineConfig.kv_cache_dtype (auto, bfloat16); --kernel-only: "
+                    help="EngineConfig.kv_cache_dtype (auto, bfloat16, int8); --kernel-only: "
                          "a comma-separated list")
     ap.add_argument("--paths", default="gather,chunked",
                     help="old,new TorchAttention decode paths (gather, chunked, paged)")

@@ -1,5 +1,6 @@
 """C++ source of AVX-512 float helpers for kernels/cpu_paged_decode.py: a vectorized
-``exp`` of non-positive arguments and 16 horizontal sums at once. A fragment, spliced
+``exp`` of non-positive arguments, 16 horizontal sums at once, and the softmax of a
+sequence's rows of scores. A fragment, spliced
 into that kernel's source inside its ``#if defined(__AVX512F__)`` block.
 """
 
@@ -44,5 +45,29 @@ static inline __m512 sum16(const __m512* v) {
   // Lane 4a + b now holds v[4b + a]'s sum.
   const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(idx, s);
+}
+
+// Each of H rows of scores (row hq at sb + hq * cap, len valid) to exp(s - max) in place,
+// and inv[hq] = 1 / their sum: one maximum, one exp and one sum over the whole context.
+static inline void softmax_rows(float* sb, int64_t H, int64_t cap, int64_t len, float* inv) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16 ? len % 16 : 16)) - 1);
+  const int64_t last = (len - 1) / 16 * 16;
+  for (int64_t hq = 0; hq < H; ++hq) {
+    float* s = sb + hq * cap;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t0 = 0; t0 < last; t0 += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t0));
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail, s + last));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 tot = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < last; t0 += 16) {
+      const __m512 p = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t0), m));
+      _mm512_storeu_ps(s + t0, p);
+      tot = _mm512_add_ps(tot, p);
+    }
+    const __m512 p = _mm512_maskz_mov_ps(
+        tail, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + last), m)));
+    _mm512_mask_storeu_ps(s + last, tail, p);
+    inv[hq] = 1.f / _mm512_reduce_add_ps(_mm512_add_ps(tot, p));
+  }
 }
 """

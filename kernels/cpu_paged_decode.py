@@ -6,6 +6,8 @@ with kernels/cpu_build.py. How it works and why: that module's docstring.
 
 from kernels.cpu_avx512_math import AVX512_MATH
 from kernels.cpu_bf16_dot import BF16_DOT
+from kernels.cpu_int8_dot import INT8_DOT
+from kernels.cpu_paged_entry import PAGED_ENTRY
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -23,7 +25,7 @@ SOURCE = r"""
 constexpr int64_t L = 16;  // floats per vector
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t AHEAD = 2;  // blocks between the one read and the one prefetched
-using bf16 = at::BFloat16;  // K/V elements are float or bf16 (T); q, out and math float
+using bf16 = at::BFloat16;  // K/V elements are float, bf16 or int8 (T); q, out, math float
 
 // A bfloat16 is a float's top 16 bits: widening is exact (a shift), so a bf16 cache
 // gives the float32 kernel's results over the same (rounded) values.
@@ -36,7 +38,8 @@ struct Args {
   const T* k; const T* v; const int64_t* tables; const int64_t* lens;
   float* out; int64_t out_row;
   int64_t H, D, BS, CAP, KV, R, W; float scale;  // CAP: a head's row of scores
-  bool dot;  // bf16 only: dot products on bf16 (seq_dot), not widening to float
+  bool dot;  // bf16: dot products on bf16 (seq_dot); int8: on int8 (seq_i8), not widening
+  int64_t RS;  // elements of a (token, KV head) row: D, or D + 4 for int8 (its scale)
 };
 
 // a . b over D floats (D a multiple of 16), in 16 lanes then summed (vectorizable
@@ -183,25 +186,7 @@ static void seq_avx512(const Args<T>& a, int64_t i, const T* const* ahead, float
         }
       }
   }
-  const __mmask16 tail = static_cast<__mmask16>((1u << (len % L ? len % L : L)) - 1);
-  const int64_t last = (len - 1) / L * L;
-  for (int64_t hq = 0; hq < H; ++hq) {
-    float* s = sb + hq * cap;
-    __m512 mv = _mm512_set1_ps(NEG_INF);
-    for (int64_t t0 = 0; t0 < last; t0 += L) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t0));
-    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), tail, s + last));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 tot = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < last; t0 += L) {
-      const __m512 p = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t0), m));
-      _mm512_storeu_ps(s + t0, p);
-      tot = _mm512_add_ps(tot, p);
-    }
-    const __m512 p = _mm512_maskz_mov_ps(
-        tail, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + last), m)));
-    _mm512_mask_storeu_ps(s + last, tail, p);
-    inv[hq] = 1.f / _mm512_reduce_add_ps(_mm512_add_ps(tot, p));
-  }
+  softmax_rows(sb, H, cap, len, inv);
   for (int64_t b = 0; b < nblk; ++b) {  // pass 2
     const int64_t nt = std::min(BS, len - b * BS);
     const T* vb = a.v + tab[b] * block;
@@ -229,6 +214,7 @@ static void seq_avx512(const Args<T>& a, int64_t i, const T* const* ahead, float
 }
 #endif
 
+""" + INT8_DOT + r"""
 // The batch on the threads; cost: prefix sums of each sequence's work (checked tables).
 template <typename T>
 static void run(const Args<T>& a, int64_t n, const std::vector<int64_t>& cost) {
@@ -244,7 +230,9 @@ static void run(const Args<T>& a, int64_t n, const std::vector<int64_t>& cost) {
     bounds[p] = i;
   }
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(H * (D + L)), sb(H * CAP), mx(H), sum(H), qs(H * D);
+    // qs: the scaled queries, or an int8 cache's quantized ones (H rows of <= 4 * D bytes);
+    // mx: the portable path's maxima, or seq_i8's 2 H query factors.
+    std::vector<float> acc(H * (D + L)), sb(H * CAP), mx(2 * H), sum(H), qs(H * D);
     std::vector<uint16_t> pb(a.dot ? H * CAP : 0), qb(a.dot ? H * D : 0);
     // The blocks in the order this thread reads them (a sequence's K blocks, then its V
     // blocks, then the next sequence's): while one is read, the one AHEAD places later
@@ -255,137 +243,33 @@ static void run(const Args<T>& a, int64_t n, const std::vector<int64_t>& cost) {
     for (int64_t i = bounds[p0]; i < bounds[p1]; ++i) {
       start.push_back(order.size());
       const int64_t nb = (lp[i] + BS - 1) / BS;
-      for (int64_t b = 0; b < nb; ++b) order.push_back(a.k + tp[i * W + b] * BS * KV * D);
-      for (int64_t b = 0; b < nb; ++b) order.push_back(a.v + tp[i * W + b] * BS * KV * D);
+      for (int64_t b = 0; b < nb; ++b) order.push_back(a.k + tp[i * W + b] * BS * KV * a.RS);
+      for (int64_t b = 0; b < nb; ++b) order.push_back(a.v + tp[i * W + b] * BS * KV * a.RS);
     }
     order.resize(order.size() + AHEAD, nullptr);
+    float *ac = acc.data(), *sbp = sb.data(), *qsp = qs.data(), *inv = sum.data();
     for (int64_t i = bounds[p0]; i < bounds[p1]; ++i) {
-#if defined(__AVX512F__)
       const T* const* ahead = order.data() + start[i - bounds[p0]] + AHEAD;
+      if constexpr (std::is_same_v<T, int8_t>) {
+        if (!(a.dot && seq_i8s(a, i, ahead, ac, sbp, qsp, mx.data(), inv)))
+          seq_i8_scalar(a, i, ac, sbp, inv);
+      } else {
+#if defined(__AVX512F__)
 #if defined(PDSERVE_BF16_DOT)
-      if constexpr (std::is_same_v<T, bf16>)
-        if (a.dot && seq_dots(a, i, ahead, acc.data(), sb.data(), pb.data(), qb.data(), sum.data()))
-          continue;
+        if constexpr (std::is_same_v<T, bf16>)
+          if (a.dot && seq_dots(a, i, ahead, ac, sbp, pb.data(), qb.data(), inv)) continue;
 #endif
-      switch (D / L) {
-        case 1: seq_avx512<1>(a, i, ahead, acc.data(), sb.data(), qs.data(), sum.data()); continue;
-        case 2: seq_avx512<2>(a, i, ahead, acc.data(), sb.data(), qs.data(), sum.data()); continue;
-        case 4: seq_avx512<4>(a, i, ahead, acc.data(), sb.data(), qs.data(), sum.data()); continue;
-        case 8: seq_avx512<8>(a, i, ahead, acc.data(), sb.data(), qs.data(), sum.data()); continue;
-        default: break;
+        switch (D / L) {
+          case 1: seq_avx512<1>(a, i, ahead, ac, sbp, qsp, inv); continue;
+          case 2: seq_avx512<2>(a, i, ahead, ac, sbp, qsp, inv); continue;
+          case 4: seq_avx512<4>(a, i, ahead, ac, sbp, qsp, inv); continue;
+          case 8: seq_avx512<8>(a, i, ahead, ac, sbp, qsp, inv); continue;
+          default: break;
+        }
+#endif
+        seq_scalar(a, i, ac, sbp, mx.data(), inv);
       }
-#endif
-      seq_scalar(a, i, acc.data(), sb.data(), mx.data(), sum.data());
     }
   });
 }
-
-// Whether seq_dot is built in and this CPU runs it (a built file may meet another CPU).
-bool has_bf16_dot() {
-#if defined(PDSERVE_BF16_DOT)
-  static const bool yes = __builtin_cpu_supports("avx512bf16");
-  return yes;
-#else
-  return false;
-#endif
-}
-
-// out[i, h*R + r, :] = softmax(q_r . K^T * scale) V over sequence i's first lens[i]
-// cached tokens, for every KV head h; K/V rows read from the cache through the table.
-void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
-                  const torch::Tensor& v_cache, const torch::Tensor& tables,
-                  const torch::Tensor& lens, const torch::Tensor& out, double scale, bool dot) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 &&
-              k_cache.dtype() == v_cache.dtype() && (k_cache.dtype() == torch::kFloat32 ||
-                                                     k_cache.dtype() == torch::kBFloat16),
-              "paged_decode: float32 queries over a float32 or bfloat16 cache only");
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64,
-              "paged_decode: block tables and lengths must be int64");
-  TORCH_CHECK(!dot || (k_cache.dtype() == torch::kBFloat16 && has_bf16_dot()),
-              "paged_decode: bfloat16 dot products need a bfloat16 cache and AVX512_BF16");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              tables.is_contiguous() && lens.is_contiguous(),
-              "paged_decode: contiguous cache, tables and lengths only");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4 && q.dim() == 3,
-              "paged_decode: cache or query shape");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  // Queries and output may be rows of a wider tensor (q is a view of the fused QKV
-  // projection): each row's heads must be packed, the rows may be apart.
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 &&
-              out.stride(1) == D, "paged_decode: each row's heads must be contiguous");
-  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KV = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % L == 0,
-              "paged_decode: head_dim must be a multiple of 16");
-  TORCH_CHECK(H % KV == 0, "paged_decode: heads must be a multiple of KV heads");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == n && lens.size(0) == n &&
-              out.sizes() == q.sizes(), "paged_decode: batch shapes");
-  const int64_t W = tables.size(1);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  // Bad tables are refused before any read: no read leaves the cache.
-  std::vector<int64_t> cost(n + 1, 0);  // prefix sums of each sequence's work
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(lp[i] >= 1 && lp[i] <= W * BS, "paged_decode: context length out of range");
-    for (int64_t b = 0; b < (lp[i] + BS - 1) / BS; ++b)
-      TORCH_CHECK(tp[i * W + b] >= 0 && tp[i * W + b] < NB, "paged_decode: block id out of range");
-    cost[i + 1] = cost[i] + lp[i] + 2 * BS;  // a fixed share per sequence for its setup
-  }
-  int64_t longest = BS;
-  for (int64_t i = 0; i < n; ++i) longest = std::max(longest, lp[i]);
-  const int64_t CAP = (longest + L - 1) / L * L + L;
-  const float s = static_cast<float>(scale);
-  if (k_cache.dtype() == torch::kBFloat16)
-    run(Args<bf16>{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<bf16>(),
-                   v_cache.data_ptr<bf16>(), tp, lp, out.data_ptr<float>(), out.stride(0),
-                   H, D, BS, CAP, KV, H / KV, W, s, dot}, n, cost);
-  else
-    run(Args<float>{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
-                    v_cache.data_ptr<float>(), tp, lp, out.data_ptr<float>(), out.stride(0),
-                    H, D, BS, CAP, KV, H / KV, W, s, false}, n, cost);
-}
-
-// A decode-only step's layer in one call: k/v rows (views of the fused q/k/v projection)
-// copied into the cache at slots[t] as index_copy_ would, every slot checked first, then
-// paged_decode into a new output: the two-call path's bytes, without its Python.
-torch::Tensor write_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& slots, const torch::Tensor& tables,
-                           const torch::Tensor& lens, bool dot) {
-  const int64_t T = slots.size(0), KV = k_cache.size(2), D = k_cache.size(3), row = KV * D;
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 &&
-              k_cache.dtype() == v_cache.dtype() && (k_cache.dtype() == torch::kFloat32 ||
-                                                     k_cache.dtype() == torch::kBFloat16) &&
-              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-              k_cache.sizes() == v_cache.sizes() && slots.dtype() == torch::kInt64 &&
-              slots.is_contiguous() && slots.dim() == 1 && q.dim() == 3 && q.size(0) == T &&
-              k.dim() == 3 && k.size(0) == T && k.size(1) == KV && k.size(2) == D &&
-              k.sizes() == v.sizes() && k.stride(2) == 1 && k.stride(1) == D &&
-              v.stride(2) == 1 && v.stride(1) == D, "write_decode: k/v, slots or cache shape");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0) * k_cache.size(1),
-                "write_decode: slot out of range");
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  auto write = [&](auto* kc, auto* vc) {  // to bf16 as k.to(bfloat16): nearest, ties even
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < row; ++j) {
-        kc[sp[t] * row + j] = kp[t * k.stride(0) + j];
-        vc[sp[t] * row + j] = vp[t * v.stride(0) + j];
-      }
-  };
-  if (k_cache.dtype() == torch::kBFloat16)
-    write(k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>());
-  else
-    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  torch::Tensor out = torch::empty(q.sizes(), q.options());  // scale: as Python's D ** -0.5
-  paged_decode(q, k_cache, v_cache, tables, lens, out, std::pow(static_cast<double>(D), -0.5),
-               dot);
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
-  m.def("write_decode", &write_decode, py::call_guard<py::gil_scoped_release>());
-  m.def("has_bf16_dot", &has_bf16_dot, py::call_guard<py::gil_scoped_release>());
-}
-"""
+""" + PAGED_ENTRY

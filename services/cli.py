@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantization", default="none",
                      help="weights kept quantized on the CPU (int8, int4, w8a16, w4a16, ...)")
     gen.add_argument("--kv-cache-dtype", default="auto",
-                     help="auto (the model's dtype) or bfloat16 (CPU, float32 model)")
+                     help="auto (the model's dtype), bfloat16 or int8 (CPU, float32 model)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.set_defaults(func=_generate)
     keys = sub.add_parser("keys", help="write a CURVE key pair per role into a directory")

@@ -244,7 +244,7 @@ def test_settings_accept_bf16_kv_only_where_it_runs():
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kw)
     assert WorkerSettings(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or bfloat16"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, bfloat16 or int8"):
         WorkerSettings(kv_cache_dtype="float16")
 
 

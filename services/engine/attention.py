@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_int8 import to_cache, widen
 from services.engine import attention_paged_cpu
 from services.engine.attention_decode import DecodePlan, decode_attention, plan_decodes
 from services.engine.attention_ops import TORCH_OPS, LayerOps
@@ -151,11 +152,11 @@ class TorchAttention(AttentionBackend):
         if decode == "paged" and prepared.whole is not None:
             return attention_paged_cpu.write_decode(q, k, v, k_cache, v_cache,
                                                     meta.slot_mapping, *prepared.whole)
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        if k_cache.dtype != k.dtype:  # a bfloat16 cache of a float32 model: K/V rounded
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        num_kv_heads, row = k_cache.shape[2], k_cache.shape[3]
+        # A bfloat16 or int8 cache of a float32 model: K/V rounded or quantized as stored.
+        k, v = to_cache(k, k_cache), to_cache(v, v_cache)
+        k_cache.view(-1, num_kv_heads, row).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, row).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if decode == "paged":
             for start, size, tables, lens in prepared.calls:
@@ -177,18 +178,18 @@ class TorchAttention(AttentionBackend):
             sl = slice(seg.start, seg.start + seg.query_len)
             if seg.context_len == seg.query_len:
                 # Nothing cached before this chunk: attend to the fresh K/V directly (as
-                # the cache holds them: rounded to its type, so a prompt's answer does not
+                # the cache holds them: rounded or quantized, so a prompt's answer does not
                 # depend on whether its prefix was cached).
-                keys, values = k[sl].to(q.dtype), v[sl].to(q.dtype)
+                keys, values = widen(k[sl], q.dtype), widen(v[sl], q.dtype)
             else:
-                keys = _gather(k_cache, seg.block_table, seg.context_len).to(q.dtype)
-                values = _gather(v_cache, seg.block_table, seg.context_len).to(q.dtype)
+                keys = widen(_gather(k_cache, seg.block_table, seg.context_len), q.dtype)
+                values = widen(_gather(v_cache, seg.block_table, seg.context_len), q.dtype)
             out[sl] = _prefill_attention(q[sl], keys, values, seg.context_len)
         return out
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached tokens of one sequence: ``[length, kv_heads, head_dim]``."""
+    """The first ``length`` cached tokens of one sequence: ``[length, kv_heads, row]``."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache.index_select(0, block_table[:num_blocks])
@@ -246,9 +247,9 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup):
     nblk = (ctx + block_size - 1) // block_size
     tables = group.block_tables[:, :nblk]
     # [size, kv_heads, ctx, head_dim] views of the gathered blocks.
-    shape = (size, nblk * block_size, num_kv_heads, head_dim)
-    keys = k_cache[tables].view(shape)[:, :ctx].to(q.dtype)
-    values = v_cache[tables].view(shape)[:, :ctx].to(q.dtype)
+    shape = (size, nblk * block_size, num_kv_heads, k_cache.shape[3])
+    keys = widen(k_cache[tables].view(shape)[:, :ctx], q.dtype)
+    values = widen(v_cache[tables].view(shape)[:, :ctx], q.dtype)
     valid = torch.arange(ctx, device=q.device)[None, :] < group.context_lens[:, None]
     # Query heads sharing a KV head become that head's rows: [size, kv, rep, d].
     qg = q.view(size, num_kv_heads, num_heads // num_kv_heads, head_dim)

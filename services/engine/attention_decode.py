@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_int8 import widen
+
 # Tokens per chunk: 64 tokens of K and V for 64 sequences (3 KV heads of 64 in float32)
 # are ~3 MB, which stays in this class of CPU's L2/L3 between the gather and the matmuls.
 CHUNK_TOKENS = 64
@@ -96,18 +98,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      plan: DecodePlan) -> torch.Tensor:
     """Attention of the plan's decode queries (``q`` is the step's ``[T, heads, dim]``);
     returns ``[num_rows, heads, dim]`` in context order (``plan.rows``)."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
+    _, block_size, num_kv_heads, row = k_cache.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
     n = plan.num_rows
     # Query heads sharing a KV head become that head's query rows: [n, kv, rep, d].
     qg = q[plan.rows].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     acc = lse = None
     for c in plan.chunks:
         m = n - c.first
-        shape = (m, c.num_blocks * block_size, num_kv_heads, head_dim)
-        # A bfloat16 cache's chunk widened to the queries' float32 (a chunk, in cache).
-        keys = k_cache.index_select(0, c.blocks).view(shape).transpose(1, 2).to(q.dtype)
-        values = v_cache.index_select(0, c.blocks).view(shape).transpose(1, 2).to(q.dtype)
+        shape = (m, c.num_blocks * block_size, num_kv_heads, row)
+        # A bfloat16 or int8 cache's chunk widened to the queries' float32 (in cache).
+        keys = widen(k_cache.index_select(0, c.blocks).view(shape), q.dtype).transpose(1, 2)
+        values = widen(v_cache.index_select(0, c.blocks).view(shape), q.dtype).transpose(1, 2)
         out, out_lse = attend(qg[c.first:], keys, values, c.mask)
         if acc is None:  # the first chunk covers every row: every context has a token
             acc, lse = out, out_lse.unsqueeze(-1)

@@ -43,6 +43,17 @@ V rows paired two tokens at a time (unpacklo/hi, shared by a KV head's query hea
 against the broadcast pair (p_t, p_t+1). So the output is attention with q and p
 carrying 8 significant bits (tests/test_paged_kernel_bf16_dot.py: within 1e-3 of a
 reference rounding the same way); ``widen=True`` keeps the exact path.
+
+An int8 cache (v10, kernels/cpu_int8_dot.py) holds each (token, KV head) row as int8
+values and its float32 scale (kernels/kv_int8.py): a quarter of float32's bytes plus 4 a
+row, for a kernel that the bfloat16 cache left bound by its K/V reads. Where the CPU has
+AVX512_VNNI (:func:`i8_dot`), scores are integer dot products: the query quantized the
+same way per (sequence, head), ``vpdpbusd`` over K rows whose sign bit is flipped to make
+them unsigned (k + 128; the 128 * sum(q) it adds is subtracted once per head), times the
+two scales; values widen each V row to float once for its query heads, against the
+probability times the row's scale. Elsewhere (``widen=True``, or another CPU) a portable
+loop dequantizes each row as it reads it. ``write_decode`` quantizes new rows as
+kernels/kv_int8.py's reference does, byte for byte.
 """
 
 from __future__ import annotations
@@ -51,8 +62,9 @@ import torch
 
 from kernels.cpu_build import CppKernel
 from kernels.cpu_paged_decode import SOURCE
+from kernels.kv_int8 import head_dim_of
 
-_KERNEL = CppKernel("pdserve_paged_decode_v9", SOURCE,
+_KERNEL = CppKernel("pdserve_paged_decode_v10", SOURCE,
                     "decode attention gathers K/V chunks in torch instead")
 
 
@@ -68,12 +80,13 @@ def ready() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether it takes this layer: float32 queries on the CPU over a contiguous float32
-    or bfloat16 cache, ``head_dim`` % 16 == 0."""
-    _, _, kv_heads, head_dim = k_cache.shape
+    """Whether it takes this layer: float32 queries on the CPU over a contiguous float32,
+    bfloat16 or int8 cache, ``head_dim`` % 16 == 0."""
+    kv_heads, head_dim = k_cache.shape[2], head_dim_of(k_cache)
     return (q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous()
-            and head_dim % 16 == 0 and q.shape[1] % kv_heads == 0)
+            and k_cache.dtype in (torch.float32, torch.bfloat16, torch.int8)
+            and k_cache.is_contiguous() and head_dim % 16 == 0 and head_dim == q.shape[2]
+            and q.shape[1] % kv_heads == 0)
 
 
 def bf16_dot() -> bool:
@@ -83,8 +96,19 @@ def bf16_dot() -> bool:
     return mod is not None and mod.has_bf16_dot()
 
 
+def i8_dot() -> bool:
+    """Whether the built kernel has the int8 dot-product path (v10) and this CPU runs it
+    (AVX512_VNNI); builds the kernel, waiting, on first call."""
+    mod = _KERNEL.module()
+    return mod is not None and mod.has_i8_dot()
+
+
 def _dot(mod, k_cache: torch.Tensor, widen: bool) -> bool:
-    return not widen and k_cache.dtype == torch.bfloat16 and mod.has_bf16_dot()
+    if widen:
+        return False
+    if k_cache.dtype == torch.int8:
+        return mod.has_i8_dot()
+    return k_cache.dtype == torch.bfloat16 and mod.has_bf16_dot()
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, *,
@@ -93,7 +117,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, *,
     (one query per sequence) over each sequence's first ``context_lens[i]`` cached tokens,
     through ``block_tables`` ``[n, width]``; bad ids or lengths: ``RuntimeError``. A
     bfloat16 cache takes the dot-product path where :func:`bf16_dot` (q and the
-    probabilities rounded to bfloat16), or with ``widen`` the widening one (exact)."""
+    probabilities rounded to bfloat16), or with ``widen`` the widening one (exact); an
+    int8 cache the integer one where :func:`i8_dot`, or with ``widen`` the portable
+    dequantizing one."""
     mod = _KERNEL.module()
     mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, out,
                      q.shape[-1] ** -0.5, _dot(mod, k_cache, widen))

@@ -17,7 +17,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "w8a16", "w4a16", "w8a8", "w4a8")
 DTYPES = {"float32": torch.float32, "float64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -56,7 +56,8 @@ class EngineConfig:
     quantization: str = "none"  # int8/int4/w8a16/w4a16/w8a8/w4a8 (CPU): weights/quantize
     # The KV cache's element type. auto: the model's dtype; bfloat16 with a float32 model
     # on the CPU: half the KV bytes (memory, and decode attention's reads), K/V rounded
-    # as they are written and widened to float32 as attention reads them.
+    # as they are written and widened to float32 as attention reads them; int8: about a
+    # quarter, each (token, KV head) row quantized with its own scale (kernels/kv_int8.py).
     kv_cache_dtype: str = "auto"
     # Ranks the model is split over (services/engine/tp.py); rank r > 0 on cuda:<index + r>.
     tensor_parallel_size: int = 1
@@ -170,4 +171,5 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_dtype_name]
+        """The cache tensors' element type (int8: rows of values then a scale's bytes)."""
+        return torch.int8 if self.kv_dtype_name == "int8" else DTYPES[self.kv_dtype_name]

@@ -1,7 +1,9 @@
 """The paged KV cache tensors: the torch implementation of the ``KVStore`` contract.
 
 Layout: K and V are each ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so a
-run of consecutive block ids in one layer is one contiguous span of memory.
+run of consecutive block ids in one layer is one contiguous span of memory. An int8
+cache's last dimension is ``head_dim + 4``: each row's values, then its float32 scale
+(kernels/kv_int8.py), so a block's bytes are still all it takes to move it.
 
 Exports use one byte layout, the same in every engine that shares a model fingerprint::
 
@@ -25,13 +27,16 @@ scattered on the side stream, the compute stream made to wait for them by an eve
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import math
+import sys
 import warnings
 from collections.abc import Sequence
 
 import torch
 
+from kernels.kv_int8 import row_width
 from services.engine.host_buffers import HostBufferPool, PendingBytes, SideStream
 from services.engine.kv_store import Buffer
 
@@ -39,9 +44,9 @@ from services.engine.kv_store import Buffer
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype))
+        self.k = _zeros(shape, dtype, torch.device(device))
+        self.v = _zeros(shape, dtype, torch.device(device))
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # The pack/unpack kernels serve CUDA caches; elsewhere torch's gathers do.
         on_cuda = self.k.device.type == "cuda"
@@ -59,7 +64,8 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+        row = row_width(head_dim, dtype)
+        return 2 * num_layers * block_size * num_kv_heads * row * itemsize
 
     def check_ids(self, block_ids: Sequence[int]) -> list[int]:
         """``block_ids`` as ints; ``ValueError`` if one is out of range."""
@@ -241,6 +247,31 @@ class KVCache:
             self.v.index_copy_(1, ids, both[:, :, 1].transpose(0, 1))
 
         self._host.give_back_when(staged, self._side.run_joined(scatter))
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux's value
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor; on a Linux CPU its memory asked for in 2 MiB pages before it
+    is first touched. Decode attention reads each sequence's blocks wherever the block
+    manager put them: with 4 KiB pages nearly every block was a TLB miss, and the
+    compiled kernel took ~1.4x as long as over the same blocks in order (measured with
+    ``THP_MEM_ALLOC_ENABLE``, docs/benchmarks.md, "Kernel v10"). Where transparent huge
+    pages are off (or madvise fails) the tensor is the same, in small pages."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    if device.type == "cpu" and sys.platform == "linux" and nbytes >= 2 * _HUGE_PAGE:
+        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the aligned inside
+        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                         ctypes.c_int(_MADV_HUGEPAGE))
+        except (OSError, AttributeError):
+            pass  # no libc madvise here: small pages
+    return out.zero_()
 
 
 def _block_tensor(view: memoryview, like: torch.Tensor) -> torch.Tensor:

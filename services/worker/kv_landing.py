@@ -41,8 +41,9 @@ class KVLanding:
 
         from services.engine.kv_cache import KVCache
 
-        # Plain float caches only: a quantized or fp8 cache's bytes carry scales elsewhere.
-        plain = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        # Caches whose blocks are all their bytes: float ones, and int8 (each row carries
+        # its scale, kernels/kv_int8.py); a cache keeping scales elsewhere would not be.
+        plain = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8)
         if type(store) is not KVCache:  # a tensor-parallel or simulated store
             return None
         k, v = store.k, store.v

@@ -30,7 +30,7 @@ class WorkerSettings:
     max_model_len: int = 0  # 0: the model's own context length
     num_threads: int = 0  # torch intra-op threads; 0: one per CPU the process may run on
     quantization: str = "none"  # int8/int4/w8a16/w4a16/w8a8/w4a8: CPU (EngineConfig)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16: half the KV (CPU)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16, int8: less KV (CPU)
     # A shape preset (llama-3-8b, llama-3.1-8b, tiny) with random weights drawn from
     # random_seed instead of loading `model`, which then only names it; empty: off.
     random_weights: str = ""
@@ -112,8 +112,8 @@ class WorkerSettings:
                                      "w4a8"):
             raise ValueError("quantization must be none, int8, int4, w8a16, w4a16, w8a8 or "
                              f"w4a8, got {self.quantization!r}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto or bfloat16, "
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto, bfloat16 or int8, "
                              f"got {self.kv_cache_dtype!r}")
         if self.pool_min_fetch_blocks < 1 or self.pool_replicas < 1 \
                 or not self.pool_bandwidth_mbs > 0 or not self.pool_timeout_s > 0:
