@@ -95,8 +95,9 @@ def test_unusual_caches_are_declined():
     def cache(**kw):
         return KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, kw.pop("dtype", torch.float32), **kw)
     assert KVLanding.of(cache()) is not None
-    assert KVLanding.of(cache(dtype=torch.int8)) is None  # a quantized cache
-    assert KVLanding.of(cache(dtype=torch.float8_e4m3fn)) is None
+    # kv_cache_dtype int8: each row carries its own scale, so a block is its bytes
+    assert KVLanding.of(cache(dtype=torch.int8)) is not None
+    assert KVLanding.of(cache(dtype=torch.float8_e4m3fn)) is None  # no such cache dtype
     assert KVLanding.of(cache(device="meta")) is None  # not host memory (as CUDA)
     strided = cache()
     strided.v = torch.zeros(LAYERS, BLOCKS, HEADS, SIZE, DIM).transpose(2, 3)
