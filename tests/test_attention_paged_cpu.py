@@ -173,25 +173,32 @@ def test_kernel_cases_equal_reference(lens, block_size, kv_heads, heads, dim):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_queries_are_read_in_place_and_threads_split_by_work():
-    # q as the model hands it over: rows of the fused QKV projection, not contiguous. One
-    # thread and two (the batch split by context length) give the same bits.
-    lens = [600, 3, 5, 400, 7, 9, 11, 250]
-    q, k_cache, v_cache, tables, ctx = _cache(lens, 16, 3, 9, 64, seed=3)
-    wide = torch.randn(len(lens), 9 * 64 + 2 * 3 * 64)
-    wide[:, :9 * 64] = q.reshape(len(lens), -1)
-    qv = wide[:, :9 * 64].view(len(lens), 9, 64)
+def _in_place_on_one_and_two_threads(q, k_cache, v_cache, tables, ctx):
+    """paged_decode of q as the model hands it over (rows of the fused QKV projection,
+    not contiguous), on one thread and on two: the two outputs."""
+    n, heads, dim = q.shape
+    wide = torch.randn(n, heads * dim + 2 * k_cache.shape[2] * dim)
+    wide[:, :heads * dim] = q.reshape(n, -1)
+    qv = wide[:, :heads * dim].view(n, heads, dim)
     assert not qv.is_contiguous()
     outs = []
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+        for t in (1, 2):
+            torch.set_num_threads(t)
             out = torch.empty_like(q)
             attention_paged_cpu.paged_decode(qv, k_cache, v_cache, tables, ctx, out)
             outs.append(out)
     finally:
         torch.set_num_threads(threads)
+    return outs
+
+
+def test_queries_are_read_in_place_and_threads_split_by_work():
+    # One thread and two (the batch split by context length) give the same bits.
+    lens = [600, 3, 5, 400, 7, 9, 11, 250]
+    q, k_cache, v_cache, tables, ctx = _cache(lens, 16, 3, 9, 64, seed=3)
+    outs = _in_place_on_one_and_two_threads(q, k_cache, v_cache, tables, ctx)
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0].double(), _reference(q, k_cache, v_cache, tables, ctx),
                                rtol=1e-5, atol=1e-5)

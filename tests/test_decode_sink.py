@@ -95,8 +95,9 @@ def test_unusual_caches_are_declined():
     def cache(**kw):
         return KVCache(LAYERS, BLOCKS, SIZE, HEADS, DIM, kw.pop("dtype", torch.float32), **kw)
     assert KVLanding.of(cache()) is not None
-    assert KVLanding.of(cache(dtype=torch.int8)) is None  # a quantized cache
-    assert KVLanding.of(cache(dtype=torch.float8_e4m3fn)) is None
+    # kv_cache_dtype int8: each row carries its own scale, so a block is its bytes
+    assert KVLanding.of(cache(dtype=torch.int8)) is not None
+    assert KVLanding.of(cache(dtype=torch.float8_e4m3fn)) is None  # no such cache dtype
     assert KVLanding.of(cache(device="meta")) is None  # not host memory (as CUDA)
     strided = cache()
     strided.v = torch.zeros(LAYERS, BLOCKS, HEADS, SIZE, DIM).transpose(2, 3)
@@ -119,6 +120,27 @@ class Metrics:
         self.kv_transfer_bytes = Bytes()
 
 
+async def started(engine) -> EngineLoop:
+    loop = EngineLoop(lambda outputs, step_s: None)
+    await loop.start(lambda: engine)
+    return loop
+
+
+async def reserve(loop, engine, prompt):
+    """Blocks reserved for request "r", its prefill done elsewhere: (the slots, the blocks
+    its KV lands in, one layer's bytes of those blocks)."""
+    slots = await loop.run(lambda e: e.reserve_remote_prefill(
+        "r", prompt, SamplingParams(max_tokens=2)))
+    want = slots.block_ids[slots.num_cached_blocks:]
+    store = engine.kv_store
+    return slots, want, store.block_nbytes // store.num_layers * len(want)
+
+
+def layer_bytes(store, blocks: int) -> bytes:
+    """Random K/V of one layer over ``blocks`` blocks, as a prefill worker sends it."""
+    return torch.randn(2, blocks, *store.k.shape[2:]).view(torch.uint8).numpy().tobytes()
+
+
 def test_the_decode_sink_lands_in_the_reserved_blocks_only(tiny_dirs, make_engine):
     engine = make_engine(tiny_dirs["llama"], dtype="float32")
     prompt = random_prompts([70], seed=3)[0]
@@ -126,21 +148,15 @@ def test_the_decode_sink_lands_in_the_reserved_blocks_only(tiny_dirs, make_engin
     ranks: list[int] = []
 
     async def go():
-        loop = EngineLoop(lambda outputs, step_s: None)
-        await loop.start(lambda: engine)
+        loop = await started(engine)
         try:
-            slots = await loop.run(lambda e: e.reserve_remote_prefill(
-                "r", prompt, SamplingParams(max_tokens=2)))
+            slots, want, size = await reserve(loop, engine, prompt)
             metrics = Metrics()
             sink = DecodeSink({"r": Remote(slots, None, "", 0.0)}, loop, metrics,
                               lambda: bool(ranks))
-            want = slots.block_ids[slots.num_cached_blocks:]
-            store = engine.kv_store
-            size = store.block_nbytes // store.num_layers * len(want)
             landed = []
-            for layer in range(store.num_layers):
-                payload = torch.randn(2, len(want), *store.k.shape[2:]).view(torch.uint8)
-                raw = payload.numpy().tobytes()
+            for layer in range(engine.kv_store.num_layers):
+                raw = layer_bytes(engine.kv_store, len(want))
                 write_through(sink.landing("r", layer, want, size), raw)
                 assert sink.received_bytes == layer * size  # not counted before landed
                 sink.landed("r", layer, want, size)
@@ -199,8 +215,7 @@ async def test_an_shm_transfer_lands_through_the_fused_pass(tiny_dirs, make_engi
     a.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
     while a.has_unfinished_requests():
         a.step()
-    loop = EngineLoop(lambda outputs, step_s: None)
-    await loop.start(lambda: b)
+    loop = await started(b)
     imported = []
     monkeypatch.setattr(loop, "import_layer", lambda *args: imported.append(args))
     token = secrets.token_bytes(16)
@@ -242,20 +257,14 @@ def test_the_decode_sink_lands_a_batch_in_two_calls(tiny_dirs, make_engine):
     prompt = random_prompts([70], seed=4)[0]
 
     async def go():
-        loop = EngineLoop(lambda outputs, step_s: None)
-        await loop.start(lambda: engine)
+        loop = await started(engine)
         try:
-            slots = await loop.run(lambda e: e.reserve_remote_prefill(
-                "r", prompt, SamplingParams(max_tokens=2)))
+            slots, want, size = await reserve(loop, engine, prompt)
             metrics, remote = Metrics(), {"r": Remote(slots, None, "", 0.0)}
             sink = DecodeSink(remote, loop, metrics, lambda: False)
-            want = slots.block_ids[slots.num_cached_blocks:]
-            store = engine.kv_store
-            size = store.block_nbytes // store.num_layers * len(want)
-            layers = list(range(store.num_layers))
+            layers = list(range(engine.kv_store.num_layers))
             blocks = [list(want) for _ in layers]
-            raws = [torch.randn(2, len(want), *store.k.shape[2:]).view(torch.uint8)
-                    .numpy().tobytes() for _ in layers]
+            raws = [layer_bytes(engine.kv_store, len(want)) for _ in layers]
             write_through(sink.landing_many("r", layers, blocks, [size] * len(layers)),
                           b"".join(raws))
             before = sink.received_bytes

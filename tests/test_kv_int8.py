@@ -9,25 +9,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.protocol import WorkerInfo
-from common.sampling_params import SamplingParams
 from kernels.kv_int8 import dequantize_rows, quantize_rows, row_width
 from services.conductor.compat import mismatch
 from services.engine import attention_paged_cpu
-from services.engine.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillSegment,
-    TorchAttention,
-)
+from services.engine.attention import TorchAttention
 from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCache
-from services.worker.handshake import hash_and_version, kv_layout
+from services.worker.handshake import kv_layout
 from services.worker.kv_landing import KVLanding
-from services.worker.settings import WorkerSettings
-from tests.test_attention_paged_cpu import WRITE_CASES, _cache, _last_slots, _qkv_rows, _reference
+from tests.test_attention_paged_cpu import WRITE_CASES, _cache, _reference
 from tests.test_attention_paged_cpu import needs_compiler as compiler
-from tests.test_kv_cache_dtype import SHAPES
+from tests.test_kv_cache_dtype import (
+    SHAPES,
+    _blocks_exchanged,
+    _engine_tokens_equal,
+    _moves_and_continues,
+    _settings_refuse,
+    _step_on,
+    _write_decode,
+    _write_decode_refuses_slot,
+    info,
+)
 
 # The kernel against float64 attention over the same quantized values: only float32
 # summation order differs (measured up to ~7e-7 on unit-scale values).
@@ -135,77 +137,37 @@ def test_dot_products_need_the_matching_cache():
 @compiler
 @WRITE_CASES
 def test_write_decode_quantizes_as_torch_and_attends(lens, block_size, kv_heads, heads, dim):
-    _, k_cache, v_cache, tables, ctx = _cache(lens, block_size, kv_heads, heads, dim, seed=11)
-    q, k, v = _qkv_rows(len(lens), heads, kv_heads, dim, seed=12)
-    slots = _last_slots(tables, lens, block_size)
-    kc, vc = quantize_rows(k_cache), quantize_rows(v_cache)
-    row = row_width(dim, torch.int8)
-    kc.view(-1, kv_heads, row).index_copy_(0, slots, quantize_rows(k))
-    vc.view(-1, kv_heads, row).index_copy_(0, slots, quantize_rows(v))
-    want = torch.empty(q.shape)
-    attention_paged_cpu.paged_decode(q, kc, vc, tables, ctx, want)
-    kg, vg = quantize_rows(k_cache), quantize_rows(v_cache)
-    got = attention_paged_cpu.write_decode(q, k, v, kg, vg, slots, tables, ctx)
+    (kg, vg), (kc, vc), got, want = _write_decode(quantize_rows, lens, block_size, kv_heads,
+                                                  heads, dim)
     assert torch.equal(kg, kc) and torch.equal(vg, vc)  # the same bytes, scales too
     assert torch.equal(got, want)
 
 
 @compiler
 def test_write_decode_refuses_a_bad_slot_before_writing():
-    _, k_cache, v_cache, tables, ctx = _cache([20, 3], 16, 1, 2, 16)
-    q, k, v = _qkv_rows(2, 2, 1, 16, seed=1)
-    slots = _last_slots(tables, [20, 3], 16)
-    slots[1] = k_cache.shape[0] * 16
-    kc, vc = quantize_rows(k_cache), quantize_rows(v_cache)
-    with pytest.raises(RuntimeError, match="slot out of range"):
-        attention_paged_cpu.write_decode(q, k, v, kc, vc, slots, tables, ctx)
-    assert torch.equal(kc, quantize_rows(k_cache)) and torch.equal(vc, quantize_rows(v_cache))
+    _write_decode_refuses_slot(quantize_rows, lambda k_cache: k_cache.shape[0] * 16)
 
 
 @pytest.mark.parametrize("path", ["paged", "chunked", "gather"])
 def test_backend_on_an_int8_cache_equals_float32_over_dequantized_kv(path, monkeypatch):
-    # Decodes and a prefill chunk with a cached prefix in one step: each path on the
-    # int8 cache equals the float32 path over the dequantized K/V (the paged kernel's
-    # portable loop here: its dot path rounds q too).
-    if path == "paged" and not attention_paged_cpu.available():
-        pytest.skip("no compiled kernel")
-    monkeypatch.setattr(attention_paged_cpu, "_dot", lambda mod, k_cache, widen: False)
-    lens = [9, 16, 17, 4]
-    _, k_cache, v_cache, tables, ctx = _cache(lens, 4, 2, 6, 16, seed=5)
-    q, k, v = _qkv_rows(7, 6, 2, 16, seed=6)
-    slots = _last_slots(tables, lens, 4)
-    spare = [b for b in range(k_cache.shape[0]) if b not in tables.flatten().tolist()][:2]
-    pre_slots = torch.tensor([spare[0] * 4 + 3, spare[1] * 4, spare[1] * 4 + 1])
-    groups = [DecodeGroup(0, 4, tables, ctx, 17)]
+    # Each path on the int8 cache equals the float32 path over the dequantized K/V (the
+    # paged kernel's portable loop here: its dot path rounds q too).
+    q, k_cache, runs = _step_on(path, monkeypatch, quantize_rows, _deq)
     assert attention_paged_cpu.supports(q, quantize_rows(k_cache))
-    outs, caches = {}, {}
-    for name, kc, vc, kk, vv in (
-            ("int8", quantize_rows(k_cache), quantize_rows(v_cache), k, v),
-            ("ref", _deq(k_cache), _deq(v_cache), _deq(k), _deq(v))):
-        meta = AttentionMetadata(torch.cat([slots, pre_slots]), groups,
-                                 [PrefillSegment(4, 3, 6, torch.tensor(spare))])
-        outs[name] = TorchAttention(path).forward(q, kk, vv, kc, vc, meta)
-        caches[name] = (kc, vc)
-    assert caches["int8"][0].dtype == torch.int8
-    assert torch.equal(dequantize_rows(caches["int8"][0]), caches["ref"][0])
-    assert torch.equal(dequantize_rows(caches["int8"][1]), caches["ref"][1])
-    torch.testing.assert_close(outs["int8"], outs["ref"], rtol=ATOL, atol=ATOL)
+    (out, kc, vc), (ref, kr, vr) = runs["cache"], runs["ref"]
+    assert kc.dtype == torch.int8
+    assert torch.equal(dequantize_rows(kc), kr)
+    assert torch.equal(dequantize_rows(vc), vr)
+    torch.testing.assert_close(out, ref, rtol=ATOL, atol=ATOL)
     if path != "paged":  # torch's own arithmetic on the same float values: the same bits
-        assert torch.equal(outs["int8"][4:], outs["ref"][4:])
+        assert torch.equal(out[4:], ref[4:])
 
 
 def test_int8_cache_blocks_are_their_bytes():
-    src = KVCache(2, 6, 4, 2, 8, torch.int8)
+    src, dst = _blocks_exchanged(torch.int8, quantize_rows)
     assert src.k.shape == (2, 6, 4, 2, 12)
-    src.k.copy_(quantize_rows(torch.randn(2, 6, 4, 2, 8)))
-    src.v.copy_(quantize_rows(torch.randn(2, 6, 4, 2, 8)))
     assert src.block_nbytes == 2 * 2 * 4 * 2 * 12
     assert src.block_nbytes == KVCache.bytes_per_block(2, 4, 2, 8, torch.int8)
-    dst = KVCache(2, 6, 4, 2, 8, torch.int8)
-    dst.import_blocks_bytes([4, 1], [src.export_block_bytes(2), src.export_block_bytes(3)])
-    dst.import_layer_bytes(1, [0], src.export_layer_bytes(1, [5]))
-    assert torch.equal(dst.k[:, 4], src.k[:, 2]) and torch.equal(dst.v[:, 1], src.v[:, 3])
-    assert torch.equal(dst.k[1, 0], src.k[1, 5]) and torch.equal(dst.v[1, 0], src.v[1, 5])
     # The data plane lands int8 chunks in place: the views are the blocks' bytes.
     landing = KVLanding.of(dst)
     assert landing is not None
@@ -230,11 +192,6 @@ def test_engine_int8_kv_blocks_bytes_and_kv_facts(tiny_dirs, make_engine):
     assert i8.fingerprint != f32.fingerprint
     assert i8.config.precision == "float32+kv-int8"
     assert kv_layout(i8).kv_dtype == "int8"
-
-    def info(wid, engine):
-        return WorkerInfo(wid, "decode", "m", f"tcp://{wid}:1", f"tcp://{wid}:2", "h", 4,
-                          engine.kv_store.num_blocks, engine.fingerprint, *kv_layout(engine),
-                          **hash_and_version())
     found = mismatch(info("d0", f32), info("d1", i8))
     assert (found.field, found.expected, found.got) == ("kv_dtype", "float32", "int8")
     with pytest.raises(ValueError, match="a block holds"):
@@ -243,66 +200,27 @@ def test_engine_int8_kv_blocks_bytes_and_kv_facts(tiny_dirs, make_engine):
 
 def test_engine_int8_kv_tokens_equal_float32_over_dequantized_kv(tiny_dirs, make_engine,
                                                                  monkeypatch):
-    prompts = [[1, 5, 9, 200, 17, 3, 3, 8, 40, 41, 42, 7, 6, 5, 4, 3, 2, 100, 101],
-               [1, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-
     class Dequantizing(TorchAttention):  # a float32 cache fed the values int8 keeps
         def forward(self, q, k, v, k_cache, v_cache, meta):
             return super().forward(q, _deq(k), _deq(v), k_cache, v_cache, meta)
 
-    monkeypatch.setattr(attention_paged_cpu, "_dot", lambda mod, k_cache, widen: False)
-    path = "paged" if attention_paged_cpu.available() else "chunked"
-    runs = {}
-    for kv in ("int8", "auto"):
-        engine = make_engine(tiny_dirs["llama"], dtype="float32", block_size=4,
-                             num_kv_blocks=64, kv_cache_dtype=kv)
-        engine.model.backend = (TorchAttention if kv == "int8" else Dequantizing)(path)
-        outs = engine.generate(prompts, params)
-        runs[kv] = ([o.token_ids for o in outs], [[lp.top for lp in o.logprobs] for o in outs])
-    assert runs["int8"][0] == runs["auto"][0]
-    assert all(len(t) == 12 for t in runs["int8"][0])
-    for got, want in zip(runs["int8"][1], runs["auto"][1], strict=True):
-        for g, w in zip(got, want, strict=True):
-            assert [t for t, _ in g] == [t for t, _ in w]
-            assert [lp for _, lp in g] == pytest.approx([lp for _, lp in w], abs=1e-4)
+    _engine_tokens_equal(tiny_dirs, make_engine, monkeypatch, "int8", Dequantizing, 1e-4)
 
 
 def test_int8_kv_moves_between_int8_engines_and_continues_as_one(tiny_dirs, make_engine):
-    # A prefills, each layer's int8 K/V (values and scales) streamed into B's reserved
-    # blocks; B decodes: the tokens of one int8-KV engine alone.
-    from tests.test_engine_kv_transfer import _continue_in_b
-    from tests.tiny_models import random_prompts
-
-    def engine(hooks=None):
-        return make_engine(tiny_dirs["llama"], hooks, dtype="float32",
-                           kv_cache_dtype="int8", num_kv_blocks=64)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    prompts = random_prompts([37, 16, 5], seed=9)
-    want = [c.token_ids for c in engine().generate(prompts, params)]
-    b = engine()
+    # Each layer's int8 K/V (values and scales) streamed into B's reserved blocks.
+    b = _moves_and_continues(tiny_dirs, make_engine, "int8", seed=9)
     assert b.kv_store.k.dtype == torch.int8
-    got = [_continue_in_b(None, b, p, params, lambda _dir, hooks: engine(hooks))
-           for p in prompts]
-    assert got == want and all(len(t) == 20 for t in got)
 
 
 def test_settings_accept_int8_kv_only_where_it_runs():
     cfg = EngineConfig(device="cpu", kv_cache_dtype="int8")
     assert cfg.kv_torch_dtype == torch.int8 and cfg.kv_dtype_name == "int8"
-    for kw, match in (
-            ({"device": "cuda", "kv_cache_dtype": "int8"}, "runs on device cpu"),
-            ({"device": "cpu", "dtype": "float64", "kv_cache_dtype": "int8"},
-             "runs on device cpu with dtype float32 only"),
-            ({"device": "cpu", "attention_backend": "triton", "kv_cache_dtype": "int8"},
-             "torch attention backend"),
-            ({"device": "cpu", "tensor_parallel_size": 2, "kv_cache_dtype": "int8"},
-             "tensor_parallel_size 1")):
-        with pytest.raises(ValueError, match=match):
-            EngineConfig(**kw)
-    assert WorkerSettings(kv_cache_dtype="int8").kv_cache_dtype == "int8"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, bfloat16 or int8"):
-        WorkerSettings(kv_cache_dtype="fp8")
+    _settings_refuse("int8", "fp8", (
+        ({"device": "cuda"}, "runs on device cpu"),
+        ({"device": "cpu", "dtype": "float64"}, "runs on device cpu with dtype float32 only"),
+        ({"device": "cpu", "attention_backend": "triton"}, "torch attention backend"),
+        ({"device": "cpu", "tensor_parallel_size": 2}, "tensor_parallel_size 1")))
 
 
 @pytest.mark.slow
@@ -318,31 +236,14 @@ def test_default_model_chat_answers_with_int8_kv_part_only_at_near_ties(quantiza
     0.14 of float32 KV's up to there. So: at least three equal, and each answer equals
     the reference up to its first difference, where both engines rank the two
     candidates within 0.1 of each other."""
-    from services.engine.engine import LLMEngine
-    from services.engine.weights import DEFAULT_MODEL
-    from tests.test_default_model import CHAT_PROMPTS, _chat_params
+    from tests.test_default_model import _chat_answers, _first_differences
 
-    runs = []
-    for kv in ("auto", "int8"):
-        e = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
-                                   quantization=quantization, kv_cache_dtype=kv))
-        prompts = [e.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in CHAT_PROMPTS]
-        runs.append(e.generate(prompts, _chat_params()))
-    assert runs[1] and e.kv_store.k.dtype == torch.int8
-    same = 0
-    for w, g in zip(*runs, strict=True):
-        pairs = zip(w.token_ids, g.token_ids, strict=True)  # ignore_eos: 24 tokens each
-        n = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    (_, want), (e, got) = (_chat_answers(kv, quantization) for kv in ("auto", "int8"))
+    assert got and e.kv_store.k.dtype == torch.int8
+    firsts = _first_differences(want, got, gap=0.1)
+    for w, g, n in zip(want, got, firsts, strict=True):
         shared = len(w.token_ids) if n is None else n
         for lw, lg in zip(w.logprobs[:shared], g.logprobs[:shared], strict=True):
             assert lg.logprob == pytest.approx(lw.logprob, abs=0.25)
-        if n is None:
-            same += 1
-            continue
-        for out in (w, g):
-            top = dict(out.logprobs[n].top)
-            assert w.token_ids[n] in top and g.token_ids[n] in top
-            assert abs(top[w.token_ids[n]] - top[g.token_ids[n]]) < 0.1
-    assert same >= 3
-    assert "Paris" in e.tokenizer.decode(runs[1][0].token_ids)
+    assert firsts.count(None) >= 3
+    assert "Paris" in e.tokenizer.decode(got[0].token_ids)

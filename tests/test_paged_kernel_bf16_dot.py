@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from services.engine import attention_paged_cpu
-from tests.test_attention_paged_cpu import _cache, _last_slots, _qkv_rows, _reference
+from tests.test_attention_paged_cpu import (
+    _cache,
+    _in_place_on_one_and_two_threads,
+    _last_slots,
+    _qkv_rows,
+    _reference,
+)
 from tests.test_attention_paged_cpu import needs_compiler as compiler
 
 pytestmark = compiler
@@ -82,20 +88,7 @@ def test_dot_path_reads_queries_in_place_and_threads_split_by_work(dot):
     lens = [600, 3, 5, 400, 7, 9, 11, 250]
     q, k_cache, v_cache, tables, ctx = _cache(lens, 16, 3, 9, 64, seed=3)
     kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
-    wide = torch.randn(len(lens), 9 * 64 + 2 * 3 * 64)
-    wide[:, :9 * 64] = q.reshape(len(lens), -1)
-    qv = wide[:, :9 * 64].view(len(lens), 9, 64)
-    assert not qv.is_contiguous()
-    outs = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            out = torch.empty_like(q)
-            attention_paged_cpu.paged_decode(qv, kb, vb, tables, ctx, out)
-            outs.append(out)
-    finally:
-        torch.set_num_threads(threads)
+    outs = _in_place_on_one_and_two_threads(q, kb, vb, tables, ctx)
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0].double(), _dot_reference(q, kb, vb, tables, ctx),
                                rtol=0, atol=DOT_ATOL)

@@ -6,6 +6,7 @@ whose digest does not match is asked for again or fails the transfer, and is nev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import secrets
@@ -72,6 +73,49 @@ def test_lengths_that_do_not_add_up_copy_nothing(mod):
     assert all(bytes(d) == b"\x07" * 600 for d in destinations)
 
 
+def spoil_staging(monkeypatch, spoiled, at: int, mask: int) -> None:
+    """The shm sender stages the right digest, then flips ``mask`` in byte ``at`` of the
+    segment where ``spoiled(number of batches staged before)`` says so."""
+    staged, real = [], shm_sender.stage_many
+
+    def stage_many(destination, sources):
+        digest = real(destination, sources)
+        if spoiled(len(staged)):
+            destination[at] ^= mask
+        staged.append(digest)
+        return digest
+
+    monkeypatch.setattr(shm_sender, "stage_many", stage_many)
+
+
+@contextlib.asynccontextmanager
+async def shm_pair(sink):
+    """A started shm receiver landing in ``sink`` and a sender, both closed after."""
+    rx = make_receiver("shm", sink=sink)
+    await rx.start()
+    tx = make_sender("shm")
+    try:
+        yield rx, tx
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+async def send_each(rx, tx, rids, chunks, before=lambda rid: None) -> dict:
+    """Each request's chunks sent and finished in turn (``before(rid)`` first); only
+    "bad" may fail, on a checksum mismatch. The transfers, by request id."""
+    transfers = {}
+    for rid in rids:
+        before(rid)
+        transfers[rid] = rx.expect(rid, lease_s=30, token=TOKEN)
+        try:
+            await tx.send_many(rx.address, rid, chunks, token=TOKEN)
+            await tx.finish(rx.address, rid, len(chunks), token=TOKEN)
+        except TransferError as exc:
+            assert rid == "bad" and "checksum mismatch" in exc.reason
+    return transfers
+
+
 class Sink:
     """A LandingSink over one destination per request: each chunk's bytes go at its
     offset in two pieces (cut off the 64-byte stripes), as a worker's blocks lie apart."""
@@ -109,28 +153,10 @@ async def test_a_corrupted_shm_message_is_refused_by_the_fused_pass(mod, monkeyp
 
     monkeypatch.setattr(cpu_copysum, "kernel", lambda wait=False: types.SimpleNamespace(
         copy_all=mod.copy_all, scatter_all=scatter_all))
-    staged, real = [], shm_sender.stage_many
-
-    def stage_many(destination, sources):  # the right digest, a byte spoiled after it
-        digest = real(destination, sources)
-        if len(staged) in (1, 3, 4):  # "resent" once, "bad" on both attempts
-            destination[5000] ^= 0x40
-        staged.append(digest)
-        return digest
-
-    monkeypatch.setattr(shm_sender, "stage_many", stage_many)
-    rx = make_receiver("shm", sink=sink)
-    await rx.start()
-    tx = make_sender("shm")
-    try:
-        transfers = {}
-        for rid in rids:
-            transfers[rid] = rx.expect(rid, lease_s=30, token=TOKEN)
-            try:
-                await tx.send_many(rx.address, rid, chunks, token=TOKEN)
-                await tx.finish(rx.address, rid, len(chunks), token=TOKEN)
-            except TransferError as exc:
-                assert rid == "bad" and "checksum mismatch" in exc.reason
+    # "resent" spoiled once, "bad" on both attempts.
+    spoil_staging(monkeypatch, lambda staged: staged in (1, 3, 4), 5000, 0x40)
+    async with shm_pair(sink) as (rx, tx):
+        transfers = await send_each(rx, tx, rids, chunks)
         for rid in ("clean", "resent"):
             await transfers[rid].wait()
             assert transfers[rid].chunks_received == 30
@@ -143,9 +169,6 @@ async def test_a_corrupted_shm_message_is_refused_by_the_fused_pass(mod, monkeyp
         assert sink.landed_chunks["bad"] == []  # its blocks never marked as holding KV
         assert sink.called == []  # every batch went through the fused pass
         assert scattered == [60] * 5 and rx.retried == 2 and tx.resent == 2
-    finally:
-        await tx.close()
-        await rx.close()
 
 
 class RaisingSink(Sink):
@@ -209,35 +232,11 @@ class ManySink(Sink):
 async def test_a_sink_with_batch_forms_is_asked_once_a_batch(mod, monkeypatch):
     chunks = [(layer, [1, 2], os.urandom(20000 + 3 * layer)) for layer in range(30)]
     sink = ManySink(chunks, ["ok", "bad"])
-    real = shm_sender.stage_many
-
-    spoil = []
-
-    def stage_many(destination, sources):  # "bad" spoiled on both attempts
-        digest = real(destination, sources)
-        if spoil:
-            destination[7] ^= 1
-        return digest
-
-    monkeypatch.setattr(shm_sender, "stage_many", stage_many)
-    rx = make_receiver("shm", sink=sink)
-    await rx.start()
-    tx = make_sender("shm")
-    try:
-        transfers = {}
-        for rid in ("ok", "bad"):
-            if rid == "bad":
-                spoil.append(rid)
-            transfers[rid] = rx.expect(rid, lease_s=30, token=TOKEN)
-            try:
-                await tx.send_many(rx.address, rid, chunks, token=TOKEN)
-                await tx.finish(rx.address, rid, len(chunks), token=TOKEN)
-            except TransferError as exc:
-                assert rid == "bad" and "checksum mismatch" in exc.reason
+    sending = []
+    spoil_staging(monkeypatch, lambda staged: "bad" in sending, 7, 1)  # on both attempts
+    async with shm_pair(sink) as (rx, tx):
+        transfers = await send_each(rx, tx, ("ok", "bad"), chunks, before=sending.append)
         await transfers["ok"].wait()
-    finally:
-        await tx.close()
-        await rx.close()
     layers = list(range(30))
     assert sink.calls == [("landing", "ok", layers), ("landed", "ok", layers),
                           ("landing", "bad", layers), ("landing", "bad", layers)]
