@@ -315,29 +315,3 @@ def _moves_and_continues(tiny_dirs, make_engine, kv, seed):
 
 def test_bf16_kv_moves_between_bf16_engines_and_continues_as_one(tiny_dirs, make_engine):
     _moves_and_continues(tiny_dirs, make_engine, "bfloat16", seed=8)
-
-
-@pytest.mark.slow
-def test_default_model_chat_answers_on_bf16_dot_products_equal_float32_kv():
-    """The default model, w4a16 (the configuration the batch-64 decode benchmark runs),
-    on the five chat prompts: with a bfloat16 cache on the kernel's default path (bf16
-    dot products where the CPU has AVX512_BF16, q and p rounded too) every answer is
-    the float32-KV engine's token for token, each chosen token's log-probability within
-    0.1 (measured: up to 0.042). The widening path parts from float32 at the fourth
-    answer's last token, a near tie (tests/test_default_model.py); this one does not."""
-    from services.engine.engine import LLMEngine
-    from services.engine.weights import DEFAULT_MODEL
-    from tests.test_default_model import CHAT_PROMPTS, _chat_params, _logprobs
-
-    if not attention_paged_cpu.bf16_dot():
-        pytest.skip("no AVX512_BF16 (or no compiler): the cache takes the widening path")
-    runs = {}
-    for kv in ("auto", "bfloat16"):
-        engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, kv_cache_bytes=64 << 20,
-                                        quantization="w4a16", kv_cache_dtype=kv))
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in CHAT_PROMPTS]
-        runs[kv] = engine.generate(prompts, _chat_params())
-    assert [o.token_ids for o in runs["bfloat16"]] == [o.token_ids for o in runs["auto"]]
-    assert len(_logprobs(runs["bfloat16"])) == 5 * 24
-    assert _logprobs(runs["bfloat16"]) == pytest.approx(_logprobs(runs["auto"]), abs=0.1)
