@@ -206,15 +206,22 @@ def test_decode_and_prefill_steps_take_their_own_host_factors():
                                decode_contention=(1.0, 1.8, 2.6))
     assert [prof.contended(2, kind) for kind in ("", "prefill", "decode")] == [1.5, 1.2, 1.8]
 
-    def route(views, req):
-        return Decision({v.worker_id: v for v in views}[f"decode-{req.rid}"], None, "fixed")
-    r0, r1 = [SimRequest(i, 0.0, 1000, 3, [10 * i, 10 * i + 1]) for i in range(2)]
-    Simulator(prof, route, prefill=0, decode=2, shared_host=True).run([r0, r1])
+    r0, r1 = _two_decode_workers(prof)
     assert r0.ttft == pytest.approx(1.6) and r1.ttft == pytest.approx(1.6 * 1.2)
     # decode-0's steps beside decode-1's prefill and its own serving share (as in
     # test_shared_host_slows_work_by_the_processes_busy_when_it_starts): decode factors.
     f0 = 1.8 + 0.02 / 0.041 * (2.6 - 1.8)
     assert r0.tbt == pytest.approx(0.021 * f0 + 0.02 + 1e-5 * f0 / 2)
+
+
+def _two_decode_workers(prof):
+    """Two 1,000-token requests at t=0, each prefilled and decoded on its own decode
+    worker of one shared host: (r0, r1) after the run."""
+    def route(views, req):
+        return Decision({v.worker_id: v for v in views}[f"decode-{req.rid}"], None, "fixed")
+    r0, r1 = [SimRequest(i, 0.0, 1000, 3, [10 * i, 10 * i + 1]) for i in range(2)]
+    Simulator(prof, route, prefill=0, decode=2, shared_host=True).run([r0, r1])
+    return r0, r1
 
 
 def test_a_neighbour_counts_by_what_it_runs():
@@ -226,10 +233,7 @@ def test_a_neighbour_counts_by_what_it_runs():
     assert prof.weight("decode", "long prefill") == 0.0
     assert prof.weight("decode", "decode") == 1.0  # not given: a whole busy process
 
-    def route(views, req):
-        return Decision({v.worker_id: v for v in views}[f"decode-{req.rid}"], None, "fixed")
-    r0, r1 = [SimRequest(i, 0.0, 1000, 3, [10 * i, 10 * i + 1]) for i in range(2)]
-    Simulator(prof, route, prefill=0, decode=2, shared_host=True).run([r0, r1])
+    r0, r1 = _two_decode_workers(prof)
     # decode-1's prefill starts beside decode-0's 1000-token one: half a busy process.
     assert r0.ttft == pytest.approx(1.6) and r1.ttft == pytest.approx(1.6 * 1.1)
     # decode-0's steps beside decode-1's prefill count it as nothing: only the serving
