@@ -3,6 +3,8 @@ the simulator's, and the advisor's prediction ranks the two deployments."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from bench import advise_check as ac
@@ -174,3 +176,41 @@ def test_the_seed_draws_another_workload():
     assert [s.arrival_s for s in a] != [s.arrival_s for s in b]
     assert [s.prompt_len for s in a] == [s.prompt_len for s in ac.specs_for(
         "prefill-heavy", 48, seed=0)]
+
+
+def test_repeated_live_runs_alternate_and_keep_the_median_run(monkeypatch, tmp_path):
+    calls = []
+    goodputs = {"colocated x2": [0.30, 0.10, 0.20], "1P+1D": [0.05, 0.04, 0.06]}
+
+    def fake_live(specs, plan, dep, logs, step_trace, workload):
+        label = next(k for k, d in ac.DEPLOYMENTS.items() if d == dep)
+        k = sum(1 for c, _ in calls if c == label)
+        calls.append((label, logs))
+        return {"goodput": goodputs[label][k], "requests": [[k]], "routing": [], "run": k}
+
+    monkeypatch.setattr(ac, "live", fake_live)
+    out = ac.live_repeated([], None, ac.DEPLOYMENTS, 3, tmp_path, False, "prefill-heavy")
+    # A B, B A, A B: a drift in the machine's load falls on both deployments.
+    assert [c for c, _ in calls] == ["colocated x2", "1P+1D", "1P+1D", "colocated x2",
+                                     "colocated x2", "1P+1D"]
+    assert [logs.name for _, logs in calls] == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    colo, split = out["colocated x2"], out["1P+1D"]
+    assert colo["goodput"] == 0.20 and colo["run"] == 2 and colo["requests"] == [[2]]
+    assert colo["goodput_range"] == [0.10, 0.30]
+    assert [r["goodput"] for r in colo["runs"]] == [0.30, 0.10, 0.20]
+    assert all("requests" not in r for r in colo["runs"])
+    assert split["goodput"] == 0.05 and split["goodput_range"] == [0.04, 0.06]
+
+
+def test_noisy_prediction_keeps_the_median_run_and_the_spread():
+    specs = ac.specs_for("prefill-heavy", 12, seed=0)
+    plan = dataclasses.replace(ac.plan_for("prefill-heavy"), noise=0.1)
+    pred = ac.predict(specs, plan, {"1P+1D": ac.DEPLOYMENTS["1P+1D"]}, runs=5)["1P+1D"]
+    assert len(pred["runs"]) == 5 and pred["runs"] == sorted(pred["runs"])
+    assert pred["goodput"] == pred["runs"][2]
+    assert pred["goodput_range"] == [pred["runs"][0], pred["runs"][-1]]
+    # Each run is its own draw: seed k is the plan's seed + k, as one run alone gives.
+    one = ac.predict(specs, dataclasses.replace(plan, seed=3),
+                     {"1P+1D": ac.DEPLOYMENTS["1P+1D"]})["1P+1D"]
+    assert one["goodput"] in pred["runs"]
+    assert len(pred["requests"]) == 12 and pred["completed"] == 12
