@@ -4,6 +4,7 @@ end on a tiny trace."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from common.config import load_settings
 from common.cost_profile import load_profile
-from services.advisor import config, search, workload
+from services.advisor import config, report, search, workload
 from services.advisor.report import Progress
 from services.cache_pool.settings import PoolSettings
 from services.cli import main
@@ -173,3 +174,24 @@ def test_progress_without_tqdm_counts_on_one_line(monkeypatch, capsys):
         bar(dep)
     bar.close()
     assert capsys.readouterr().out.endswith("2/2 1P+1D               \n")
+
+
+def test_noisy_runs_rank_each_deployment_by_its_median_run():
+    load = workload.synthetic(requests=30, rate=0.5, input_len=1024, output_len=40, seed=2)
+    noisy = dataclasses.replace(plan(ttft_s=6.0, tpot_s=0.12), noise=0.1, seed=5)
+    outcomes = search.search(search.deployments(2, pool=False), load.requests, noisy,
+                             runs=3)
+    for o in outcomes:
+        assert len(o.goodput_runs) == 3 and list(o.goodput_runs) == sorted(o.goodput_runs)
+        assert o.goodput_rps == o.goodput_runs[1]
+        # Run k is seed + k: each draw is what one run with that seed gives.
+        alone = sorted(search.evaluate(o.deployment, load.requests(),
+                                       dataclasses.replace(noisy, seed=5 + k)).goodput_rps
+                       for k in range(3))
+        assert list(o.goodput_runs) == alone
+    goodputs = [o.goodput_rps for o in outcomes]
+    assert goodputs == sorted(goodputs, reverse=True)
+    text = report.table(outcomes, noisy.slo)
+    assert "median of 3 noisy runs" in text and "goodput range" in text
+    with pytest.raises(ValueError, match="runs must be >= 1"):
+        search.search(search.deployments(2, pool=False), load.requests, noisy, runs=0)

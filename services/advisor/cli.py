@@ -5,7 +5,7 @@
          | --rate R --input-len L --output-len L [--requests 200] [--range-ratio 0.5]
            [--shared-prefix T] [--seed S])
         [--profile smollm2-cpu] [--kv-cache-mib MIB] [--pool-mib 1024] [--no-pool]
-        [--admission] [--noise SIGMA] [--kv-lease S] [--one-host] [--out advise]
+        [--admission] [--noise SIGMA [--runs N]] [--kv-lease S] [--one-host] [--out advise]
         [--no-progress]
 
 Simulates every deployment (``services/advisor/search.py``), prints them ranked, and
@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the conductor rejects requests predicted to miss the SLOs")
     p.add_argument("--noise", type=float, default=0.0,
                    help="lognormal sigma on every simulated duration")
+    p.add_argument("--runs", type=int, default=1,
+                   help="simulated runs a deployment (with --noise: each a draw; the "
+                        "ranking takes each one's run of median goodput)")
     p.add_argument("--kv-lease", type=float, default=10.0)
     p.add_argument("--out", default="advise", help="folder for the config, plot and JSON")
     p.add_argument("--one-host", action="store_true",
@@ -106,7 +109,7 @@ def advise(args: argparse.Namespace) -> int:
           f"{args.workers} workers")
     progress = None if args.no_progress else report.Progress(len(candidates))
     try:
-        outcomes = search.search(candidates, load.requests, plan, progress)
+        outcomes = search.search(candidates, load.requests, plan, progress, args.runs)
     finally:
         if progress is not None:
             progress.close()

@@ -47,14 +47,20 @@ def table(outcomes: list[Outcome], slo: Slo) -> str:
     head = (f"{'rank':>4}  {'deployment':<20} {'goodput':>9} {'in SLO':>7} {'TTFT p50':>9} "
             f"{'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p90':>8} {'p99':>8} {'local':>6} "
             f"{'rejected':>8}")
+    runs = max((len(o.goodput_runs) for o in outcomes), default=0)
+    if runs > 1:
+        head += f" {'goodput range':>15}"
     rows = [f"SLOs: TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s * 1e3:g} ms; goodput in "
-            "requests/s within both", head]
+            "requests/s within both" + (f" (the median of {runs} noisy runs)" if runs > 1
+                                        else ""), head]
     for i, o in enumerate(outcomes, 1):
         t, p = o.ttft_s, o.tpot_s
         rows.append(f"{i:>4}  {o.deployment.name:<20} {o.goodput_rps:>9.3g} "
                     f"{o.good_frac:>7.0%} {t['p50']:>8.3g}s {t['p90']:>7.3g}s "
                     f"{t['p99']:>7.3g}s {p['p50'] * 1e3:>7.4g}ms {p['p90'] * 1e3:>6.4g}ms "
-                    f"{p['p99'] * 1e3:>6.4g}ms {o.local_prefills:>6} {o.rejected:>8}")
+                    f"{p['p99'] * 1e3:>6.4g}ms {o.local_prefills:>6} {o.rejected:>8}"
+                    + (f" {o.goodput_runs[0]:>7.3g}-{o.goodput_runs[-1]:<7.3g}"
+                       if runs > 1 else ""))
     return "\n".join(rows)
 
 

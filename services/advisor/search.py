@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.cost_profile import load_profile
 from services.conductor.router import Router, RouteRequest
@@ -102,6 +102,7 @@ class Outcome:
     tpot_s: dict[str, float] = field(default_factory=dict)
     local_prefills: int = 0
     cached_frac: float = 0.0
+    goodput_runs: tuple[float, ...] = ()  # every run's goodput, low to high (search runs>1)
 
     @property
     def good_frac(self) -> float:
@@ -157,11 +158,23 @@ def evaluate(dep: Deployment, reqs: list[SimRequest], plan: Plan,
 
 
 def search(candidates: list[Deployment], make_requests: Callable[[], list[SimRequest]],
-           plan: Plan, progress: Callable[[Deployment], None] | None = None) -> list[Outcome]:
-    """Every candidate simulated on fresh requests, best first (see ``rank_key``)."""
+           plan: Plan, progress: Callable[[Deployment], None] | None = None,
+           runs: int = 1) -> list[Outcome]:
+    """Every candidate simulated on fresh requests, best first (see ``rank_key``). With
+    ``runs`` > 1, each is run that many times, seeds ``plan.seed`` on (draws of the
+    plan's noise), and stands for its run of median goodput (the lower middle one for an
+    even count), every run's goodput in ``goodput_runs``: near overload one run is one
+    draw of a wide spread (a few percent on a step moves which requests a prefill
+    interrupts and where the next ones are routed)."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
     outcomes = []
     for dep in candidates:
-        outcomes.append(evaluate(dep, make_requests(), plan))
+        draws = sorted((evaluate(dep, make_requests(), replace(plan, seed=plan.seed + k))
+                        for k in range(runs)), key=lambda o: o.goodput_rps)
+        median = draws[(runs - 1) // 2]
+        outcomes.append(replace(median, goodput_runs=tuple(o.goodput_rps for o in draws))
+                        if runs > 1 else median)
         if progress is not None:
             progress(dep)
     return sorted(outcomes, key=Outcome.rank_key)
