@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import itertools
 import operator
 import struct
 import sys
@@ -141,8 +142,8 @@ def decode(raw: bytes | bytearray | memoryview, payload_len: int, start: int = 0
             and bytes(raw[blocks_at : blocks_at + 8 * first]) * count == bytes(raw[blocks_at:]):
         # Every chunk names the same blocks (a request's layers): unpacked once, a list
         # of its own for each chunk all the same.
-        run = list(_blocks_struct(first).unpack_from(raw, blocks_at))
-        runs = [run.copy() for _ in range(count)]
+        run = _blocks_struct(first).unpack_from(raw, blocks_at)
+        runs = list(map(list, itertools.repeat(run, count)))  # at C speed
     else:
         flat = _blocks_struct(total_blocks).unpack_from(raw, blocks_at)
         runs, begin = [], 0
