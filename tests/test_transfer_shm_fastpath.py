@@ -175,3 +175,18 @@ def test_the_finish_frame_is_plain_msgpack():
     frame = control.pack("finish", request_id="r", num_chunks=1, token=b"t")
     assert msgpack.unpackb(frame[4:]) == {"t": "finish", "request_id": "r", "num_chunks": 1,
                                           "token": b"t"}
+
+
+def test_a_batch_whose_equal_block_counts_overrun_its_header_is_refused():
+    message = batch_mod.Batch("r", [0, 1], [[4, 9], [4, 9]], 0, [8, 8], 0, TOKEN)
+    raw = bytearray(batch_mod.encode(message, 7, 16))
+    blocks_at = batch_mod.HEAD.size + 1 + len(TOKEN) + 8 * 3 * 2
+    for entry in (0, 1):  # both chunks claim 2**40 blocks: equal counts, far too many
+        at = batch_mod.HEAD.size + 1 + len(TOKEN) + 8 * (3 * entry + 2)
+        raw[at : at + 8] = (1 << 40).to_bytes(8, "little")
+    with pytest.raises(wire.WireError, match="its lengths say") as caught:
+        batch_mod.decode(bytes(raw), 16)
+    assert caught.value.request_id == "r"
+    raw = bytearray(batch_mod.encode(message, 7, 16))
+    raw[blocks_at + 16 : blocks_at + 24] = (5).to_bytes(8, "little")  # the second run differs
+    assert batch_mod.decode(bytes(raw), 16).block_ids == [[4, 9], [5, 9]]
