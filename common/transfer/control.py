@@ -63,6 +63,8 @@ class FrameParser:
 
     def feed(self, data: bytes) -> list:
         buffer, known = self._buffer, self._known
+        if not buffer and type(data) is bytes:
+            return self._feed_whole(data)
         buffer += data
         frames, offset = [], 0
         while len(buffer) - offset >= LENGTH.size:
@@ -78,6 +80,27 @@ class FrameParser:
             frames.append(value)
             offset = end
         del buffer[:offset]
+        return frames
+
+    def _feed_whole(self, data: bytes) -> list:
+        """``feed`` with nothing buffered (the usual read: whole frames): each frame's body
+        sliced out of ``data`` once, not copied into the buffer and out again."""
+        known, frames, offset, size = self._known, [], 0, len(data)
+        unpack_length = LENGTH.unpack_from
+        while size - offset >= LENGTH.size:
+            (length,) = unpack_length(data, offset)
+            _check_length(length)
+            end = offset + LENGTH.size + length
+            if end > size:
+                break
+            value = known.get(data[offset:end]) if known else None
+            if value is None:
+                body = data[offset + LENGTH.size : end]
+                value = body if body[0] == BINARY else unpack(body)
+            frames.append(value)
+            offset = end
+        if offset < size:
+            self._buffer += data[offset:]
         return frames
 
 
@@ -123,7 +146,23 @@ def message(fields: dict, cls: type[wire.Message], extra: tuple[str, ...] = ()) 
     return record
 
 
-@functools.cache
+_FINISH_KEYS = frozenset({"t", *wire.Finish._fields})
+_U64_MAX = (1 << 64) - 1
+
+
+def finish(fields: dict) -> wire.Finish:
+    """``message(fields, wire.Finish)``: the FINISH a frame holds, validated. Its usual
+    types (plain str, int and bytes) are checked here in one expression, once a request;
+    anything else takes ``message``'s general path and its errors."""
+    rid, num_chunks, token = (fields.get("request_id"), fields.get("num_chunks"),
+                              fields.get("token"))
+    if (fields.keys() == _FINISH_KEYS and type(rid) is str and rid
+            and type(num_chunks) is int and 0 <= num_chunks <= _U64_MAX
+            and type(token) is bytes and len(token) <= wire.MAX_TOKEN_BYTES):
+        return wire.Finish(rid, num_chunks, token)
+    return message(fields, wire.Finish)
+
+
 @functools.cache  # a few message types: not a set built a frame
 def _keys(cls: type[wire.Message], extra: tuple[str, ...]) -> frozenset[str]:
     return frozenset({"t", *cls._fields, *extra})

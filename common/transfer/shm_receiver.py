@@ -93,7 +93,7 @@ class _Peer(asyncio.Protocol):
         table, kind = self.rx.table, fields["t"]
         self.answer()  # the sender's finish waits for them; ending the transfer takes longer
         if kind == "finish":
-            msg = control.message(fields, wire.Finish)
+            msg = control.finish(fields)
             table.on_finish(msg.request_id, msg.num_chunks, msg.token)
         elif kind == "abort":
             msg = control.message(fields, wire.Abort)
