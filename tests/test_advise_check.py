@@ -186,19 +186,25 @@ def test_repeated_live_runs_alternate_and_keep_the_median_run(monkeypatch, tmp_p
         label = next(k for k, d in ac.DEPLOYMENTS.items() if d == dep)
         k = sum(1 for c, _ in calls if c == label)
         calls.append((label, logs))
-        return {"goodput": goodputs[label][k], "requests": [[k]], "routing": [], "run": k}
+        # Run k's one request took 1 s to its first token and was good within 1.25x.
+        return {"goodput": goodputs[label][k], "routing": [], "run": k, "duration_s": 2.0,
+                "requests": [[0.0, 8, 1, 1000.0 * (1 + k / 8), None]]}
 
     monkeypatch.setattr(ac, "live", fake_live)
-    out = ac.live_repeated([], None, ac.DEPLOYMENTS, 3, tmp_path, False, "prefill-heavy")
+    plan = dataclasses.replace(ac.plan_for("prefill-heavy"), slo=ac.Slo(1.0, 0.1))
+    out = ac.live_repeated([], plan, ac.DEPLOYMENTS, 3, tmp_path, False, "prefill-heavy")
     # A B, B A, A B: a drift in the machine's load falls on both deployments.
     assert [c for c, _ in calls] == ["colocated x2", "1P+1D", "1P+1D", "colocated x2",
                                      "colocated x2", "1P+1D"]
     assert [logs.name for _, logs in calls] == ["r0", "r0", "r1", "r1", "r2", "r2"]
     colo, split = out["colocated x2"], out["1P+1D"]
-    assert colo["goodput"] == 0.20 and colo["run"] == 2 and colo["requests"] == [[2]]
+    assert colo["goodput"] == 0.20 and colo["run"] == 2 and colo["requests"][0][3] == 1250
+    # Per SLO scale, the median run: TTFTs 1000, 1125, 1250 ms against 1000 ms scaled.
+    assert colo["sweep"] == [0.0, 0.5, 0.5, 0.5]
     assert colo["goodput_range"] == [0.10, 0.30]
     assert [r["goodput"] for r in colo["runs"]] == [0.30, 0.10, 0.20]
-    assert all("requests" not in r for r in colo["runs"])
+    assert [r["requests"][0][3] for r in colo["runs"]] == [1000, 1125, 1250]
+    assert all("routing" not in r for r in colo["runs"])
     assert split["goodput"] == 0.05 and split["goodput_range"] == [0.04, 0.06]
 
 
@@ -214,3 +220,20 @@ def test_noisy_prediction_keeps_the_median_run_and_the_spread():
                      {"1P+1D": ac.DEPLOYMENTS["1P+1D"]})["1P+1D"]
     assert one["goodput"] in pred["runs"]
     assert len(pred["requests"]) == 12 and pred["completed"] == 12
+
+
+def test_goodput_swept_over_slo_scales_counts_as_the_run_does():
+    slo = ac.Slo(1.0, 0.1)
+    row = {"duration_s": 10.0, "requests": [
+        [0.0, 10, 5, 900.0, 90.0],      # good at every scale
+        [1.0, 10, 5, 1100.0, 90.0],     # TTFT over 1.0 s, within 1.25 s
+        [2.0, 10, 5, 500.0, 140.0],     # TPOT over 125 ms, within 150 ms
+        [3.0, 10, 1, 1900.0, None],     # one token: no TPOT to miss; TTFT within 2 s
+        [4.0, 10, 5, None, None]]}      # failed: never good
+    assert ac.sweep(row, slo) == [0.1, 0.2, 0.3, 0.4]
+    # At scale 1 a simulated run's sweep is its goodput, exactly.
+    specs = ac.specs_for("prefill-heavy", 12, seed=0)
+    plan = ac.plan_for("prefill-heavy")
+    pred = ac.predict(specs, plan, {"1P+1D": ac.DEPLOYMENTS["1P+1D"]})["1P+1D"]
+    assert pred["sweep"][0] == pytest.approx(pred["goodput"])
+    assert pred["sweep"] == sorted(pred["sweep"])  # looser SLOs: never fewer good
