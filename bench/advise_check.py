@@ -155,14 +155,20 @@ def predict(specs: list, plan: Plan, deployments: dict | None = None,
     ones, and one run, simulated or live, is one draw of a wide spread."""
     out = {}
     for label, dep in (DEPLOYMENTS if deployments is None else deployments).items():
-        draws = sorted((_predict_one(specs, dataclasses.replace(plan, seed=plan.seed + k),
-                                     dep) for k in range(runs)),
-                       key=lambda r: r["goodput"])
-        out[label] = {**draws[(len(draws) - 1) // 2],
-                      "runs": [r["goodput"] for r in draws],
-                      "goodput_range": [draws[0]["goodput"], draws[-1]["goodput"]],
-                      "sweep": _median_sweep(draws, plan.slo)}
+        draws = [_predict_one(specs, dataclasses.replace(plan, seed=plan.seed + k), dep)
+                 for k in range(runs)]
+        out[label] = {**_median_run(draws, plan.slo),
+                      "runs": sorted(r["goodput"] for r in draws)}
     return out
+
+
+def _median_run(runs: list[dict], slo: Slo) -> dict:
+    """The run of median goodput (the lower middle one for an even count), with the
+    goodputs' ``goodput_range`` and, per SLO scale, the median goodput (``sweep``)."""
+    ranked = sorted(runs, key=lambda r: r["goodput"])
+    return {**ranked[(len(ranked) - 1) // 2],
+            "goodput_range": [ranked[0]["goodput"], ranked[-1]["goodput"]],
+            "sweep": _median_sweep(runs, slo)}
 
 
 def sweep(row: dict, slo: Slo, scales: tuple[float, ...] = SLO_SCALES) -> list[float]:
@@ -280,13 +286,10 @@ def live_repeated(specs: list, plan: Plan, deps: dict[str, Deployment], repeats:
             runs[label].append(live(specs, plan, dep, where, step_trace, workload))
     out = {}
     for label, done in runs.items():
-        ranked = sorted(done, key=lambda r: r["goodput"])
-        out[label] = {**ranked[(len(ranked) - 1) // 2],
+        out[label] = {**_median_run(done, plan.slo),
                       "runs": [{k: v for k, v in r.items()
                                 if k not in ("routing", "conductor_cost_model")}
-                               for r in done],
-                      "goodput_range": [ranked[0]["goodput"], ranked[-1]["goodput"]],
-                      "sweep": _median_sweep(done, plan.slo)}
+                               for r in done]}
     return out
 
 
