@@ -36,7 +36,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -48,6 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import serve, serve_report  # noqa: E402
+from bench.advise_runs import (  # noqa: E402
+    SLO_SCALES,
+    median_run,
+    ms,
+    per_request,
+    routed,
+    routes_logged,
+)
 from common.cost_profile import load_profile, save_profile  # noqa: E402
 from services.advisor.search import Deployment, Plan, Slo, evaluate  # noqa: E402
 from services.engine.tokenizer_export import tokenizer_dir_for  # noqa: E402
@@ -77,10 +84,6 @@ REQUESTS = 48
 # the spread of live prefill steps around what the profile charges for them, at one
 # neighbour kind, was 0.09-0.11 (sd of the log) in the quiet seed-1 run's step traces.
 NOISE, SIM_RUNS = 0.1, 9
-# Goodput is also compared with both SLOs scaled by each of these (``sweep``): one SLO
-# at a load's expected mean TPOT puts its median request at the edge, where a few
-# percent on a step moves many requests across it.
-SLO_SCALES = (1.0, 1.25, 1.5, 2.0)
 DEPLOYMENTS = {"colocated x2": Deployment(0, 2, False), "1P+1D": Deployment(1, 1, False)}
 
 
@@ -157,39 +160,9 @@ def predict(specs: list, plan: Plan, deployments: dict | None = None,
     for label, dep in (DEPLOYMENTS if deployments is None else deployments).items():
         draws = [_predict_one(specs, dataclasses.replace(plan, seed=plan.seed + k), dep)
                  for k in range(runs)]
-        out[label] = {**_median_run(draws, plan.slo),
+        out[label] = {**median_run(draws, plan.slo),
                       "runs": sorted(r["goodput"] for r in draws)}
     return out
-
-
-def _median_run(runs: list[dict], slo: Slo) -> dict:
-    """The run of median goodput (the lower middle one for an even count), with the
-    goodputs' ``goodput_range`` and, per SLO scale, the median goodput (``sweep``)."""
-    ranked = sorted(runs, key=lambda r: r["goodput"])
-    return {**ranked[(len(ranked) - 1) // 2],
-            "goodput_range": [ranked[0]["goodput"], ranked[-1]["goodput"]],
-            "sweep": _median_sweep(runs, slo)}
-
-
-def sweep(row: dict, slo: Slo, scales: tuple[float, ...] = SLO_SCALES) -> list[float]:
-    """A run's goodput with both SLOs scaled by each of ``scales``, from its per-request
-    rows (``[arrival, prompt, output, TTFT ms, TPOT ms, ...]``; no TTFT: it failed; no
-    TPOT: one token, which cannot miss it) over its ``duration_s``, as ``bench/serve.py``
-    counts a request good."""
-    rows, duration = row["requests"], row["duration_s"]
-    out = []
-    for k in scales:
-        ttft, tpot = k * slo.ttft_s * 1e3, k * slo.tpot_s * 1e3
-        good = sum(1 for r in rows if r[3] is not None and r[3] <= ttft
-                   and (r[4] is None or r[4] <= tpot))
-        out.append(good / duration if duration > 0 else 0.0)
-    return out
-
-
-def _median_sweep(runs: list[dict], slo: Slo) -> list[float]:
-    """Per SLO scale, the median over ``runs`` of their goodput (the lower middle one)."""
-    per_run = [sweep(r, slo) for r in runs]
-    return [sorted(col)[(len(col) - 1) // 2] for col in zip(*per_run, strict=True)]
 
 
 def _predict_one(specs: list, plan: Plan, dep: Deployment) -> dict:
@@ -204,29 +177,12 @@ def _predict_one(specs: list, plan: Plan, dep: Deployment) -> dict:
             "mean_tpot_ms": o.tpot_s["mean"] * 1e3, "local_prefills": o.local_prefills,
             # per request: [arrival s, prompt, output, TTFT ms, TPOT ms, local]
             "requests": [[round(r.arrival, 3), r.prompt, r.output,
-                          _ms(r.ttft if r.done is not None else None),
-                          _ms(r.tbt if r.done is not None and r.output > 1 else None),
+                          ms(r.ttft if r.done is not None else None),
+                          ms(r.tbt if r.done is not None and r.output > 1 else None),
                           r.prefill_id is None] for r in reqs],
             # per request: [routed to a prefill worker, fell back, the reason]
             "routing": [[r.routed_prefill is not None, r.fell_back,
                          reasons.get(r.request_id, "")] for r in reqs]}
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 1)
-
-
-def _per_request(results: list) -> list:
-    """[arrival s, prompt, output tokens, TTFT ms, TPOT ms, median and max gap between
-    tokens ms] per request, in the order sent: what the mean figures hide (a decode
-    stalled by a prefill shows as one long gap, a slow step as a high median)."""
-    rows = []
-    for r in sorted(results, key=lambda r: r.index):
-        gaps = sorted(r.itl_s)
-        rows.append([round(r.arrival_s, 3), r.prompt_len, r.output_tokens, _ms(r.ttft_s),
-                     _ms(r.tpot_s), _ms(gaps[len(gaps) // 2] if gaps else None),
-                     _ms(gaps[-1] if gaps else None)])
-    return rows
 
 
 def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
@@ -264,7 +220,7 @@ def live(specs: list, plan: Plan, dep: Deployment, logs: Path | None = None,
             "mean_ttft_ms": s["mean_ttft_ms"], "p90_ttft_ms": s["p90_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "duration_s": s["duration_s"],
             "loadavg_before": load_before, "loadavg_after": load_after,
-            **routing, "requests": _per_request(results),
+            **routing, "requests": per_request(results),
             # per request in the order routed (= sent): [to a prefill worker, the reason]
             "routing": decisions}
 
@@ -286,7 +242,7 @@ def live_repeated(specs: list, plan: Plan, deps: dict[str, Deployment], repeats:
             runs[label].append(live(specs, plan, dep, where, step_trace, workload))
     out = {}
     for label, done in runs.items():
-        out[label] = {**_median_run(done, plan.slo),
+        out[label] = {**median_run(done, plan.slo),
                       "runs": [{k: v for k, v in r.items()
                                 if k not in ("routing", "conductor_cost_model")}
                                for r in done]}
@@ -296,34 +252,6 @@ def live_repeated(specs: list, plan: Plan, deps: dict[str, Deployment], repeats:
 def log_name(workload: str, deployment: str, name: str) -> str:
     """A live process's log kept under ``--logs``: one folder serves both workloads."""
     return "-".join(filter(None, (workload, deployment.replace(" ", "_"), name)))
-
-
-ROUTED = re.compile(r"\brouted\b.*?\bprefill=(\S+) reason=(.*) request_id=(\S+)")
-
-
-def routes_logged(log: Path) -> list:
-    """The live conductor's decisions from its log (``routed``: decode, prefill or
-    None, the reason), in the order it made them."""
-    if not log.exists():
-        return []
-    return [[m.group(1) != "None", m.group(2).strip("'\"")]
-            for m in map(ROUTED.search, log.read_text(errors="replace").splitlines()) if m]
-
-
-def routed(cluster: Cluster, roles: list[str], sent: int) -> dict:
-    """Where the live prompts were prefilled (the prefill workers' finished jobs; the
-    rest on their decode worker) and the step costs the conductor refitted from the
-    workers' reports: what the simulator's routing and costs are compared with."""
-    try:
-        remote = sum(cluster.worker_stats(f"{role}-{i}").prefills_done
-                     for i, role in enumerate(roles) if role == "prefill")
-        fallbacks = sum(cluster.worker_stats(f"{role}-{i}").local_fallbacks
-                        for i, role in enumerate(roles) if role == "decode")
-        fitted = dataclasses.astuple(cluster.conductor_stats().cost_model)
-    except (OSError, TimeoutError, RuntimeError) as exc:
-        return {"local_prefills": None, "conductor_cost_model": None, "stats_error": str(exc)}
-    return {"local_prefills": sent - remote, "local_fallbacks": fallbacks,
-            "conductor_cost_model": fitted}
 
 
 def refit_from_logs(logs: list[Path], profile: str, out: Path, note: str = "") -> dict:

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from bench import advise_check as ac
+from bench import advise_runs
 from bench.datasets import RequestSpec
 
 
@@ -60,10 +61,10 @@ def test_live_routing_is_read_from_the_conductors_log(tmp_path):
         "prefill=prefill-0 reason='local prefill would stall 1 decodes 6.173s' "
         "request_id=cmpl-0248 service=conductor\n"
         "2026-12-02T05:59:46.0Z [info     ] rejected   reason='predicted TTFT' request_id=x\n")
-    assert ac.routes_logged(log) == [
+    assert advise_runs.routes_logged(log) == [
         [False, "local 3.255s <= remote 3.297s; prefill on decode-1 hit 0/56 blocks"],
         [True, "local prefill would stall 1 decodes 6.173s"]]
-    assert ac.routes_logged(tmp_path / "missing.log") == []
+    assert advise_runs.routes_logged(tmp_path / "missing.log") == []
 
 
 def test_live_step_trace_is_read_per_worker_and_kind(tmp_path):
@@ -230,7 +231,7 @@ def test_goodput_swept_over_slo_scales_counts_as_the_run_does():
         [2.0, 10, 5, 500.0, 140.0],     # TPOT over 125 ms, within 150 ms
         [3.0, 10, 1, 1900.0, None],     # one token: no TPOT to miss; TTFT within 2 s
         [4.0, 10, 5, None, None]]}      # failed: never good
-    assert ac.sweep(row, slo) == [0.1, 0.2, 0.3, 0.4]
+    assert advise_runs.sweep(row, slo) == [0.1, 0.2, 0.3, 0.4]
     # At scale 1 a simulated run's sweep is its goodput, exactly.
     specs = ac.specs_for("prefill-heavy", 12, seed=0)
     plan = ac.plan_for("prefill-heavy")
