@@ -70,15 +70,13 @@ KV_CACHE_MIB = 256
 # of what the profile says serving this workload costs on this host with both workers
 # busy (slo_for): TTFT of the mean prompt's prefill, TPOT of the TPOT a colocated worker
 # is expected to give over the run (expected_tpot). A TPOT multiple of 1: a request
-# meets its SLO when it was served no slower than the load's expected mean. The
-# decode-heavy load's TPOT multiple is 1.5: its TPOT is the decode step's speed, and
-# the same 48 requests, three quiet runs on one machine, ran their decode steps at
-# 123, 154 and 141 ms (a 25 % range between runs, each run's requests spread around
-# its own mean besides), so that at a multiple of 1 or 1.25 whether the median request
-# met its SLO was the minute's machine speed, not the deployment's (seeds 2 and 3 in
-# docs/benchmarks.md; chosen before seed 4 was run). The prefill-heavy load's TPOT is
-# set by the prefills that interrupt a batch, which the simulator schedules, so it
-# keeps the tighter 1.
+# meets its SLO when it was served no slower than the load's expected mean. Decode-heavy
+# uses 1.5: its TPOT is the decode step's speed, and three quiet runs of the same 48
+# requests ran their steps at 123, 154 and 141 ms (25 % apart, each run's requests spread
+# around its own mean besides), so at 1 or 1.25 whether the median request met its SLO
+# was the minute's machine speed, not the deployment's (seeds 2 and 3, docs/benchmarks.md;
+# chosen before seed 4 was run). Prefill-heavy TPOT is set by the prefills interrupting a
+# batch, which the simulator schedules: it keeps the tighter 1.
 WORKLOADS = {
     "prefill-heavy": (768, 8, 0.5, 2.6, 1.0),
     "decode-heavy": (64, 160, 0.5, 10.0, 1.5),

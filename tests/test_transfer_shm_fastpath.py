@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import xxhash
 
-from common.transfer import control, wire
 from common.transfer import batch as batch_mod
+from common.transfer import control, wire
 from common.transfer.shm import OK_FRAMES, chunk_frame
 from common.transfer.shm_receiver import ShmReceiver, _Peer
 from common.transfer.shm_segment import Segment, new_prefix, segment_name
