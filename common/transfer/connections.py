@@ -189,9 +189,10 @@ class ConnectionSender(KVSender):
             raise
 
     BATCHES = False  # whether _post takes a Batch (its view: a list of payloads)
+    BATCH_BYTES = batch.MAX_BYTES  # send_many's batches hold at most this many bytes
 
     async def send_many(self, address, request_id, chunks, *, token: bytes) -> None:
-        items = _items(chunks)
+        items = _items(chunks, self.BATCH_BYTES)
         probe = wire.Chunk(request_id, 0, [], 0, 0, token)
         wire.validate(probe)  # the request id and token, once
         if not self.BATCHES:
@@ -206,7 +207,7 @@ class ConnectionSender(KVSender):
                                   token)
             await self._start(address, request_id, message, views, sum(sizes))
             return
-        for run in batch.groups(items):
+        for run in batch.groups(items, self.BATCH_BYTES):
             if len(run) == 1:
                 layer, blocks, view = run[0]
                 await self.send(address, request_id, layer, blocks, view, token=token)
@@ -337,15 +338,14 @@ class StreamSender(ConnectionSender):
         await self._write(address, message.request_id, wire.encode(message), None)
 
 
-def _items(items: list) -> batch.Run | list[tuple[int, list[int], memoryview]]:
-    """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError /
-    TypeError for anything a single ``send`` would refuse.
-
-    Checked for the whole list at once where it can be (a request's layers: 30 chunks of
-    plain ints sharing one block list), one by one otherwise, with the same errors. The
-    usual case, whole-list checked and within one batch (``batch.groups`` would make one
-    run of it), comes back as a ``batch.Run`` of columns: no tuple per chunk built and then
-    taken apart again."""
+def _items(items: list, max_bytes: int = batch.MAX_BYTES,
+           ) -> batch.Run | list[tuple[int, list[int], memoryview]]:
+    """``send_many``'s chunks as ``(layer, block_ids, payload view)``; ValueError or
+    TypeError for anything a single ``send`` would refuse. Checked for the whole list at
+    once where it can be (a request's layers: 30 chunks of plain ints sharing one block
+    list), one by one otherwise, with the same errors. The usual case, whole-list checked
+    and within one batch of ``max_bytes``, comes back as a ``batch.Run`` of columns: no
+    tuple per chunk built and then taken apart again."""
     if not isinstance(items, list | tuple) or not items:
         raise ValueError("chunks must be a non-empty list of (layer, block_ids, payload)")
     columns = None
@@ -362,7 +362,7 @@ def _items(items: list) -> batch.Run | list[tuple[int, list[int], memoryview]]:
             shared = list(shared)
             views = list(payloads) if batch.flat_views(payloads) else list(map(_flat, payloads))
             sizes = list(map(batch.NBYTES, views))
-            if 1 < len(views) <= batch.MAX_CHUNKS and sum(sizes) <= batch.MAX_BYTES:
+            if 1 < len(views) <= batch.MAX_CHUNKS and sum(sizes) <= max_bytes:
                 return batch.Run(list(layers), shared, views, sizes)
             return list(zip(layers, [shared] * len(views), views, strict=True))
     checked, seen, runs = [], None, None
