@@ -15,8 +15,8 @@ repetitions after a warm-up, backend and limit alternating. Each transfer ends w
 sender knows that all of it landed: a backend's at its verdict (``finish``), a limit's,
 which has none, when the receiving process says so (a stdout line); the backend's
 receiving process prints one such line a round (its CPU figure), read then. A round
-of each side is as many whole transfers, one after another, as make ``--round-mib`` (8
-MiB: six 1.4 MiB transfers, one of 16 MiB or more), the same count on both sides;
+of each side is as many whole transfers, one after another, as make ``--round-mib`` (32
+MiB: 23 transfers of 1.4 MiB, two of 16 MiB, one of 256 MiB), the same count on both sides;
 ``--round-mib 0`` times one transfer a round.
 
 Limits: tcp, blocking ``sendall`` of each layer / ``recv_into`` one buffer; shm,
@@ -77,7 +77,7 @@ LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in o
 MIB = 1 << 20
 # A round of one 1.4 MiB transfer lasts about a millisecond: one burst of other work moves
 # its ratio 2-3x either way. Rounds of several transfers, as many a side, average that out.
-ROUND_MIB = 8.0
+ROUND_MIB = 32.0
 
 
 def goal(kind: str, mib: int) -> float | None:
@@ -266,7 +266,7 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
     for mib in sizes:
         blocks = list(range(1, 3 * math.ceil(mib * MIB / (LAYERS * BLOCK_LAYER_BYTES)), 3))
         layer_bytes = len(blocks) * BLOCK_LAYER_BYTES
-        repeats = max(3, round(scale * (31 if mib <= 1 else 11 if mib <= 16 else 4)))
+        repeats = max(3, round(scale * (31 if mib <= 16 else 4)))
         warmup = max(1, round(scale * (10 if mib <= 1 else 3 if mib <= 16 else 1)))
         copies = math.ceil(LAYERS * layer_bytes / MIB)
         payload = memoryview(os.urandom(MIB) * copies)[: LAYERS * layer_bytes]
