@@ -3,7 +3,9 @@ frames cross a socket. The sender is in ``shm_sender.py``, the receiver in
 ``shm_receiver.py``.
 
 Address: ``shm://host:port``, the TCP control channel the receiver listens on (loopback
-by default; IPv6 hosts in brackets). Payload bytes never cross it.
+by default; IPv6 hosts in brackets). Payload bytes never cross it. The receiver serves
+the same frames on a Unix-domain socket named after that address as well, which a
+sender uses where it can (``shm_control.py``: cheaper per message than loopback TCP).
 
 Control frames (``control.py``: u32 length | body)::
 

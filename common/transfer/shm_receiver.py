@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 
 import structlog
 
-from common.transfer import control, wire
+from common.address import dial_target, format_address
+from common.transfer import control, shm_control, wire
 from common.transfer.batch import Batch
 from common.transfer.landing import scatterer
 from common.transfer.shm import OK_FRAMES, SCHEME, VERSION, read_chunk, verdict_frame
@@ -173,6 +176,8 @@ class ShmReceiver(TableReceiver):
         super().__init__(host, port, **common)
         self.directory = directory
         self._server: asyncio.Server | None = None
+        self._local: asyncio.Server | None = None  # the Unix-domain control socket
+        self._local_path = ""
         self._scatter = None  # the fused copy-and-checksum pass, once there is one
 
     def scatter(self):
@@ -185,14 +190,37 @@ class ShmReceiver(TableReceiver):
     async def _listen(self) -> int:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Peer(self), self._host, self._port)
-        return self._server.sockets[0].getsockname()[1]
+        port = self._server.sockets[0].getsockname()[1]
+        await self._listen_locally(dial_target(format_address(SCHEME, self._host, port),
+                                               SCHEME), port)
+        return port
+
+    async def _listen_locally(self, target: tuple[str, int], port: int) -> None:
+        """Serve the same peers on the control socket for this address as well, where
+        there can be one (``shm_control.py``); the TCP address serves regardless."""
+        path = shm_control.socket_path(self.directory, target[0], port, create=True)
+        if path is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead receiver's: this one holds the port now
+        try:
+            self._local = await asyncio.get_running_loop().create_unix_server(
+                lambda: _Peer(self), path=path)
+            self._local_path = path
+        except OSError as exc:
+            log.debug("kv_transfer.no_control_socket", path=path, error=str(exc))
 
     async def _stop(self) -> None:
+        if self._local is not None:
+            self._local.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._local_path)
         if self._server is not None:
             self._server.close()
         peers = list(self._connections)
         for peer in peers:
             peer.transport.abort()  # connection_lost unmaps and unlinks its segments
         await asyncio.gather(*(peer.closed for peer in peers))
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in (self._server, self._local):
+            if server is not None:
+                await server.wait_closed()

@@ -35,7 +35,7 @@ import structlog
 import xxhash
 
 from common.address import dial_target
-from common.transfer import control, wire
+from common.transfer import control, shm_control, wire
 from common.transfer.base import TransferError
 from common.transfer.connections import ConnectionSender, InFlight
 from common.transfer.shm import (
@@ -282,9 +282,15 @@ class ShmSender(ConnectionSender):
         ring = Ring(self._directory, self._slots, self._min_bytes, self._budget)
         conn = _Connection(ring, lambda reason: self._drop(address, conn, reason))
         loop = asyncio.get_running_loop()
+        local = shm_control.socket_path(self._directory, host, port)
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                await loop.create_connection(lambda: conn, host, port)
+                try:  # the receiver's Unix-domain control socket, where it has one
+                    if local is None:
+                        raise FileNotFoundError
+                    await loop.create_unix_connection(lambda: conn, local)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    await loop.create_connection(lambda: conn, host, port)
         except OSError as exc:  # TimeoutError is an OSError
             ring.destroy("not connected")
             raise TransferError(f"cannot connect to {address}: {exc!r}") from exc
