@@ -101,3 +101,12 @@ def test_the_name_is_per_address_and_only_in_a_directory_of_this_users(tmp_path)
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
     assert shm_control.socket_path(str(deep), "127.0.0.1", 7000, create=True) is None
+
+
+async def test_a_file_that_is_no_socket_at_the_name_falls_back_to_tcp(tmp_path, receiver):
+    host, port = dial_target(receiver.address, "shm")
+    path = shm_control.socket_path(str(tmp_path), host, port)
+    os.unlink(path)
+    with open(path, "wb") as f:  # something else at the name: connecting there fails
+        f.write(b"not a socket")
+    assert await send_one(tmp_path, receiver, "file") == socket.AF_INET

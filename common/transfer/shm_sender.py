@@ -289,7 +289,7 @@ class ShmSender(ConnectionSender):
                     if local is None:
                         raise FileNotFoundError
                     await loop.create_unix_connection(lambda: conn, local)
-                except (FileNotFoundError, ConnectionRefusedError):
+                except OSError:  # none there, or not one to use: its TCP address
                     await loop.create_connection(lambda: conn, host, port)
         except OSError as exc:  # TimeoutError is an OSError
             ring.destroy("not connected")
