@@ -211,10 +211,13 @@ def test_supervisord_actuator_starts_and_stops_spare_programs(tmp_path):
             i["statename"] == "RUNNING" for i in act._call("getAllProcessInfo")
             if i["name"].startswith("decode")))
         asyncio.run(act.scale("decode", 1))  # stops the last started: decode-3, decode-2
-        assert wait_for(lambda: asyncio.run(counts()) == (0, 1))
-        states = {i["name"]: i["statename"] for i in act._call("getAllProcessInfo")}
-        assert states == {"decode": "RUNNING", "decode-2": "STOPPED", "decode-3": "STOPPED",
-                          "prefill": "STOPPED"}
+        assert wait_for(lambda: asyncio.run(counts()) == (0, 1))  # STOPPING counts out
+
+        def states() -> dict:
+            return {i["name"]: i["statename"] for i in act._call("getAllProcessInfo")}
+
+        assert wait_for(lambda: states() == {"decode": "RUNNING", "decode-2": "STOPPED",
+                                             "decode-3": "STOPPED", "prefill": "STOPPED"})
         bad = SupervisorActuator(url, {"prefill": ("prefill",), "decode": ("decode-9",)})
         with pytest.raises(ActuatorError, match=r"no programs \['decode-9'\]"):
             asyncio.run(bad.start())
