@@ -778,3 +778,49 @@ async def test_a_large_message_is_written_in_order_whatever_the_kernel_takes(tak
     assert all(n <= 100_000 for n in conn.writer.transport.writes)
     if not takes:  # a kernel with room: one system call, nothing through the transport
         assert sock.offered == [sum(map(len, parts))] and conn.writer.transport.writes == []
+
+
+@pytest.mark.parametrize("status", [[1], {"a": 1}, 7, None, "maybe"])
+async def test_a_malformed_verdict_fails_the_transfer_at_once(sender, status):
+    """Whatever a peer at a receiver's address answers, the sender's transfer fails with
+    a protocol error (not a hang, not a dead verdict reader), and the next connection
+    to a real receiver works."""
+    import msgpack
+
+    header = msgpack.packb({"status": status, "reason": "x"})
+    answer = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.VERDICT, 0, len(header), 0)
+
+    async def hostile(reader, writer):
+        await reader.read(1 << 16)  # the chunk, or some of it
+        writer.write(answer + header)
+        await writer.drain()
+        await reader.read()  # until the sender hangs up
+
+    server = await asyncio.start_server(hostile, "127.0.0.1", 0)
+    address = f"tcp://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(TransferError, match="receiver protocol error"):
+            async with asyncio.timeout(5):
+                await sender.send(address, "r", 0, [1], b"kv" * 100, token=TOKEN)
+                await sender.finish(address, "r", 1, token=TOKEN)
+        assert sender.connections == 0
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_decoders_refuse_short_prefixes_and_odd_verdict_fields_with_wire_errors():
+    """What a peer can put on the wire comes back as WireError, never another type."""
+    import msgpack
+
+    with pytest.raises(wire.WireError, match="a prefix of 7 bytes"):
+        wire.decode_prefix(b"PDKV\x07\x04\x00")
+    for status in ([1], {"a": 1}, 7, None, b"ok", "maybe"):
+        header = msgpack.packb({"status": status, "reason": "x"})
+        frame = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, wire.Kind.VERDICT, 0, len(header),
+                                 0) + header
+        with pytest.raises(wire.WireError, match="status must be one of"):
+            wire.split_verdicts(bytearray(frame))
+    ok = wire.encode_verdict(wire.Verdict(wire.Status.RESEND, "again"))
+    assert wire.split_verdicts(bytearray(ok)) == ([wire.Verdict(wire.Status.RESEND, "again")],
+                                                  len(ok))

@@ -263,6 +263,9 @@ class TcpSender(StreamSender):
         except wire.WireError as exc:
             log.warning("kv_transfer.protocol_error", backend="tcp", error=str(exc))
             reason = f"receiver protocol error: {exc}"
+        except Exception as exc:  # a bug's last line of defence: fail the chunks, never
+            log.exception("kv_transfer.verdict_reader_failed", backend="tcp")  # hang them
+            reason = f"verdict reader failed: {exc!r}"
         self._drop(address, conn, reason)
 
     async def _dial(self, address: str) -> _Connection:

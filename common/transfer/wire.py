@@ -187,7 +187,7 @@ def validate(message: Message) -> None:
     if type(message) is Chunk and _plain_chunk(message):
         return  # the one validated per chunk: its usual types checked in one pass
     if isinstance(message, Verdict):
-        if message.status not in _STATUSES:
+        if not isinstance(message.status, str) or message.status not in _STATUSES:
             raise WireError(f"status must be one of {sorted(_STATUSES)}, got {message.status!r}")
         if not isinstance(message.reason, str):
             raise WireError(f"reason must be a string, got {message.reason!r}")
@@ -241,7 +241,10 @@ def encode(message: Message, payload_len: int = 0, *, checked: bool = False) -> 
 
 def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
     """``(kind, header length, payload length)``; WireError if the prefix is invalid."""
-    magic, version, kind, _reserved, header_len, payload_len = PREFIX.unpack(raw)
+    try:
+        magic, version, kind, _reserved, header_len, payload_len = PREFIX.unpack(raw)
+    except struct.error:
+        raise WireError(f"a prefix of {len(raw)} bytes, not {PREFIX.size}") from None
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
