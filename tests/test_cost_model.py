@@ -101,6 +101,20 @@ def test_bad_inputs_are_explicit_errors():
         CostModel(TRUE, forgetting=0.0)
 
 
+def test_an_observation_far_off_the_calibration_is_refused_and_fits_nothing():
+    m = CostModel(PRIOR)
+    before = (m.predict_prefill(1000, 0), m.predict_decode(8, 1000))
+    for seconds in (0.0, 1e-300, true_prefill(PRIOR, 1000, 0) * 101):
+        with pytest.raises(ValueError, match="not within 100x"):
+            m.observe_prefill(1000, 0, seconds)
+    with pytest.raises(ValueError, match="not within 100x"):
+        m.observe_decode(8, 1000, true_decode(PRIOR, 8, 1000) / 101)
+    assert (m.predict_prefill(1000, 0), m.predict_decode(8, 1000)) == before
+    # 99x either way is a measurement (a much slower or faster machine): it is fitted.
+    m.observe_prefill(1000, 0, true_prefill(PRIOR, 1000, 0) * 99)
+    assert m.predict_prefill(1000, 0) > before[0]
+
+
 def test_observations_that_do_not_span_all_terms_still_solve():
     m = CostModel(PRIOR)
     for _ in range(200):  # one prompt length only: the three prefill terms are collinear

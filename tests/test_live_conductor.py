@@ -278,10 +278,14 @@ async def test_heartbeat_step_samples_fit_the_cost_model(profile_path):
             # Malformed (only a sender that bypasses the codec could send these).
             pre.append(StepSample(tokens=[5], cached="x", seconds=1.0))
             dec.append(StepSample(batch=True, context=1, seconds=1.0))
+            # Well-formed lies (a broken or hostile worker): a time of 0 and one a
+            # million times too long. Either alone, fitted, dragged the model to 0 or 1e300.
+            pre.append(StepSample(tokens=[500], cached=[0], seconds=0.0))
+            dec.append(StepSample(batch=4, context=400, seconds=1e4))
             live.conductor.apply_heartbeat(heartbeat("decode-0", "decode", seq,
                                                      prefill_steps=pre, decode_steps=dec))
         stats = (await live.client.call(GetStats(), timeout=5)).record
-    assert stats.cost_observations == [320, 320] and stats.bad_samples == 80
+    assert stats.cost_observations == [320, 320] and stats.bad_samples == 160
     # What the conductor now predicts:
     fitted = CostModel(CostCoefficients(**dataclasses.asdict(stats.cost_model)))
     want = CostModel(truth)
@@ -292,3 +296,16 @@ async def test_heartbeat_step_samples_fit_the_cost_model(profile_path):
     for b, k, rel in ((1, 500, 0.1), (8, 4000, 0.03), (48, 40_000, 0.03)):
         assert fitted.predict_decode(b, k) == pytest.approx(want.predict_decode(b, k), rel=rel)
     assert CostModel(COST).predict_decode(8, 4000) < 0.6 * want.predict_decode(8, 4000)
+
+
+async def test_a_route_with_an_absurd_length_is_invalid_and_counts_nowhere(profile_path):
+    async with Live(profile_path, slo_ttft_ms=4000, slo_tbt_ms=80) as live:
+        await live.hello("decode-0", "decode")
+        for field, value in (("prompt_len", 2**40), ("max_tokens", 2**63 - 1),
+                             ("prompt_len", -1)):
+            args = {"model": "sim", "prompt_len": 100, field: value}
+            with pytest.raises(RemoteError) as refused:
+                await live.client.call(Route(**args), request_id=f"r-{field}", timeout=5)
+            assert refused.value.code == "invalid" and field in refused.value.message
+        assert live.conductor.registry.workers["decode-0"].pending_tokens == 0
+        assert (await live.route(100))[0] == "decode-0"

@@ -23,8 +23,9 @@ the policy, which multiplies predictions by the factor of the host as it stands,
 contention once; a model refitted on contended steps without it predicted them slowed
 twice. Without factors (the default) nothing is divided.
 
-Contract: inputs are non-negative (``ValueError`` otherwise); predictions are never
-negative (a fitted coefficient below zero is clamped to zero).
+Contract: inputs are non-negative, and an observed time is within ``MAX_RATIO`` times
+of what the calibration predicts for it (``ValueError`` otherwise: nothing is fitted);
+predictions are never negative (a fitted coefficient below zero is clamped to zero).
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def pool_fetch_time(blocks: int, bytes_per_block: float, bandwidth: float) -> fl
 
 
 _FLOOR = 1e-6
+# An observation this many times off what the calibration predicts for it, either way
+# (or a time of 0), measures a bug or a lie, not the worker: one such sample from a
+# broken or hostile worker used to drag every coefficient to 0 or to 1e300. Refused, and
+# counted as a bad sample (``router.fit_step_samples``); contention, a slower machine
+# of the same kind and a worker that slows down stay well inside it.
+MAX_RATIO = 100.0
 
 
 class _RelativeRLS:
@@ -87,6 +94,9 @@ class _RelativeRLS:
             return  # the prior predicts no cost: the observation carries no shape
         z = [t / scale for t in terms]
         target = y / scale
+        if not 1 / MAX_RATIO <= target <= MAX_RATIO:
+            raise ValueError(f"observed {y!r} s is not within {MAX_RATIO:g}x of the "
+                             f"calibration's {scale:.3g} s")
         lam, ata, aty = self.lam, self.ata, self.aty
         for i, zi in enumerate(z):
             row = ata[i]

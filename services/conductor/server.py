@@ -74,6 +74,11 @@ from services.conductor.ttft_correction import CorrectionConfig
 
 log = structlog.get_logger(__name__)
 
+# A Route's prompt and output lengths are held to this (16 Mi tokens, beyond any model's
+# context): admitted, a length of 2**63 counted in its decode worker's predicted load
+# until the decision expired (``inflight_ttl_s``), and every TBT check there failed.
+MAX_ROUTE_TOKENS = 1 << 24
+
 
 @dataclass(frozen=True, slots=True)
 class ConductorSettings:
@@ -248,6 +253,10 @@ class Conductor:
             refused=self.registry.refusals(), contention=list(cost.contention))
 
     def _route(self, rec: Route, rid: str | None):
+        for name in ("prompt_len", "max_tokens"):
+            value = getattr(rec, name)
+            if not 0 <= value <= MAX_ROUTE_TOKENS:
+                return Error("invalid", f"{name} must be in [0, {MAX_ROUTE_TOKENS}], got {value}")
         for name in ("slo_ttft_ms", "slo_tbt_ms"):
             value = getattr(rec, name)
             if value is not None and not value > 0:  # inf: no target
