@@ -60,8 +60,8 @@ def pool_fetch_time(blocks: int, bytes_per_block: float, bandwidth: float) -> fl
 
 _FLOOR = 1e-6
 # An observation this many times off what the calibration predicts for it, either way
-# (or a time of 0), measures a bug or a lie, not the worker: one such sample from a
-# broken or hostile worker used to drag every coefficient to 0 or to 1e300. Refused, and
+# (or a time of 0), measures a bug or a lie, not the worker: a run of such samples from
+# a broken or hostile worker dragged the fit to predicting 0 s. Refused, and
 # counted as a bad sample (``router.fit_step_samples``); contention, a slower machine
 # of the same kind and a worker that slows down stay well inside it.
 MAX_RATIO = 100.0
