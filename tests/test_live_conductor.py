@@ -309,3 +309,27 @@ async def test_a_route_with_an_absurd_length_is_invalid_and_counts_nowhere(profi
             assert refused.value.code == "invalid" and field in refused.value.message
         assert live.conductor.registry.workers["decode-0"].pending_tokens == 0
         assert (await live.route(100))[0] == "decode-0"
+
+
+@pytest.mark.parametrize("lie", [dict(waiting=-10**6), dict(free=-5), dict(free=2**62),
+                                 dict(queued=-1), dict(step_time_ms=math.nan)])
+async def test_a_heartbeat_whose_load_cannot_be_true_is_refused_and_routing_goes_on(
+        profile_path, lie):
+    async with Live(profile_path, slo_ttft_ms=60_000, slo_tbt_ms=1000) as live:
+        for w in ("decode-0", "decode-1"):
+            await live.hello(w, "decode")
+        step = lie.pop("step_time_ms", None)
+        hb = heartbeat("decode-1", "decode", 1, **{"running": 3, **lie})
+        if step is not None:
+            hb = dataclasses.replace(hb, step_time_ms=step)
+        assert live.conductor.apply_heartbeat(hb)  # known: no rediscovery
+        assert live.conductor.refused_heartbeats._value.get() == 1
+        view = live.conductor.registry.workers["decode-1"]
+        assert (view.running, view.waiting, view.free_blocks) == (0, 0, 200)  # unchanged
+        # Every route still gets an answer from the policy (one such heartbeat made
+        # each of them "invalid": the cost model refuses a negative batch).
+        picks = [(await live.route(300))[0] for _ in range(4)]
+        assert set(picks) <= {"decode-0", "decode-1"} and len(picks) == 4
+        # The worker's next true heartbeat is applied as usual.
+        assert live.conductor.apply_heartbeat(heartbeat("decode-1", "decode", 2, running=5))
+        assert view.running == 5

@@ -3,6 +3,7 @@ it refused (a worker whose KV cannot be exchanged with its model's others)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,6 +22,28 @@ REFUSALS_KEPT = 16  # the latest refusals, one per worker id, for stats and /hea
 # never reached it: a gateway gone, a refusal upstream); the conductor passes its KV
 # lease, which bounds how late a Prefill may reach its prefill worker.
 INFLIGHT_TTL_S = 10.0
+
+
+# A heartbeat's counts are held to [0, MAX_COUNT] and its step time to a finite >= 0: one
+# decode worker reporting a negative load made every route fail (the cost model refuses
+# a negative batch), and one reporting huge free blocks drew every request.
+MAX_COUNT = 1 << 40
+_COUNTS = ("waiting", "running", "queued_prefill_tokens", "free_blocks", "total_blocks",
+           "waiting_for_kv", "reserved_blocks")
+
+
+def heartbeat_problem(hb) -> str | None:
+    """Why ``hb``'s load figures cannot be true, or None."""
+    for name in _COUNTS:
+        value = getattr(hb, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+            return f"{name} must be an int in [0, {MAX_COUNT}], got {value!r}"
+    step = hb.step_time_ms
+    if isinstance(step, bool) or not isinstance(step, int | float) or not 0 <= step < math.inf:
+        return f"step_time_ms must be a finite number >= 0, got {step!r}"
+    if hb.free_blocks > hb.total_blocks:
+        return f"free_blocks {hb.free_blocks} > total_blocks {hb.total_blocks}"
+    return None
 
 
 class Inflight(NamedTuple):
@@ -174,6 +197,9 @@ class Registry:
         view = self.workers.get(hb.worker_id)
         if view is None:
             return False
+        problem = heartbeat_problem(hb)
+        if problem is not None:  # not applied, not even as a sign of life
+            raise ValueError(f"heartbeat of {hb.worker_id}: {problem}")
         now = time.monotonic() if now is None else now
         view.last_seen = now
         if view.leaving:

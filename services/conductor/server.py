@@ -167,6 +167,9 @@ class Conductor:
             ["reason"], registry=self.metrics)
         self.alive_workers = Gauge("pdserve:workers_alive", "Live workers", ["role"],
                                    registry=self.metrics)
+        self.refused_heartbeats = Counter(
+            "pdserve:heartbeats_refused", "Heartbeats whose load figures cannot be true, "
+            "not applied (registry.heartbeat_problem)", registry=self.metrics)
 
     async def start(self) -> None:
         await self.rpc.start()
@@ -297,7 +300,13 @@ class Conductor:
     def apply_heartbeat(self, hb: Heartbeat) -> bool:
         """Update the registry and fit the cost model; False for an unknown worker (whom
         the conductor then asks for its details)."""
-        if self.registry.heartbeat(hb):
+        try:
+            known = self.registry.heartbeat(hb)
+        except ValueError as exc:  # a broken worker: left to age out, loudly
+            self.refused_heartbeats.inc()
+            log.warning("heartbeat refused", worker_id=hb.worker_id, reason=str(exc))
+            return True
+        if known:
             # The router's fitting reads samples as mappings (it also takes them from
             # the simulator and tests), so the records are handed over as such.
             self.router.observe(hb.prefill_steps, hb.decode_steps, hb.worker_id,
