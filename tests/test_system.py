@@ -207,6 +207,45 @@ def test_malformed_frames_get_error_replies_and_processes_keep_serving(disagg, p
     assert sdk_tokens(disagg, prompts[:2])[0]  # still serving
 
 
+@pytest.mark.parametrize("change, problem", [
+    ({"lease_s": float("nan")}, "lease_s must be in"),
+    ({"lease_s": 1e308}, "lease_s must be in"),
+    ({"kv_addr": "bogus://x", "kv_advert": None}, "kv_addr: not a transfer address"),
+    ({"kv_token": b"t" * 65}, "kv_token must be at most 64 bytes"),
+    ({"block_ids": [1, -2]}, "block_ids must be integers"),
+    ({"skip_blocks": 3}, "skip_blocks must be in [0, 2]"),
+])
+def test_a_prefill_that_lies_is_a_bad_request_and_takes_nothing(disagg, change, problem):
+    """What a decode worker sends a prefill worker, with one value no decode worker
+    would send: "bad_request" naming it, before the prefill worker takes anything."""
+    import zmq
+
+    from common.protocol import Prefill, decode, encode
+    from common.zmq_auth import CurveKeys
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    keys = CurveKeys.load(disagg.keys_dir, "decode")  # the peer a prefill worker serves
+    sock.curve_serverkey = keys.server_key("worker")
+    sock.curve_publickey, sock.curve_secretkey = keys.own.public, keys.own.secret
+    sock.connect(disagg.procs["prefill-0"].control)
+    try:
+        fields = dict(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=1),
+                      stream_addr="tcp://127.0.0.1:9", kv_addr="tcp://127.0.0.1:9",
+                      block_ids=[1, 2], skip_blocks=0, lease_s=5.0, decode_id="decode-1",
+                      kv_token=b"k" * 16)
+        sock.send_multipart(encode(Prefill(**{**fields, **change}), request_id="liar"))
+        assert sock.poll(10_000)
+        reply = decode(sock.recv_multipart()).record
+        assert type(reply).__name__ == "Error" and reply.code == "bad_request"
+        assert problem in reply.message
+    finally:
+        sock.close(0)
+    assert disagg.worker_stats("prefill-0").num_requests == 0
+    assert_still_serving(disagg)
+
+
 def test_sdk_errors_are_clear(disagg):
     with Client(disagg.zmq_addr, timeout_s=30) as client, \
             pytest.raises(GenerationError, match="max_tokens"):

@@ -30,7 +30,8 @@ from common.protocol import Error, Prefill, PrefillDone, Timing, Tokens, WorkerS
 from common.sampling_params import SamplingParams
 from common.tracing import Span, wall_ns
 from common.transfer import MultiSender, TransferError
-from common.transfer.wire import WHOLE
+from common.transfer.negotiate import scheme_of
+from common.transfer.wire import MAX_TOKEN_BYTES, WHOLE
 from services.engine.outputs import RequestOutput
 from services.engine.tp_direct import (
     DIRECT_BACKENDS,
@@ -48,6 +49,32 @@ if TYPE_CHECKING:
     from services.engine.sequence import Sequence
 
 log = structlog.get_logger(__name__)
+
+
+# A lease longer than this would hold a decode worker's blocks for over an hour.
+MAX_LEASE_S = 3600.0
+_U64 = (1 << 64) - 1
+
+
+def prefill_problem(rec: Prefill) -> str | None:
+    """Why ``rec`` cannot be served as sent (its lease, the decode worker's address, the
+    transfer's token, its block ids), or None: checked before it takes anything here,
+    so that a request that lies gets "bad_request", not an error halfway through."""
+    if not 0 < rec.lease_s <= MAX_LEASE_S:  # NaN fails this too
+        return f"lease_s must be in (0, {MAX_LEASE_S:g}], got {rec.lease_s!r}"
+    if rec.kv_advert is None:
+        try:
+            scheme_of(rec.kv_addr)
+        except ValueError as exc:
+            return f"kv_addr: {exc}"
+    if len(rec.kv_token) > MAX_TOKEN_BYTES:
+        return f"kv_token must be at most {MAX_TOKEN_BYTES} bytes, got {len(rec.kv_token)}"
+    if not all(0 <= b <= _U64 for b in rec.block_ids):
+        return "block_ids must be integers in [0, 2^64)"
+    if not 0 <= rec.skip_blocks <= len(rec.block_ids):
+        return (f"skip_blocks must be in [0, {len(rec.block_ids)}] (the block ids sent), "
+                f"got {rec.skip_blocks}")
+    return None
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
@@ -166,6 +193,9 @@ class PrefillRole:
             await asyncio.wait({freeing})
         if rid in self.jobs:  # a re-routed request while its first prefill still runs
             return Error("bad_request", f"request id {rid!r} is already being prefilled here")
+        problem = prefill_problem(rec)
+        if problem is not None:
+            return Error("bad_request", problem)
         try:
             params = prefill_params(rec.sampling)
         except ValueError as exc:
