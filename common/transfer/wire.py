@@ -241,10 +241,9 @@ def encode(message: Message, payload_len: int = 0, *, checked: bool = False) -> 
 
 def decode_prefix(raw: bytes | bytearray | memoryview) -> tuple[Kind, int, int]:
     """``(kind, header length, payload length)``; WireError if the prefix is invalid."""
-    try:
-        magic, version, kind, _reserved, header_len, payload_len = PREFIX.unpack(raw)
-    except struct.error:
-        raise WireError(f"a prefix of {len(raw)} bytes, not {PREFIX.size}") from None
+    if len(raw) != PREFIX.size:
+        raise WireError(f"a prefix of {len(raw)} bytes, not {PREFIX.size}")
+    magic, version, kind, _reserved, header_len, payload_len = PREFIX.unpack(raw)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
