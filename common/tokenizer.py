@@ -200,6 +200,10 @@ class TextTokenizer:
                                    add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as exc:  # includes sandbox SecurityError
             raise ValueError(f"chat template error: {exc}") from exc
+        except (TypeError, KeyError, AttributeError, IndexError) as exc:
+            # The template's own code on turns it did not expect (a None content added
+            # to a string, parts where it wants text): the messages' fault.
+            raise ValueError(f"chat template error on these messages: {exc!r}") from exc
 
     def _compiled_template(self) -> jinja2.Template:
         if self._template is None:

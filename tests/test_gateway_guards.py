@@ -244,3 +244,23 @@ async def test_bad_timeout_and_error_messages_without_repeated_codes(zmq_gateway
         with pytest.raises(GenerationError) as caught:
             await client.generate("Hi", max_tokens=10_000)
     assert str(caught.value).count("bad_request") == 1
+
+
+async def test_chat_turns_the_template_cannot_render_are_a_bad_request(zmq_gateway):
+    """Chat turns on the ZeroMQ port are free-form; a turn the chat template's own code
+    trips on (a None content it adds to a string) is the client's error, not the
+    gateway's ("internal")."""
+    start, backend, connect = zmq_gateway
+    await start()
+    sock = connect()
+    turns = [{"role": "user", "content": None}]
+    await sock.send_multipart(encode(ClientRequest(
+        model=MODEL, sampling={"max_tokens": 2}, messages=turns), request_id="c"))
+    [error] = await replies(sock, "c")
+    assert error.code == "bad_request" and "chat template error" in error.message
+    assert backend.requests == []
+    await sock.send_multipart(encode(ClientRequest(
+        model=MODEL, sampling={"max_tokens": 2},
+        messages=[{"role": "user", "content": "Hi"}]), request_id="ok"))
+    chunks = await replies(sock, "ok")
+    assert chunks[-1].finished and sum(len(c.token_ids) for c in chunks) == 2
