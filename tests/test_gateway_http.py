@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -356,6 +357,50 @@ async def test_backend_error_event(client, backend):
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == \
         REPLY[:len("".join(c["choices"][0]["text"] for c in chunks[:-1]))]
     assert chunks[-1]["error"]["type"] == "server_error"
+
+
+class LyingBackend(FakeBackend):
+    """A worker that sends one event no working worker would: after two good ones."""
+
+    def __init__(self, tokenizer, lie: dict):
+        super().__init__(tokenizer, delay=0)
+        self.lie = lie
+
+    async def generate(self, request):
+        self.requests.append(request)
+        for pos in range(2):
+            yield Tokens(pos, [self.reply[pos]], False, prompt_tokens=3)
+        yield Tokens(**{"position": 2, "token_ids": [self.reply[2]], "finished": True,
+                        "finish_reason": "length", "prompt_tokens": 3, **self.lie})
+
+
+@pytest.mark.parametrize("lie, problem", [
+    ({"token_ids": [49152]}, "token ids outside the vocabulary"),
+    ({"token_ids": [-1]}, "token ids outside the vocabulary"),
+    ({"prompt_tokens": -5}, "a negative token count"),
+    ({"logprobs": [TokenLogprob(5, math.nan)]}, "a logprob that is not a finite number"),
+    ({"logprobs": [TokenLogprob(5, -0.1, top=[TopLogprob(10**9, -1.0)])]},
+     "token ids outside the vocabulary"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_event_a_worker_should_not_send_ends_the_request_with_an_error(
+        make_client, tok, lie, problem, stream):
+    """Detokenizing it, counting it or writing it as JSON used to raise out of the
+    response (a plain 500, or a stream cut off); now the request ends with the API's
+    error, the text before it intact."""
+    async with make_client(backend=LyingBackend(tok, lie)) as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                  "max_tokens": 5, "stream": stream,
+                                                  "logprobs": 1})
+    if stream:
+        chunks = sse_payloads(r.text)
+        assert "".join(ch["choices"][0]["text"] for ch in chunks[:-1]) == tok.decode(
+            tok.encode(REPLY, add_special_tokens=False)[:2])
+        error = chunks[-1]["error"]
+    else:
+        assert r.status_code == 500
+        error = r.json()["error"]
+    assert error["type"] == "server_error" and problem in error["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

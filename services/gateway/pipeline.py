@@ -106,6 +106,23 @@ async def _call(callback: Callable[[], Any] | None) -> None:
             await result
 
 
+def event_problem(event: Tokens, vocab_size: int) -> str | None:
+    """Why a worker's ``event`` cannot be shown to a client (a token id outside the
+    vocabulary, a negative count, a logprob that is not a finite number), or None: the
+    request then ends with an error, where detokenizing, metrics or JSON used to raise
+    out of the response."""
+    ids = [*event.token_ids, *(e.token_id for e in event.logprobs or ()),
+           *(t.token_id for e in event.logprobs or () for t in e.top)]
+    if not all(0 <= i < vocab_size for i in ids):
+        return f"token ids outside the vocabulary [0, {vocab_size})"
+    if (event.prompt_tokens or 0) < 0 or (event.cached_tokens or 0) < 0:
+        return "a negative token count"
+    values = [v for e in event.logprobs or () for v in (e.logprob, *(t.logprob for t in e.top))]
+    if not all(map(math.isfinite, values)):
+        return "a logprob that is not a finite number"
+    return None
+
+
 class RequestPipeline:
     """Validation and text processing for one model."""
 
@@ -280,6 +297,11 @@ class RequestPipeline:
 
         try:
             async for event in events:
+                problem = event_problem(event, self.tokenizer.vocab_size)
+                if problem is not None:
+                    yield TextDelta(stops.flush(), [], counts["done"], True, "error", usage(),
+                                    error=f"the worker sent {problem}")
+                    return
                 counts["prompt"] = event.prompt_tokens or counts["prompt"]
                 counts["cached"] = event.cached_tokens or counts["cached"]
                 start = counts["done"]
