@@ -32,15 +32,24 @@ _COUNTS = ("waiting", "running", "queued_prefill_tokens", "free_blocks", "total_
            "waiting_for_kv", "reserved_blocks")
 
 
+def is_count(v) -> bool:
+    """An int >= 0 (not a bool): what a worker's counts must be."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_finite_time(v) -> bool:
+    """A finite number >= 0 (not a bool): what a worker's times must be."""
+    return not isinstance(v, bool) and isinstance(v, int | float) and 0 <= v < math.inf
+
+
 def heartbeat_problem(hb) -> str | None:
     """Why ``hb``'s load figures cannot be true, or None."""
     for name in _COUNTS:
         value = getattr(hb, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        if not is_count(value) or value > MAX_COUNT:
             return f"{name} must be an int in [0, {MAX_COUNT}], got {value!r}"
-    step = hb.step_time_ms
-    if isinstance(step, bool) or not isinstance(step, int | float) or not 0 <= step < math.inf:
-        return f"step_time_ms must be a finite number >= 0, got {step!r}"
+    if not is_finite_time(hb.step_time_ms):
+        return f"step_time_ms must be a finite number >= 0, got {hb.step_time_ms!r}"
     if hb.free_blocks > hb.total_blocks:
         return f"free_blocks {hb.free_blocks} > total_blocks {hb.total_blocks}"
     return None

@@ -40,7 +40,7 @@ from services.conductor.contention import busy_by_host, busy_on_host
 from services.conductor.cost_model import CostModel
 from services.conductor.policy import PICKERS, StaticDisaggregation, make_picker
 from services.conductor.prefix_index import PrefixIndex
-from services.conductor.registry import WorkerView
+from services.conductor.registry import WorkerView, is_count, is_finite_time
 from services.conductor.routing_policy import Decision, PolicyRequest, Rejection, RoutingPolicy
 from services.conductor.ttft_correction import CorrectionConfig, Expected, TtftCorrection
 
@@ -179,7 +179,7 @@ def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
     for s in prefill_steps:
         try:
             chunks = list(zip(s.tokens, s.cached, strict=True))
-            if not all(_count(n) and _count(c) for n, c in chunks):
+            if not all(is_count(n) and is_count(c) for n, c in chunks):
                 raise ValueError("token counts must be ints >= 0")
             cost.observe_prefill_step(chunks, _seconds(s.seconds), busy)
             used += 1
@@ -187,7 +187,7 @@ def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
             bad += 1
     for s in decode_steps:
         try:
-            if not (_count(s.batch) and _count(s.context)):
+            if not (is_count(s.batch) and is_count(s.context)):
                 raise ValueError("batch and context must be ints >= 0")
             cost.observe_decode(s.batch, s.context, _seconds(s.seconds), busy)
             used += 1
@@ -196,11 +196,7 @@ def fit_step_samples(cost: CostModel, prefill_steps: Sequence[StepSample],
     return used, bad
 
 
-def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _seconds(v) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+    if not is_finite_time(v):
         raise ValueError(f"seconds must be a finite number >= 0, got {v!r}")
     return float(v)

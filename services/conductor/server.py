@@ -359,7 +359,7 @@ class Conductor:
                 raise ValueError(f"answered with {reply.envelope.type}")
             if self._admit(WorkerView(info=stats.info, free_blocks=stats.free_blocks)):
                 return  # registered before this conductor started, refused now
-            self.registry.heartbeat(hb)
+            self.apply_heartbeat(hb)  # a heartbeat that cannot be true: refused, counted
             await self._resync(hb.worker_id, hb.control_addr)
         except Exception as exc:
             log.warning("could not reach worker", worker_id=hb.worker_id, error=str(exc))

@@ -111,15 +111,17 @@ def event_problem(event: Tokens, vocab_size: int) -> str | None:
     vocabulary, a negative count, a logprob that is not a finite number), or None: the
     request then ends with an error, where detokenizing, metrics or JSON used to raise
     out of the response."""
-    ids = [*event.token_ids, *(e.token_id for e in event.logprobs or ()),
-           *(t.token_id for e in event.logprobs or () for t in e.top)]
-    if not all(0 <= i < vocab_size for i in ids):
+    ids = event.token_ids
+    if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
         return f"token ids outside the vocabulary [0, {vocab_size})"
     if (event.prompt_tokens or 0) < 0 or (event.cached_tokens or 0) < 0:
         return "a negative token count"
-    values = [v for e in event.logprobs or () for v in (e.logprob, *(t.logprob for t in e.top))]
-    if not all(map(math.isfinite, values)):
-        return "a logprob that is not a finite number"
+    for entry in event.logprobs or ():  # only where the request asked for logprobs
+        for item in (entry, *entry.top):
+            if not 0 <= item.token_id < vocab_size:
+                return f"token ids outside the vocabulary [0, {vocab_size})"
+            if not math.isfinite(item.logprob):
+                return "a logprob that is not a finite number"
     return None
 
 
