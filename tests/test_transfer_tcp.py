@@ -682,28 +682,36 @@ async def test_send_cancelled_while_waiting_for_its_turn_writes_nothing(sink):
         await rx.close()
 
 
-async def test_large_payloads_wake_the_receiver_once_a_mib(receiver, sink, monkeypatch):
+async def test_large_payloads_wake_the_receiver_once_a_mib_but_a_first_in_tenths(
+        receiver, sink, monkeypatch):
     # SO_RCVLOWAT follows what is left of a large payload: each read brings at least
     # 1 MiB (or the rest) even from a sender that trickles it in 64 KiB pieces; and a
-    # large chunk's prefix and header come in one read, not two.
+    # large chunk's prefix and header come in one read, not two. A transfer's first
+    # large payload (the connection's first, or the first after a FINISH) is read in
+    # tenths instead, as it comes: more reads, none smaller than a tenth.
     from common.transfer import frame_reader
+    from common.transfer.tcp import ReadMark
 
-    reads: list[tuple[str, int, int]] = []  # stage, bytes read, payload bytes left before
+    reads: dict[tuple[str, int], list[tuple[int, int]]] = {}  # bytes read, left before
     counted = frame_reader.FrameReader.buffer_updated
 
     def counting(self, nbytes):
-        paying = self._stage.name == "PAYLOAD"
-        reads.append((self._stage.name, nbytes, len(self._view) - self._filled if paying else 0))
+        if self._stage.name == "PAYLOAD":
+            key = (self._message.request_id, self._message.layer)
+            reads.setdefault(key, []).append((nbytes, len(self._view) - self._filled))
         counted(self, nbytes)
 
     monkeypatch.setattr(frame_reader.FrameReader, "buffer_updated", counting)
-    plan = [("big", i, [i], random.Random(i).randbytes(2 << 20)) for i in range(2)]
+    size = 2 << 20
+    plans = {rid: [(rid, i, [i], random.Random(f"{rid}{i}").randbytes(size))
+                   for i in range(n)] for rid, n in (("big", 2), ("next", 1))}
     stream = b"".join(
-        wire.encode_chunk_message(wire.Chunk(rid, layer, blocks, 0, token=TOKEN),
-                                  wire.checksum(payload), len(payload)) + payload
-        for rid, layer, blocks, payload in plan)
-    stream += wire.encode(wire.Finish("big", len(plan), TOKEN))
-    transfer = receiver.expect("big", lease_s=30, token=TOKEN)
+        b"".join(wire.encode_chunk_message(wire.Chunk(rid, layer, blocks, 0, token=TOKEN),
+                                           wire.checksum(payload), len(payload)) + payload
+                 for rid, layer, blocks, payload in plan)
+        + wire.encode(wire.Finish(rid, len(plan), TOKEN))
+        for rid, plan in plans.items())
+    transfers = [receiver.expect(rid, lease_s=30, token=TOKEN) for rid in plans]
     host, port = receiver.address.removeprefix("tcp://").rsplit(":", 1)
 
     def trickle() -> None:
@@ -714,11 +722,18 @@ async def test_large_payloads_wake_the_receiver_once_a_mib(receiver, sink, monke
             sock.recv(1)  # the verdicts: the receiver has it all
 
     await asyncio.to_thread(trickle)
-    await transfer.wait()
-    assert sink.of("big") == plan
-    payload_reads = [(n, left) for stage, n, left in reads if stage == "PAYLOAD"]
-    assert all(n >= min(left, 1 << 20) for n, left in payload_reads), payload_reads
-    assert len(reads) <= 2 * 4, reads  # per chunk: its head, then two 1-MiB reads
+    for transfer in transfers:
+        await transfer.wait()
+    assert sink.of("big") == plans["big"] and sink.of("next") == plans["next"]
+    # What came with the header is at most a 64 KiB piece: the first mark is at least
+    # a tenth of the rest.
+    tenth = (size - (64 << 10)) // ReadMark.FIRST_WAKES
+    for first in (("big", 0), ("next", 0)):
+        assert all(n >= min(left, tenth) for n, left in reads[first]), reads[first]
+        assert 5 <= len(reads[first]) <= ReadMark.FIRST_WAKES + 1, reads[first]
+    later = reads[("big", 1)]
+    assert all(n >= min(left, ReadMark.MAX_BYTES) for n, left in later), later
+    assert len(later) <= 2, later  # two 1-MiB reads after its head
 
 
 class _TakesSome:

@@ -20,11 +20,8 @@ payload lands straight in its place but for its first few KiB, copied; a smaller
 turns reading ahead back on. (Asking for the prefix alone, then the header, cost two
 extra trips through the event loop per large chunk.)
 
-While a large payload comes in, the socket's ``SO_RCVLOWAT`` is raised to what is left of
-it, up to ``_WAKE_BYTES`` (1 MiB): the event loop then wakes once a MiB instead of once
-every 100-200 KiB the kernel happens to hold (89 turns for a 16 MiB request of 30 chunks
-before, each 10-20 µs of Python on top of the copy). It goes back to 1 byte between
-messages. Linux wakes a reader at end of stream whatever the mark.
+While a large payload comes in, a TCP socket's ``SO_RCVLOWAT`` says when the event loop
+wakes this reader (``tcp.ReadMark``: once a MiB, but for a transfer's first payload).
 
 A payload read straight into place is hashed as it comes in, each piece while in cache,
 and the table is handed that checksum (not a second pass after its last byte). Where
@@ -63,13 +60,13 @@ import xxhash
 from common.transfer import batch, wire
 from common.transfer.landing import Filling, scatterer
 from common.transfer.table import TransferTable
+from common.transfer.tcp import ReadMark
 
 log = structlog.get_logger("pdserve.transfer")
 
 _AHEAD_BYTES = batch.MAX_BYTES + (64 << 10)  # a whole BATCH and its header, in place
 _EXACT_BYTES = 256 << 10  # a payload larger than this is read straight into place
 _SLACK_BYTES = 4096
-_WAKE_BYTES = 1 << 20  # at most a quarter of the receive buffer tcp.py asks for
 _SCRATCH_BYTES = 1 << 20
 _DIRECT_BYTES = 128 << 10  # a sink's destinations this large are read into directly
 VERDICT_BATCH = 32  # verdicts held back at most, and the bytes of their chunks:
@@ -109,8 +106,7 @@ class FrameReader(asyncio.BufferedProtocol):
         self._verdicts: list[bytes] = []  # encoded, not written yet
         self._verdict_bytes = 0  # payload bytes they answer for
         self._stage = _Stage.AHEAD
-        self._sock: socket.socket | None = None  # a TCP socket, whose wake mark we move
-        self._wake = 1  # its SO_RCVLOWAT
+        self._mark = ReadMark(None)  # a TCP socket's, once connected
         self._begin_message()
 
     # -- asyncio.BufferedProtocol ------------------------------------------------------
@@ -121,7 +117,7 @@ class FrameReader(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
+            self._mark = ReadMark(sock)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         stage = self._stage
@@ -151,8 +147,8 @@ class FrameReader(asyncio.BufferedProtocol):
             if self._scatter is None:  # else hashed as the bytes land in their place
                 self._hasher.update(self._view[filled : self._filled])
             left = len(self._view) - self._filled
-            if left < self._wake:  # never wait for more than will come
-                self._wake_at(left or 1)
+            if left < self._mark.nbytes:  # never wait for more than will come
+                self._mark.at(left or 1)
             if not left:
                 self._stage = _Stage.AHEAD
                 self._complete(self._view, None if self._scatter else self._hasher.intdigest())
@@ -164,8 +160,8 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def _landed_into(self, nbytes: int) -> None:
         (filling := self._filling).took(nbytes)
-        if filling.left < self._wake:  # never wait for more than will come
-            self._wake_at(filling.left or 1)
+        if filling.left < self._mark.nbytes:  # never wait for more than will come
+            self._mark.at(filling.left or 1)
         if not filling.left:
             self._stage = _Stage.AHEAD
             self._complete(None, filling.digest())
@@ -293,7 +289,7 @@ class FrameReader(asyncio.BufferedProtocol):
             self._filled = have
             self._stage = _Stage.PAYLOAD
             if size > _EXACT_BYTES:
-                self._wake_at(min(size - have, _WAKE_BYTES))
+                self._mark.payload(size - have)
         else:
             self._discard_left = size - have
             self._stage = _Stage.DISCARD
@@ -318,17 +314,8 @@ class FrameReader(asyncio.BufferedProtocol):
             return False
         self._stage = _Stage.PAYLOAD
         self._filling.fill(have)  # what came with the header
-        self._wake_at(min(self._filling.left, _WAKE_BYTES))
+        self._mark.payload(self._filling.left)
         return True
-
-    def _wake_at(self, nbytes: int) -> None:
-        """Have the event loop wake this reader once ``nbytes`` can be read."""
-        if self._sock is not None and nbytes != self._wake:
-            try:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-                self._wake = nbytes
-            except OSError:  # not on this socket: wake at every byte, as before
-                self._sock = None
 
     def _complete(self, payload: memoryview | None, actual: int | None = None) -> None:
         """Apply the message; ``actual``: the payload's checksum, where it was hashed as
@@ -356,6 +343,7 @@ class FrameReader(asyncio.BufferedProtocol):
                     actual,
                 )
         elif isinstance(message, wire.Finish | wire.Abort):
+            self._mark.fresh = True
             if self._verdicts:  # first: the sender's finish waits for them
                 self._flush_verdicts()
             self._carried.discard(message.request_id)
