@@ -68,7 +68,7 @@ def test_malformed_chunk_frames_are_refused(body, match, rid):
     assert caught.value.request_id == rid
 
 
-async def test_a_request_of_small_chunks_is_one_notice_write(receiver):
+async def test_a_request_of_small_chunks_is_one_batch_frame_then_the_finish(receiver):
     tx = ShmSender()
     plan = [("r", layer, [layer, 40 + layer], random.Random(layer).randbytes(48 << 10))
             for layer in range(30)]  # 1.4 MiB: a few hundred tokens of KV, a layer each
@@ -86,7 +86,11 @@ async def test_a_request_of_small_chunks_is_one_notice_write(receiver):
         await tx.finish(receiver.address, "r", len(plan), token=TOKEN)
         await transfer.wait()
         assert [c for c in receiver.sink.chunks if c[0] == "r"] == plan
-        assert len(writes) == 1  # 30 chunk frames and the finish, corked together
+        # The 30 chunks went as one BATCH, its frame written at once (the receiver copies
+        # while the finish is built); then the finish.
+        finish = control.pack("finish", request_id="r", num_chunks=len(plan), token=TOKEN)
+        assert len(writes) == 2 and writes[1] == len(finish), writes
+        assert writes[0] < 2048, writes  # one BATCH frame (1.3 KB), not 30 (2.7 KB)
     finally:
         await tx.close()
 

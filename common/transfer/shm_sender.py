@@ -14,6 +14,11 @@ Per-chunk costs are what limit small payloads (a 48 KiB chunk copies in ~3 µs),
   and one batch of verdicts on the receiver. Each notice wakes the receiver, and on a
   busy 2-core machine a wake-up costs far more than the copy it announces (flushing at
   512 KiB took 2.7 receiver wake-ups for a 1.4 MiB request, 1.0 at 2 MiB);
+- a BATCH's frame is the exception: it goes at once. Its chunks are all there is until
+  the FINISH, and the receiver can copy them out while this side's Python gets to the
+  FINISH (about 40 µs for a request's layers); that FINISH then finds the receiver
+  awake, and its write costs 5 µs instead of the 25-60 µs of one that wakes it. A 1.4
+  MB request: 5-6% sooner, 1,000 alternated transfers a pair;
 - the chunk frame is binary (``shm.py``): no msgpack map per chunk;
 - small chunks share a segment, one after another, so a request of small chunks takes a
   slot or two, not one each;
@@ -234,6 +239,8 @@ class ShmSender(ConnectionSender):
         frame = chunk_frame(chunk, slot, conn.ring.generations[slot], offset, nbytes,
                             attempt.claimed)
         await self._write(address, conn, request_id, frame, nbytes)
+        if type(view) is list:
+            conn.flush()  # a batch: see the module's docstring
         if nbytes >= _WARM_BYTES:
             # The verdicts that came are read on the loop's next turn, after this task
             # has run on: two turns.
