@@ -147,8 +147,7 @@ class FrameReader(asyncio.BufferedProtocol):
             if self._scatter is None:  # else hashed as the bytes land in their place
                 self._hasher.update(self._view[filled : self._filled])
             left = len(self._view) - self._filled
-            if left < self._mark.nbytes:  # never wait for more than will come
-                self._mark.at(left or 1)
+            self._mark.coming(left)
             if not left:
                 self._stage = _Stage.AHEAD
                 self._complete(self._view, None if self._scatter else self._hasher.intdigest())
@@ -160,8 +159,7 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def _landed_into(self, nbytes: int) -> None:
         (filling := self._filling).took(nbytes)
-        if filling.left < self._mark.nbytes:  # never wait for more than will come
-            self._mark.at(filling.left or 1)
+        self._mark.coming(filling.left)
         if not filling.left:
             self._stage = _Stage.AHEAD
             self._complete(None, filling.digest())

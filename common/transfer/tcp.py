@@ -57,6 +57,12 @@ class ReadMark:
             self.fresh, left = False, max(1, left // self.FIRST_WAKES)
         self.at(min(left, self.MAX_BYTES))
 
+    def coming(self, left: int) -> None:
+        """``left`` bytes of the payload are still to come: never wait for more (1 once
+        it is all in, for the next message)."""
+        if left < self.nbytes:
+            self.at(left or 1)
+
     def at(self, nbytes: int) -> None:
         """Wake the reader once ``nbytes`` can be read."""
         if self.sock is not None and nbytes != self.nbytes:
