@@ -743,7 +743,7 @@ async def test_large_payloads_wake_the_receiver_once_a_mib_but_a_first_in_tenths
     # One mark a payload, in stream order: big's two chunks, then next's one.
     assert [fresh for fresh, _, _ in marks] == [True, False, True], marks
     assert all(0 < left < size for _, left, _ in marks), marks
-    for (fresh, left, mark), key in zip(marks, [("big", 0), ("big", 1), ("next", 0)]):
+    for (fresh, left, mark), key in zip(marks, [("big", 0), ("big", 1), ("next", 0)], strict=True):
         want = left // ReadMark.FIRST_WAKES if fresh else min(left, ReadMark.MAX_BYTES)
         assert mark == want, (key, marks)
         assert all(n >= min(rest, mark) for n, rest in reads[key]), (key, reads[key])
