@@ -28,7 +28,12 @@ segment into a destination buffer; ucx,
 the whole payload in one ucxx send. Goals (``goal``): tcp and shm at least 0.7x the limit at 1 MiB
 and 0.85x at 16 MiB, tcp 0.9x at 256 MiB; ucx is reported beside them. The limit moves
 the same bytes in the same messages (one per layer, the same sizes) between the same two
-kinds of process, and its receiver says it has all the same way. Writes
+kinds of process, and its receiver says it has all the same way.
+
+Every backend checks each batch end to end (xxh3_64, which a raw socket does not), so
+tcp is also run against its limit checked (``checked``, bench/transfer_limits.py): the
+same sends in the backend's batches, each hashed before it goes and again as it is read.
+Its ratio says what is left to the backend's own work once the check is paid. Writes
 bench/results/transfer.* and one harness report per cell, transfer-<kind>-<mib>mib.json.
 The limits are in bench/transfer_limits.py.
 
@@ -65,6 +70,8 @@ sys.path.insert(0, str(ROOT))
 from bench.harness import Metric, Session, write  # noqa: E402
 from bench.machine import load_average, machine_line  # noqa: E402
 from bench.transfer_limits import (  # noqa: E402
+    CHECKED_LIMITS,
+    CHECKED_NAME,
     LIMIT_NAMES,
     LIMITS,
     serve_raw_shm,
@@ -222,11 +229,19 @@ def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, rep
     each side's round is ``per_round`` transfers, one after another."""
     peers, stack = (Peer(), Peer()), contextlib.AsyncExitStack()
 
-    async def open_both():
+    checked = CHECKED_LIMITS.get(kind)
+    if checked is not None:
+        peers += (Peer(),)
+
+    async def open_all():
         ours = await stack.enter_async_context(
             backend(peers[0], kind, chunks, blocks, (warmup + repeats) * per_round, per_round))
-        limit = await stack.enter_async_context(LIMITS[kind](peers[1], chunks, payload))
-        return ours, limit
+        sides = {"backend": side(ours, peers[0]), "limit": side(
+            await stack.enter_async_context(LIMITS[kind](peers[1], chunks, payload)), peers[1])}
+        if checked is not None:
+            sides["checked"] = side(
+                await stack.enter_async_context(checked(peers[2], chunks, payload)), peers[2])
+        return sides
 
     async def several(one, first: int) -> None:
         for rep in range(first, first + per_round):
@@ -246,10 +261,12 @@ def measure_pair(runner: asyncio.Runner, kind: str, chunks, payload, blocks, rep
         return run
 
     try:
-        ours, limit = runner.run(open_both())
+        sides = runner.run(open_all())
+        if checked is not None:
+            settings = {**settings, "checked": CHECKED_NAME, "transfer_ends": {
+                **settings["transfer_ends"], "checked": TRANSFER_ENDS["limit"]}}
         session = Session(f"transfer-{kind}", settings=settings, log=lambda line: None)
-        runs = session.run({"backend": side(ours, peers[0]), "limit": side(limit, peers[1])},
-                           repeats=repeats, warmup=warmup)
+        runs = session.run(sides, repeats=repeats, warmup=warmup)
         return session.finish(METRICS, runs)
     finally:
         runner.run(stack.aclose())
@@ -291,6 +308,9 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
                    "backend_cpu_ms": report["sides"]["backend"]["cpu_ms"]["median"],
                    "limit_cpu_ms": report["sides"]["limit"]["cpu_ms"]["median"],
                    "cpu_ratio": ratio["cpu_ms"]["median"], "report": report}
+            if checked := report["ratios"].get("backend/checked"):
+                row["checked_gbps"] = report["sides"]["checked"]["gbps"]["median"]
+                row["checked_ratio"] = checked["gbps"]["median"]
             rows.append(row)
 
             def med(side: str, key: str, sides=report["sides"]) -> float:
@@ -303,6 +323,8 @@ def measure(runner: asyncio.Runner, kinds: list[str], sizes: list[int], scale: f
                   f"{med('backend', 'send_cpu_ms'):.2f} vs {med('limit', 'send_cpu_ms'):.2f}, "
                   f"receive {med('backend', 'recv_cpu_ms'):.2f} vs "
                   f"{med('limit', 'recv_cpu_ms'):.2f})  " + (
+                      f"{row['checked_ratio']:.2f}x of it checked ({row['checked_gbps']:.2f} "
+                      "GB/s)  " if "checked_ratio" in row else "") + (
                       "no goal" if row["goal"] is None else f"goal {row['goal']}x "
                       f"{'met' if row['ratio'] >= row['goal'] else 'MISSED'}"),
                   flush=True)
@@ -360,7 +382,7 @@ def main() -> None:
             serving = serve_backend(kind, *rest) if mode == "backend" else serve_raw_ucx(*rest)
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
                 return runner.run(serving)
-        return serve_raw_tcp() if kind == "tcp" else serve_raw_shm(*rest)
+        return serve_raw_tcp(*rest) if kind == "tcp" else serve_raw_shm(*rest)
     from common.transfer import BackendUnavailable, available_backends
 
     with contextlib.suppress(ImportError):  # a sender is a model worker, torch loaded:

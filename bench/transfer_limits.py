@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 import socket
+import struct
 import sys
 import time
 
@@ -24,9 +25,14 @@ LIMIT_NAMES = {"tcp": "blocking sendall of each message / recv_into",
                       "memcpy of each message out of it into a destination buffer as its "
                       "group lands",
                "ucx": "the whole payload in one ucxx send"}
+# Beside tcp's limit, the same with the end-to-end check every backend makes (xxh3_64 of
+# each batch, the receiver hashing what it reads): how near the checksum lets a backend get.
+CHECKED_NAME = ("the tcp limit, checked: xxh3_64 of each batch of layers (batch.py's "
+                "grouping) before its sendall, hashed again as it is read and compared")
+_CHECKED_HEAD = struct.Struct("<QQQ")  # a batch's bytes, its checksum, whether it is the last
 
 
-def serve_raw_tcp() -> None:
+def serve_raw_tcp(checked: str = "") -> None:
     from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
 
     listener = socket.socket()
@@ -35,10 +41,35 @@ def serve_raw_tcp() -> None:
     listener.listen(1)
     print(f"addr {listener.getsockname()[1]}", flush=True)
     conn, buffer = listener.accept()[0], memoryview(bytearray(64 * MIB))
+    if checked:
+        return _serve_checked(conn, buffer)
     while total := int.from_bytes(conn.recv(8, socket.MSG_WAITALL) or b"", "little"):
         while total:
             total -= conn.recv_into(buffer[: min(total, len(buffer))])
         print(f"done {time.process_time()}", flush=True)
+
+
+def _serve_checked(conn: socket.socket, buffer: memoryview) -> None:
+    """The checked limit's receiver: each batch read into ``buffer`` and hashed as it
+    comes, its checksum compared once it is all in; a mismatch ends the process (the
+    measuring one then fails: "the receiving process died")."""
+    import xxhash
+
+    while len(head := conn.recv(_CHECKED_HEAD.size, socket.MSG_WAITALL)) == _CHECKED_HEAD.size:
+        total, digest, last = _CHECKED_HEAD.unpack(head)
+        if total > len(buffer):
+            sys.exit(f"a batch of {total} bytes, more than the {len(buffer)} landed at once")
+        hasher, at = xxhash.xxh3_64(), 0
+        while at < total:
+            n = conn.recv_into(buffer[at:total])
+            if not n:
+                sys.exit("sender closed mid-batch")
+            hasher.update(buffer[at : at + n])
+            at += n
+        if hasher.intdigest() != digest:
+            sys.exit("checksum mismatch")
+        if last:
+            print(f"done {time.process_time()}", flush=True)
 
 
 def serve_raw_shm(name: str) -> None:
@@ -104,6 +135,46 @@ async def tcp_limit(peer, chunks: list[memoryview], payload: memoryview):
         yield one
 
 
+def _send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """``sendall`` of ``buffers`` back to back, in one ``sendmsg`` where the kernel takes
+    them all (a blocking socket's usual case)."""
+    sent = sock.sendmsg(buffers)
+    for buffer in buffers:
+        if sent >= buffer.nbytes:
+            sent -= buffer.nbytes
+            continue
+        sock.sendall(buffer[sent:])
+        sent = 0
+
+
+@contextlib.asynccontextmanager
+async def tcp_checked_limit(peer, chunks: list[memoryview], payload: memoryview):
+    """``tcp_limit`` with the end-to-end check: the layers in the tcp backend's batches
+    (``batch.groups``), each batch hashed as the backend hashes it (``batch.checksum``)
+    and sent behind a header holding its size and checksum."""
+    from common.transfer import batch
+    from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
+    from common.transfer.tcp_sender import TcpSender
+
+    runs = batch.groups([(i, [], c) for i, c in enumerate(chunks)], TcpSender.BATCH_BYTES)
+    groups = [[item[2] for item in run] for run in runs]
+    sock = socket.socket()
+    tune_socket(sock, SOCKET_BUFFER_BYTES)
+    sock.connect(("127.0.0.1", int(await peer.start("raw", "tcp", "checked"))))
+
+    async def one(rep: int) -> None:
+        for g, views in enumerate(groups):
+            head = _CHECKED_HEAD.pack(sum(v.nbytes for v in views), batch.checksum(views),
+                                      g == len(groups) - 1)
+            _send_all(sock, [memoryview(head), views[0]])  # the header not alone in a segment
+            for view in views[1:]:
+                sock.sendall(view)
+        await peer.done()
+
+    with sock:
+        yield one
+
+
 @contextlib.asynccontextmanager
 async def shm_limit(peer, chunks: list[memoryview], payload: memoryview):
     from common.transfer.shm_segment import SHM_DIR, Segment, new_prefix
@@ -153,3 +224,4 @@ async def ucx_limit(peer, chunks: list[memoryview], payload: memoryview):
 
 
 LIMITS = {"tcp": tcp_limit, "shm": shm_limit, "ucx": ucx_limit}
+CHECKED_LIMITS = {"tcp": tcp_checked_limit}

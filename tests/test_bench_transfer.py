@@ -32,8 +32,12 @@ def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
     assert settings["transfers_per_round"] == math.ceil(3 * (1 << 20) / 1_474_560) == 3
     # Each sender waits for its own word that all landed, once a transfer.
     assert settings["transfer_ends"] == {"backend": "its verdict (finish)",
-                                         "limit": "the receiver's stdout line"}
-    for side in ("backend", "limit"):
+                                         "limit": "the receiver's stdout line",
+                                         "checked": "the receiver's stdout line"}
+    # tcp runs a third side, its limit with the checksum, and is divided by it too.
+    assert "xxh3_64 of each batch" in settings["checked"]
+    assert set(report["ratios"]) == {"backend/limit", "backend/checked"}
+    for side in ("backend", "limit", "checked"):
         runs = report["runs"][side]
         assert len(runs) == 3  # max(3, round(0.1 * 31)) measured rounds
         for run in runs:
@@ -43,6 +47,33 @@ def test_rounds_of_several_transfers_and_the_cpu_split(tmp_path: Path) -> None:
             assert math.isclose(run["gbps"], 3 * 1_474_560 / run["seconds"] / 1e9)
     assert {m["key"] for m in report["metrics"]} == {
         "gbps", "cpu_ms", "send_cpu_ms", "recv_cpu_ms"}
+
+
+def test_checked_tcp_limit_lands_and_checks_each_batch() -> None:
+    """The checked limit's receiver says "done" after a last batch whose checksum holds,
+    nothing after one that is not the last, and dies on one that does not hold."""
+    import socket
+
+    import xxhash
+
+    sys.path.insert(0, str(ROOT))
+    from bench.transfer_limits import _CHECKED_HEAD
+
+    proc = subprocess.Popen([sys.executable, "bench/transfer.py", "--serve", "raw", "tcp",
+                             "checked"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().removeprefix("addr "))
+        a, b = bytes(range(256)) * 40, b"x" * 70_000
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(_CHECKED_HEAD.pack(len(a), xxhash.xxh3_64_intdigest(a), 0) + a)
+            sock.sendall(_CHECKED_HEAD.pack(len(b), xxhash.xxh3_64_intdigest(b), 1) + b)
+            assert proc.stdout.readline().startswith("done ")  # after the last one only
+            sock.sendall(_CHECKED_HEAD.pack(len(b), xxhash.xxh3_64_intdigest(a), 1) + b)
+            assert proc.wait(timeout=30) != 0
+        assert proc.stdout.read() == ""  # no "done" for the spoiled batch
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_shm_limit_wakes_its_receiver_per_group() -> None:
