@@ -5,7 +5,7 @@ limit it is held to, measured in the same run:  python bench/transfer.py [--size
 Payloads: a request's whole KV in the default model's layout (30 layers, 16-token blocks,
 3 KV heads x 64 dims, fp32: 46,080 bytes a token), rounded up to whole blocks, sent as one
 chunk per layer for non-contiguous block ids, all handed to one ``send_many`` (tcp and shm
-send them as batches of up to 4 MiB: ``common/transfer/batch.py``), then ``finish``.
+send them as batches of up to 2 and 4 MiB: ``common/transfer/batch.py``), then ``finish``.
 Every receiver lands the bytes in a destination buffer once, as a decode worker lands
 them in its KV blocks: tcp, its read out of the socket (the sink then does nothing); shm,
 a copy of each message out of the segment into the destination the sink names
