@@ -35,7 +35,8 @@ tcp is also run against its limit checked (``checked``, bench/transfer_limits.py
 same sends in the backend's batches, each hashed before it goes and again as it is read.
 Its ratio says what is left to the backend's own work once the check is paid. Writes
 bench/results/transfer.* and one harness report per cell, transfer-<kind>-<mib>mib.json.
-The limits are in bench/transfer_limits.py.
+The limits are in
+bench/transfer_limits.py, the backend's receiving process in bench/transfer_serve.py.
 
 Both processes run on uvloop where it is installed, as every service does
 (common/service_main.py); ``PDSERVE_BENCH_LOOP=asyncio`` measures on the plain loop.
@@ -57,7 +58,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -78,9 +78,10 @@ from bench.transfer_limits import (  # noqa: E402
     serve_raw_tcp,
     serve_raw_ucx,
 )
+from bench.transfer_serve import LAYERS, serve_backend  # noqa: E402
 
 LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
-LAYERS, BLOCK_LAYER_BYTES = 30, 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
+BLOCK_LAYER_BYTES = 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
 MIB = 1 << 20
 # A round of one 1.4 MiB transfer lasts about a millisecond: one burst of other work moves
 # its ratio 2-3x either way. Rounds of several transfers, as many a side, average that out.
@@ -92,58 +93,6 @@ def goal(kind: str, mib: int) -> float | None:
     if kind == "ucx" or (kind == "shm" and mib > 16):
         return None
     return 0.7 if mib <= 1 else 0.85 if mib <= 16 else 0.9
-
-
-class Landing:
-    """The receiving side's sink: each layer's bytes land at ``layer x size`` of one
-    destination buffer (pre-faulted, as a worker's KV cache is), where a backend that copies
-    them out of somewhere (shm) puts them, a batch's at once (one view a layer), or, called
-    with them, it copies them there; tcp's read out of the socket is its landing."""
-
-    def __init__(self, land: bool) -> None:
-        self.land, self.buffer = land, memoryview(bytearray())
-
-    def __call__(self, rid: str, layer: int, blocks: list[int], payload: memoryview) -> None:
-        if self.land:
-            self.landing_many(rid, [layer], [blocks], [payload.nbytes])[0][:] = payload
-
-    def landing_many(self, rid: str, layers: list[int], blocks: list[list[int]],
-                     sizes: list[int]) -> list | None:
-        if not self.land:
-            return None
-        if (max(layers) + 1) * max(sizes) > len(self.buffer):  # in the warm-up: zeroed,
-            self.buffer = memoryview(bytearray(max(max(layers) + 1, LAYERS) * max(sizes)))
-        buf = self.buffer  # so faulted in
-        return [buf[at * n : (at + 1) * n] for at, n in zip(layers, sizes, strict=True)]
-
-    def landed_many(self, rid: str, layers: list[int], blocks: list[list[int]],
-                    sizes: list[int]) -> None:
-        pass
-
-
-async def serve_backend(kind: str, count: str, per_round: str = "1") -> None:
-    from common.transfer import make_receiver
-
-    with contextlib.suppress(ImportError):  # a receiver is a model worker, torch loaded:
-        import torch  # noqa: F401  the shm receiver lands and checks with its kernel
-
-        from kernels import cpu_copysum
-        cpu_copysum.kernel(wait=True)
-    rx = make_receiver(kind, sink=Landing(kind == "shm"))
-    await rx.start()
-    # One token a transfer, drawn here and told to the sender, as a decode worker does.
-    tokens = [secrets.token_bytes(16) for _ in range(int(count))]
-    transfers = [rx.expect(f"r{i}", lease_s=600, token=t) for i, t in enumerate(tokens)]
-    print(f"addr {rx.address}", flush=True)
-    print("tokens " + ",".join(t.hex() for t in tokens), flush=True)
-    # A line a round, not a transfer (a write here, a wake-up and a read there): the
-    # backend's word that a transfer landed is its verdict; the limit's line is its only one.
-    every = int(per_round)
-    for i, transfer in enumerate(transfers):
-        await transfer.wait()
-        if (i + 1) % every == 0 or i + 1 == len(transfers):
-            print(f"done r{i} {time.process_time()}", flush=True)
-    await rx.close()
 
 
 class Peer:
