@@ -80,7 +80,7 @@ from bench.transfer_limits import (  # noqa: E402
 )
 from bench.transfer_serve import LAYERS, serve_backend  # noqa: E402
 
-LAYOUT = {"layers": 30, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
+LAYOUT = {"layers": LAYERS, "block_tokens": 16, "kv_heads": 3, "head_dim": 64, "dtype": "float32"}
 BLOCK_LAYER_BYTES = 2 * 16 * 3 * 64 * 4  # K and V of one block in one layer
 MIB = 1 << 20
 # A round of one 1.4 MiB transfer lasts about a millisecond: one burst of other work moves

@@ -117,13 +117,20 @@ async def serve_raw_ucx(max_bytes: str) -> None:
     del listener  # stops listening
 
 
-@contextlib.asynccontextmanager
-async def tcp_limit(peer, chunks: list[memoryview], payload: memoryview):
+async def _dial_raw_tcp(peer, *args: str) -> socket.socket:
+    """A blocking socket to a raw tcp receiver started through ``peer`` (``args``: its
+    mode after "raw tcp"), its buffers set before connect, as the tcp backend does."""
     from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
 
     sock = socket.socket()
-    tune_socket(sock, SOCKET_BUFFER_BYTES)  # before connect, as the tcp backend does
-    sock.connect(("127.0.0.1", int(await peer.start("raw", "tcp"))))
+    tune_socket(sock, SOCKET_BUFFER_BYTES)
+    sock.connect(("127.0.0.1", int(await peer.start("raw", "tcp", *args))))
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def tcp_limit(peer, chunks: list[memoryview], payload: memoryview):
+    sock = await _dial_raw_tcp(peer)
 
     async def one(rep: int) -> None:
         sock.sendall(payload.nbytes.to_bytes(8, "little"))
@@ -153,19 +160,18 @@ async def tcp_checked_limit(peer, chunks: list[memoryview], payload: memoryview)
     (``batch.groups``), each batch hashed as the backend hashes it (``batch.checksum``)
     and sent behind a header holding its size and checksum."""
     from common.transfer import batch
-    from common.transfer.tcp import SOCKET_BUFFER_BYTES, tune_socket
     from common.transfer.tcp_sender import TcpSender
 
     runs = batch.groups([(i, [], c) for i, c in enumerate(chunks)], TcpSender.BATCH_BYTES)
-    groups = [[item[2] for item in run] for run in runs]
-    sock = socket.socket()
-    tune_socket(sock, SOCKET_BUFFER_BYTES)
-    sock.connect(("127.0.0.1", int(await peer.start("raw", "tcp", "checked"))))
+    # Each batch's views, its size and whether it is the last: fixed, so not re-derived
+    # per transfer; only the checksum is the per-transfer work being measured.
+    groups = [([item[2] for item in run], sum(item[2].nbytes for item in run),
+               g == len(runs) - 1) for g, run in enumerate(runs)]
+    sock = await _dial_raw_tcp(peer, "checked")
 
     async def one(rep: int) -> None:
-        for g, views in enumerate(groups):
-            head = _CHECKED_HEAD.pack(sum(v.nbytes for v in views), batch.checksum(views),
-                                      g == len(groups) - 1)
+        for views, size, last in groups:
+            head = _CHECKED_HEAD.pack(size, batch.checksum(views), last)
             _send_all(sock, [memoryview(head), views[0]])  # the header not alone in a segment
             for view in views[1:]:
                 sock.sendall(view)
