@@ -173,12 +173,14 @@ async def test_streams_are_timed_and_counted():
         assert r.output_tokens == 5
         assert r.prompt_tokens == spec.prompt_len == 16
         # Timed at the first token, after the server's delay, not at the role chunk
-        # before it; and not at the end: four gaps of at least GAP_S follow. Only lower
-        # bounds on what was slept: a loaded machine can stretch any of them.
+        # before it; and not at the end: four positive gaps follow, inside the stream.
+        # Only what the server slept bounds anything from below: a loaded machine can
+        # stretch any step, and a late chunk shortens the gap after it, so one gap
+        # alone has no lower bound (CI saw 9 ms against a 10 ms sleep).
         assert r.ttft_s >= 0.9 * FIRST_DELAY_S
-        assert len(r.itl_s) == 4 and min(r.itl_s) >= 0.9 * GAP_S
+        assert len(r.itl_s) == 4 and min(r.itl_s) > 0
         assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
-        assert r.ttft_s <= r.e2e_s - 4 * 0.9 * GAP_S
+        assert r.e2e_s >= 0.9 * (FIRST_DELAY_S + 4 * GAP_S)
         assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 4)
     itls = [x for r in results for x in r.itl_s]
 
