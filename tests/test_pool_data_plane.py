@@ -212,7 +212,7 @@ async def test_a_get_broken_mid_transfer_is_a_miss(ctx, pool, mode):
         assert await client.get(keys) == []
         elapsed = asyncio.get_running_loop().time() - started
         if mode == "hang":  # nothing more arrives: the lease ends it
-            assert LEASE_S - 0.1 < elapsed < LEASE_S + 1.0
+            assert LEASE_S - 0.1 < elapsed < LEASE_S + 2.5
         else:  # the failure reached the client at once
             assert elapsed < LEASE_S / 2
         assert client.counts["transfers_failed"] == 1

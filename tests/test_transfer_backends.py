@@ -295,7 +295,7 @@ async def test_sender_killed_mid_transfer_fails_it_at_once_and_leaks_nothing(kin
     finally:
         child[0].kill()
         child[0].wait()
-    assert time.monotonic() - killed_at[0] < 2.0
+    assert time.monotonic() - killed_at[0] < 5.0  # well before the 30 s lease
     assert transfer.state is TransferState.FAILED and rx.live() == 0
     assert shm_entries() <= before  # already, not only once the receiver closes
     after = rx.expect("after", lease_s=10, token=TOKEN)  # and the receiver keeps serving

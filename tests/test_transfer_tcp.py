@@ -299,7 +299,7 @@ async def test_lease_expiry_fails_the_transfer_on_time(receiver, sender):
     transfer = receiver.expect("slow", lease_s=0.3, token=TOKEN)
     with pytest.raises(TransferError, match="lease expired"):
         await transfer.wait()
-    assert 0.3 <= time.monotonic() - start < 0.8
+    assert 0.3 <= time.monotonic() - start < 2.0  # at the lease, not at some later timeout
     assert transfer.state is TransferState.FAILED and receiver.live() == 0
     await sender.send(receiver.address, "slow", 0, [0], b"late", token=TOKEN)
     await until(lambda: receiver.dropped == 1)
@@ -562,7 +562,7 @@ async def test_sender_gone_between_messages_fails_its_transfer_at_once(receiver)
     writer.close()
     with pytest.raises(TransferError, match="sender connection lost"):
         await transfer.wait()
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # the lease is 30 s
     assert receiver.live() == 0
 
 
