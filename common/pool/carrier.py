@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from common.pool.keys import Buffer
     from common.pool.transfer import BlockInbox
     from common.transfer import MultiReceiver
 
@@ -35,7 +36,7 @@ class Carrier(ABC):
         """Store one batch of ``size``-byte blocks on ``inst``; True once it is stored."""
 
     @abstractmethod
-    async def get(self, inst: str, keys: list[int]) -> list[bytes]:
+    async def get(self, inst: str, keys: list[int]) -> list[Buffer]:
         """The blocks of the longest prefix of ``keys`` that ``inst`` serves, in order."""
 
     @abstractmethod

@@ -133,8 +133,10 @@ class PoolClient:
                   if ok for k, _, _ in batch}
         return len(stored)
 
-    async def get(self, keys: Sequence[int]) -> list[bytes]:
-        """The blocks of the longest prefix of ``keys`` the pool can serve, in order."""
+    async def get(self, keys: Sequence[int]) -> list[Buffer]:
+        """The blocks of the longest prefix of ``keys`` the pool can serve, in order.
+        On the data plane they are views of reused memory (``common.pool.landing``): held
+        blocks stay as they are, and memory is reused once none of a call's is held."""
         return await self._walk(keys, self.carrier.get, self.max_call_blocks)
 
     async def exists(self, keys: Sequence[int]) -> int:

@@ -28,6 +28,8 @@ import structlog
 from common.address import parse_address, with_host
 from common.pool.carrier import Carrier
 from common.pool.instances import Instances
+from common.pool.keys import Buffer
+from common.pool.landing import LandingArenas
 from common.pool.transfer import BlockInbox, send_blocks
 from common.protocol import KVAdvert, PoolBlocks, PoolCommit, PoolGet, PoolPut, PoolReady
 from common.transfer import MultiReceiver, MultiSender, TransferError
@@ -58,7 +60,7 @@ class DataPlaneCarrier(Carrier):
         self._kv_host = kv_host
         self.sender = MultiSender(host_id=self._host_id, forced=forced)
         self._put_addrs: dict[str, tuple[KVAdvert, str]] = {}  # instance -> (advert, address)
-        self.inbox = BlockInbox()
+        self.inbox = BlockInbox(LandingArenas())  # gets land in touched memory
         self.receiver: MultiReceiver | None = None
         self._starting: asyncio.Task | None = None
         self._closed = False
@@ -95,7 +97,7 @@ class DataPlaneCarrier(Carrier):
         self._counts[f"backend_{address.partition('://')[0]}"] += 1
         return True
 
-    async def get(self, inst: str, keys: list[int]) -> list[bytes]:
+    async def get(self, inst: str, keys: list[int]) -> list[Buffer]:
         receiver = await self._data_receiver()
         if receiver is None:
             return []
@@ -142,6 +144,7 @@ class DataPlaneCarrier(Carrier):
         if self.receiver is not None:
             await self.receiver.close()
         await self.sender.close()
+        self.inbox.arenas.close()
 
     async def _data_receiver(self) -> MultiReceiver | None:
         """The started receiver; None (logged) if it cannot start, retried at the next

@@ -10,6 +10,7 @@ import structlog
 
 from common.pool.carrier import Carrier
 from common.pool.instances import Instances
+from common.pool.keys import Buffer
 from common.protocol import PoolGet, PoolPut
 
 log = structlog.get_logger(__name__)
@@ -30,7 +31,7 @@ class FrameCarrier(Carrier):
             self._counts["frame_out_bytes"] += size * len(blocks)
         return reply is not None
 
-    async def get(self, inst: str, keys: list[int]) -> list[bytes]:
+    async def get(self, inst: str, keys: list[int]) -> list[Buffer]:
         reply = await self._instances.call(inst, PoolGet(keys=keys))
         if reply is None:
             return []

@@ -25,6 +25,7 @@ import secrets
 from collections.abc import Sequence
 
 from common.pool.keys import Buffer
+from common.pool.landing import LandingArenas
 from common.transfer import KVReceiver, KVSender, Transfer, TransferError
 
 WINDOW = 8
@@ -42,10 +43,16 @@ class BlockInbox:
     chunk into the slots its ``block_ids`` name (a chunk may carry several equal blocks)
     and fails the transfer for an index out of range, a slot filled twice, or a block of
     the wrong size. Runs on the receiver's event loop only.
+
+    Each block becomes its own ``bytes``, or, given ``arenas``, a view into one arena
+    per transfer (taken at its first chunk, ``count`` blocks of that chunk's size): for
+    a client, whose blocks are copied on and dropped, not for a pool that keeps them.
     """
 
-    def __init__(self) -> None:
-        self._open: dict[str, tuple[list[bytes | None], int]] = {}
+    def __init__(self, arenas: LandingArenas | None = None) -> None:
+        self.arenas = arenas
+        # transfer id -> (slots, block size or 0 before the first chunk, landing view)
+        self._open: dict[str, tuple[list[Buffer | None], int, memoryview | None]] = {}
 
     def __len__(self) -> int:
         return len(self._open)
@@ -59,7 +66,7 @@ class BlockInbox:
         if transfer_id in self._open:
             raise ValueError(f"transfer {transfer_id!r} is already open")
         transfer = receiver.expect(transfer_id, lease_s, token=secrets.token_bytes(16))
-        self._open[transfer_id] = ([None] * count, block_bytes)
+        self._open[transfer_id] = ([None] * count, block_bytes, None)
         return transfer
 
     def sink(self, request_id: str, layer: int, block_ids: list[int],
@@ -67,23 +74,33 @@ class BlockInbox:
         entry = self._open.get(request_id)
         if entry is None:
             raise ValueError(f"no pool transfer {request_id!r} is open")
-        slots, size = entry
+        slots, size, land = entry
         n = len(block_ids)
-        if layer != 0 or n == 0 or payload.nbytes % n:
+        if layer != 0 or n == 0 or payload.nbytes % n or payload.nbytes == 0:
             raise ValueError(f"a chunk of {payload.nbytes} bytes for layer {layer} cannot "
                              f"hold blocks {block_ids[:4]}")
         each = payload.nbytes // n
         if size == 0:
             size = each
-            self._open[request_id] = (slots, size)
+            self._open[request_id] = (slots, size, land)
         if each != size:
             raise ValueError(f"blocks of {each} bytes in a transfer of {size}-byte blocks")
-        for j, i in enumerate(block_ids):
+        for i in block_ids:
             if not 0 <= i < len(slots) or slots[i] is not None:
                 raise ValueError(f"block index {i} is out of range or sent twice")
-            slots[i] = bytes(payload[j * each:(j + 1) * each])
+        if self.arenas is not None and land is None:
+            land = self.arenas.take(len(slots) * size)
+            self._open[request_id] = (slots, size, land)
+        for j, i in enumerate(block_ids):
+            piece = payload[j * each:(j + 1) * each]
+            if land is None:
+                slots[i] = bytes(piece)
+            else:
+                slot = land[i * size:(i + 1) * size]
+                slot[:] = piece
+                slots[i] = slot
 
-    def take(self, transfer_id: str, count: int) -> list[bytes] | None:
+    def take(self, transfer_id: str, count: int) -> list[Buffer] | None:
         """Close ``transfer_id``: its first ``count`` blocks if exactly those arrived,
         else None."""
         entry = self._open.pop(transfer_id, None)

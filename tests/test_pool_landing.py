@@ -1,0 +1,122 @@
+"""Pool gets land in reused memory: an arena comes back only once no block of it is held,
+so held blocks never change; arenas over the kept limit are let go; and a real get over
+the data plane returns the right bytes into an arena it reuses."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from common.pool.client import PoolClient
+from common.pool.landing import PAGE, LandingArenas
+from common.pool.transfer import BlockInbox
+from tests.pool_procs import BLOCK, blocks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_an_arena_is_reused_only_once_no_view_of_it_is_left():
+    arenas = LandingArenas(keep_bytes=1 << 20)
+    first = arenas.take(3 * PAGE)
+    first[:] = b"a" * len(first)
+    slice_of_slice = memoryview(first[PAGE:])[:10]  # views of views hold it too
+    del first
+    second = arenas.take(3 * PAGE)  # the first is still viewed: a new one
+    assert (arenas.made, arenas.reused) == (2, 0)
+    second[:] = b"b" * len(second)
+    assert bytes(slice_of_slice) == b"a" * 10  # untouched by the second take
+    del slice_of_slice
+    third = arenas.take(2 * PAGE)  # fits the first, idle now, and keeps its old bytes
+    assert (arenas.made, arenas.reused) == (2, 1)
+    assert bytes(third[:4]) == b"aaaa"
+    del second, third
+    gc.collect()
+    assert arenas.kept_bytes == 6 * PAGE
+
+
+def test_arenas_beyond_the_kept_bytes_are_let_go():
+    arenas = LandingArenas(keep_bytes=4 * PAGE)
+    a = arenas.take(3 * PAGE)
+    b = arenas.take(3 * PAGE)  # a is held: forgotten, not unmapped (a still reads)
+    a[:1] = b"x"
+    assert bytes(a[:1]) == b"x" and arenas.kept_bytes == 3 * PAGE
+    del a, b
+    big = arenas.take(10 * PAGE)  # larger than kept: served, never kept
+    big[-1:] = b"y"
+    assert arenas.kept_bytes == 0 and arenas.made == 3
+    with pytest.raises(ValueError):
+        arenas.take(0)
+    with pytest.raises(MemoryError):
+        arenas.take(1 << 62)
+
+
+class _Receiver:
+    """The one KVReceiver call ``BlockInbox.open`` makes."""
+
+    def expect(self, request_id, lease_s, token):
+        return (request_id, token)
+
+
+def _open(inbox: BlockInbox, tid: str, count: int) -> None:
+    inbox.open(_Receiver(), tid, count, 0, 5.0)
+
+
+def test_an_inbox_with_arenas_lands_each_transfer_apart_and_checks_as_before():
+    inbox = BlockInbox(LandingArenas())
+    data = [bytes([i]) * 100 for i in range(4)]
+    _open(inbox, "t1", 4)
+    inbox.sink("t1", 0, [2, 3], memoryview(data[2] + data[3]))  # two blocks in one chunk
+    inbox.sink("t1", 0, [0], memoryview(data[0]))
+    inbox.sink("t1", 0, [1], memoryview(data[1]))
+    got = inbox.take("t1", 4)
+    assert [bytes(b) for b in got] == data and all(isinstance(b, memoryview) for b in got)
+
+    _open(inbox, "t2", 2)  # t1's blocks are held: t2 lands elsewhere
+    inbox.sink("t2", 0, [0, 1], memoryview(b"\xee" * 200))
+    assert [bytes(b) for b in got] == data
+    assert [bytes(b) for b in inbox.take("t2", 2)] == [b"\xee" * 100] * 2
+    assert inbox.arenas.made == 2
+
+    _open(inbox, "t3", 3)
+    inbox.sink("t3", 0, [0], memoryview(b"\x01" * 50))
+    with pytest.raises(ValueError, match="blocks of 100 bytes"):
+        inbox.sink("t3", 0, [1], memoryview(b"\x01" * 100))
+    with pytest.raises(ValueError, match="out of range or sent twice"):
+        inbox.sink("t3", 0, [0], memoryview(b"\x01" * 50))
+    with pytest.raises(ValueError, match="out of range or sent twice"):
+        inbox.sink("t3", 0, [3], memoryview(b"\x01" * 50))
+    with pytest.raises(ValueError, match="cannot hold"):
+        inbox.sink("t3", 0, [1], memoryview(b""))
+    assert inbox.take("t3", 3) is None  # two blocks never came
+    assert (inbox.arenas.made, inbox.arenas.reused) == (2, 1)  # t2's: nothing held it
+    del got
+    _open(inbox, "t4", 1)  # t1's arena is idle again too
+    inbox.sink("t4", 0, [0], memoryview(b"z" * 64))
+    assert (inbox.arenas.made, inbox.arenas.reused) == (2, 2)
+    inbox.discard("t4")
+    assert len(inbox) == 0
+
+
+async def test_gets_over_the_data_plane_reuse_the_memory_they_land_in(ctx, pools):
+    pool = pools().start()
+    client = PoolClient(ctx, {"a": pool.control}, transfer_backend="tcp", timeout_s=5.0)
+    chain = blocks(12, size=BLOCK)
+    keys, data = [k for k, _, _ in chain], [d for _, d, _ in chain]
+    try:
+        assert await client.put(chain) == 12
+        held = await client.get(keys)
+        assert [bytes(b) for b in held] == data
+        again = await client.get(keys[6:])  # held is held: another arena
+        assert [bytes(b) for b in again] == data[6:]
+        arenas = client.inbox.arenas
+        assert (arenas.made, arenas.reused) == (2, 0)
+        del held, again
+        for _ in range(3):
+            assert [bytes(b) for b in await client.get(keys)] == data
+        assert (arenas.made, arenas.reused) == (2, 3)
+        assert client.receiver.live() == 0 and len(client.inbox) == 0
+    finally:
+        await client.close()
+    assert arenas.kept_bytes == 0
+
