@@ -3,6 +3,7 @@
     keys.py        a block's key, bytes and depth, and their checks
     placement.py   which instances own a key (rendezvous hashing)
     transfer.py    block bytes on the data plane, both ends (BlockInbox, send_blocks)
+    landing.py     reused memory that a client's gets land in (LandingArenas)
     client.py      PoolClient: placement, batching, replicas, failure as a miss
     instances.py   the client's control connections and which instances are down
     carrier.py     how a client's block bytes travel: the interface; one carrier per
