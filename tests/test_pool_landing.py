@@ -86,6 +86,8 @@ def test_an_inbox_with_arenas_lands_each_transfer_apart_and_checks_as_before():
         inbox.sink("t3", 0, [0], memoryview(b"\x01" * 50))
     with pytest.raises(ValueError, match="out of range or sent twice"):
         inbox.sink("t3", 0, [3], memoryview(b"\x01" * 50))
+    with pytest.raises(ValueError, match="sent twice in one chunk"):
+        inbox.sink("t3", 0, [1, 1], memoryview(b"\x01" * 100))
     with pytest.raises(ValueError, match="cannot hold"):
         inbox.sink("t3", 0, [1], memoryview(b""))
     assert inbox.take("t3", 3) is None  # two blocks never came

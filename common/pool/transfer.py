@@ -88,6 +88,8 @@ class BlockInbox:
         for i in block_ids:
             if not 0 <= i < len(slots) or slots[i] is not None:
                 raise ValueError(f"block index {i} is out of range or sent twice")
+        if len(set(block_ids)) != n:
+            raise ValueError(f"block indices {block_ids[:4]} are sent twice in one chunk")
         if self.arenas is not None and land is None:
             land = self.arenas.take(len(slots) * size)
             self._open[request_id] = (slots, size, land)
