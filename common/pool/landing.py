@@ -1,4 +1,5 @@
-"""Reusable memory for the blocks a pool get brings in.
+"""Reusable memory for the blocks a pool transfer brings in (a client's gets, the
+pool's puts).
 
 A fetched prefix is tens of megabytes. Copied into new ``bytes`` per block, most of a
 get's time went to the kernel faulting in and zeroing fresh pages (about 60 of 85 ms

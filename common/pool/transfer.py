@@ -45,8 +45,9 @@ class BlockInbox:
     the wrong size. Runs on the receiver's event loop only.
 
     Each block becomes its own ``bytes``, or, given ``arenas``, a view into one arena
-    per transfer (taken at its first chunk, ``count`` blocks of that chunk's size): for
-    a client, whose blocks are copied on and dropped, not for a pool that keeps them.
+    per transfer (taken at its first chunk, ``count`` blocks of that chunk's size), for
+    an end that copies the blocks on and drops them (a client into its KV cache, the
+    pool into its tiers).
     """
 
     def __init__(self, arenas: LandingArenas | None = None) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import structlog
 
+from common.pool.landing import LandingArenas
 from common.pool.transfer import BlockInbox, send_blocks
 from common.protocol import Ack, Error, KVAdvert, PoolCommit, PoolPut, PoolReady
 from common.transfer import MultiReceiver, MultiSender, Transfer, TransferError
@@ -52,7 +53,7 @@ class PoolDataPlane:
                  count_bytes: Callable[[str, int], None],
                  transfers: collections.Counter[str]) -> None:
         forced = None if settings.transfer_backend == "auto" else settings.transfer_backend
-        self.inbox = BlockInbox()
+        self.inbox = BlockInbox(LandingArenas())  # a put's blocks are copied into the store
         self.receiver = MultiReceiver(None if forced is None else (forced,),
                                       host=settings.resolved_kv_host, port=settings.kv_port,
                                       sink=self.inbox.sink,
@@ -78,6 +79,7 @@ class PoolDataPlane:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.receiver.close()
         await self.sender.close()
+        self.inbox.arenas.close()
 
     # -- puts ---------------------------------------------------------------------------
 
