@@ -1,6 +1,7 @@
-"""Pool gets land in reused memory: an arena comes back only once no block of it is held,
-so held blocks never change; arenas over the kept limit are let go; and a real get over
-the data plane returns the right bytes into an arena it reuses."""
+"""Pool transfers land in reused memory: an arena comes back only once no block of it is
+held, so held blocks never change; arenas over the kept limit are let go; a real get
+over the data plane returns the right bytes into an arena it reuses; and the pool lands
+puts, and packs the copies a get sends, in arenas of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import gc
 import pytest
 
 from common.pool.client import PoolClient
-from common.pool.landing import PAGE, LandingArenas
+from common.pool.landing import PAGE, LandingArenas, Packer
 from common.pool.transfer import BlockInbox
 from tests.pool_procs import BLOCK, blocks
 
@@ -49,6 +50,20 @@ def test_arenas_beyond_the_kept_bytes_are_let_go():
         arenas.take(0)
     with pytest.raises(MemoryError):
         arenas.take(1 << 62)
+
+
+def test_a_packer_copies_back_to_back_then_falls_back_to_bytes():
+    arenas = LandingArenas()
+    Packer(arenas, 100)
+    assert arenas.made == 0  # nothing taken until it copies
+    pack = Packer(arenas, 10)
+    a, b = pack(memoryview(b"abcd")), pack(memoryview(b"efgh"))
+    c = pack(memoryview(b"ijk"))  # 11 bytes would not fit in 10
+    assert (bytes(a), bytes(b), bytes(c)) == (b"abcd", b"efgh", b"ijk")
+    assert isinstance(a, memoryview) and isinstance(c, bytes)
+    assert a.obj is b.obj and arenas.made == 1  # one arena, back to back
+    assert bytes(memoryview(a.obj)[:8]) == b"abcdefgh"
+    assert bytes(Packer(arenas, 0)(memoryview(b"xy"))) == b"xy"
 
 
 class _Receiver:
@@ -145,6 +160,11 @@ async def test_the_pool_lands_puts_in_arenas_it_reuses_and_stores_copies(ctx):
         for chain in chains:  # each put's bytes were copied out before the next landed
             assert [bytes(b) for b in await client.get([k for k, _, _ in chain])] == \
                 [d for _, d, _ in chain]
+        # Each get's copies out of DRAM went to an arena too: that arena again, or a
+        # second one while a send still held the one before.
+        assert arenas.made + arenas.reused == 6 and arenas.made <= 2
+        assert await client.get([7]) == []  # nothing held: no arena taken
+        assert arenas.made + arenas.reused == 6
     finally:
         await client.close()
         await pool.close()

@@ -1,5 +1,5 @@
 """Reusable memory for the blocks a pool transfer brings in (a client's gets, the
-pool's puts).
+pool's puts) or sends out (the pool's gets, copied from its DRAM tier).
 
 A fetched prefix is tens of megabytes. Copied into new ``bytes`` per block, most of a
 get's time went to the kernel faulting in and zeroing fresh pages (about 60 of 85 ms
@@ -75,6 +75,28 @@ class LandingArenas:
             if _idle(arena):
                 arena.close()
         self._arenas.clear()
+
+
+class Packer:
+    """A ``copy`` for blocks that go out: each buffer copied after the one before into
+    ``nbytes`` taken from ``arenas`` at the first call (none taken if never called); a
+    buffer that no longer fits becomes a ``bytes`` of its own."""
+
+    def __init__(self, arenas: LandingArenas, nbytes: int) -> None:
+        self._arenas, self._nbytes = arenas, nbytes
+        self._view: memoryview | None = None
+        self._pos = 0
+
+    def __call__(self, data: memoryview) -> memoryview | bytes:
+        n = data.nbytes
+        if self._view is None and self._nbytes > 0:
+            self._view = self._arenas.take(self._nbytes)
+        if self._view is None or self._pos + n > len(self._view):
+            return bytes(data)
+        out = self._view[self._pos:self._pos + n]
+        out[:] = data
+        self._pos += n
+        return out
 
 
 def _idle(arena: mmap.mmap) -> bool:

@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import structlog
 
-from common.pool.landing import LandingArenas
+from common.pool.keys import Buffer
+from common.pool.landing import LandingArenas, Packer
 from common.pool.transfer import BlockInbox, send_blocks
 from common.protocol import Ack, Error, KVAdvert, PoolCommit, PoolPut, PoolReady
 from common.transfer import MultiReceiver, MultiSender, Transfer, TransferError
@@ -149,7 +150,11 @@ class PoolDataPlane:
             raise BadRequest(f"no usable data plane to the client: {exc}") from exc
         return address
 
-    def send_get(self, address: str, tid: str, blocks: list[bytes], lease_s: float, *,
+    def packer(self, nbytes: int) -> Packer:
+        """A ``copy`` for one get's blocks into up to ``nbytes`` of reused memory."""
+        return Packer(self.inbox.arenas, nbytes)
+
+    def send_get(self, address: str, tid: str, blocks: list[Buffer], lease_s: float, *,
                  token: bytes = b"") -> None:
         """Send ``blocks`` as transfer ``tid`` in the background, within ``lease_s``,
         presenting the client's ``token``."""
@@ -157,7 +162,7 @@ class PoolDataPlane:
         self.sends.add(task)
         task.add_done_callback(self.sends.discard)
 
-    async def _send_get(self, address: str, tid: str, blocks: list[bytes],
+    async def _send_get(self, address: str, tid: str, blocks: list[Buffer],
                         lease_s: float, token: bytes) -> None:
         try:
             async with asyncio.timeout(lease_s):

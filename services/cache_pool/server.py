@@ -41,6 +41,7 @@ from prometheus_client import start_http_server
 from common.address import bind_host
 from common.config import apply_ucx_settings, load_settings
 from common.logging import configure_logging
+from common.pool.keys import Buffer
 from common.protocol import (
     MAX_FRAME_BYTES,
     Ack,
@@ -264,12 +265,14 @@ class CachePool:
             address = self.data_plane.address_for(rec.kv_advert)
         if self.store is None:
             return PoolBlocks(found=0)
-        blocks: list[bytes] = []
+        blocks: list[Buffer] = []
         held = self.store.exists_prefix(rec.keys)
+        # Copies for the data plane go to reused memory (they are dropped once sent).
+        copy = bytes if address is None else self.data_plane.packer(held * self.block_bytes)
         # One key at a time, up to and including the first absent one (counted as the
         # miss): a corrupt block ends the prefix before later blocks are read.
         for key in rec.keys[:held + 1]:
-            data = self.store.get_many([key])[0]
+            data = self.store.get_many([key], copy)[0]
             if data is None:
                 break
             blocks.append(data)

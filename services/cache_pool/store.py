@@ -48,8 +48,9 @@ class BlockStore:
     - ``put_many`` validates every item (key, bytes-like data no larger than the DRAM
       block size, depth) before storing any; on a bad item it raises and changes nothing.
       A key already held counts as a use and is not rewritten.
-    - ``get_many`` returns copies (``bytes``), one per key, None for a miss; a hit is a
-      use in the tier that served it; an SSD hit is promoted into DRAM.
+    - ``get_many`` returns copies (``bytes``, or what its ``copy`` makes), one per key,
+      None for a miss; a hit is a use in the tier that served it; an SSD hit is
+      promoted into DRAM.
     - ``exists_prefix`` and ``where`` are queries: no use is recorded, no checksum read.
     - ``on_stored(keys)`` runs once per call, after the store is consistent, with the keys
       that were in no tier before the call and are in one after it; ``on_removed(keys)``
@@ -115,16 +116,18 @@ class BlockStore:
         finally:
             self._publish()
 
-    def get_many(self, keys: Sequence[int]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[int],
+                 copy: Callable[[memoryview], Buffer] = bytes) -> list[Buffer | None]:
+        """``copy`` makes each DRAM hit's copy (an SSD hit is one already)."""
         for key in keys:
             check_key(key)
-        out: list[bytes | None] = []
+        out: list[Buffer | None] = []
         try:
             for key in keys:
                 view = self.dram.get(key)
                 if view is not None:
                     self._hits["dram"] += 1
-                    out.append(bytes(view))  # the slot may be reused by a promotion below
+                    out.append(copy(view))  # the slot may be reused by a promotion below
                     continue
                 data = self._get_ssd(key)
                 if data is None:
