@@ -2,7 +2,8 @@
 
 With ``curve`` (the default) an instance uses the CURVE keys of its work directory, the
 ones a ``tests.cluster.Cluster`` in the same directory uses; ``curve=False`` runs plain,
-for tests whose own sockets speak to it directly."""
+for tests whose own sockets speak to it directly. ``in_process_pool`` runs one in the
+test's own event loop instead, for tests that look inside it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,25 @@ from tests.cluster import ROOT, free_port, make_keys, stats
 
 BLOCK = 4096
 HDR = 32  # SSD block file header (services.cache_pool.disk_format.BLOCK_HEADER)
+
+
+@asynccontextmanager
+async def in_process_pool(transfer_backend: str = "tcp"):
+    """A ``CachePool`` of 64 ``BLOCK``-byte DRAM slots on loopback, started in this loop,
+    closed after."""
+    from services.cache_pool.server import CachePool
+    from services.cache_pool.settings import PoolSettings
+
+    settings = PoolSettings(control_addr=f"tcp://127.0.0.1:{free_port()}",
+                            events_addr=f"tcp://127.0.0.1:{free_port()}",
+                            dram_mib=64 * BLOCK / (1 << 20), block_bytes=BLOCK,
+                            log_format="console", transfer_backend=transfer_backend)
+    pool = CachePool(settings)
+    await pool.start()
+    try:
+        yield pool
+    finally:
+        await pool.close()
 
 
 def blocks(n: int, seed: int = 0, size: int = BLOCK) -> list[tuple[int, bytes, int]]:

@@ -18,7 +18,7 @@ from common.zmq_rpc import RemoteError, RpcClient
 from services.cache_pool.server import CachePool
 from services.cache_pool.settings import PoolSettings
 from tests.cluster import free_port
-from tests.pool_procs import BLOCK, blocks
+from tests.pool_procs import BLOCK, blocks, in_process_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,14 +184,8 @@ LEASE_S = 2.0  # the clients' timeout_s, so every transfer's lease
 
 @pytest.fixture
 async def pool():
-    settings = PoolSettings(control_addr=f"tcp://127.0.0.1:{free_port()}",
-                            events_addr=f"tcp://127.0.0.1:{free_port()}",
-                            dram_mib=64 * BLOCK / (1 << 20), block_bytes=BLOCK,
-                            log_format="console", transfer_backend="tcp")
-    instance = CachePool(settings)
-    await instance.start()
-    yield instance
-    await instance.close()
+    async with in_process_pool() as instance:
+        yield instance
 
 
 def pool_stats(pool: CachePool) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from common.pool.client import PoolClient
 from common.pool.landing import PAGE, LandingArenas, Packer
 from common.pool.transfer import BlockInbox
-from tests.pool_procs import BLOCK, blocks
+from tests.pool_procs import BLOCK, blocks, in_process_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,32 +140,22 @@ async def test_gets_over_the_data_plane_reuse_the_memory_they_land_in(ctx, pools
 
 
 async def test_the_pool_lands_puts_in_arenas_it_reuses_and_stores_copies(ctx):
-    from services.cache_pool.server import CachePool
-    from services.cache_pool.settings import PoolSettings
-    from tests.cluster import free_port
-
-    settings = PoolSettings(control_addr=f"tcp://127.0.0.1:{free_port()}",
-                            events_addr=f"tcp://127.0.0.1:{free_port()}",
-                            dram_mib=64 * BLOCK / (1 << 20), block_bytes=BLOCK,
-                            log_format="console", transfer_backend="tcp")
-    pool = CachePool(settings)
-    await pool.start()
-    client = PoolClient(ctx, {"a": settings.control_addr}, timeout_s=5.0)
-    chains = [blocks(8, seed=s) for s in range(3)]
-    try:
-        for chain in chains:
-            assert await client.put(chain) == 8
-        arenas = pool.data_plane.inbox.arenas
-        assert (arenas.made, arenas.reused) == (1, 2)  # one arena, refilled per put
-        for chain in chains:  # each put's bytes were copied out before the next landed
-            assert [bytes(b) for b in await client.get([k for k, _, _ in chain])] == \
-                [d for _, d, _ in chain]
-        # Each get's copies out of DRAM went to an arena too: that arena again, or a
-        # second one while a send still held the one before.
-        assert arenas.made + arenas.reused == 6 and arenas.made <= 2
-        assert await client.get([7]) == []  # nothing held: no arena taken
-        assert arenas.made + arenas.reused == 6
-    finally:
-        await client.close()
-        await pool.close()
+    async with in_process_pool() as pool:
+        client = PoolClient(ctx, {"a": pool.settings.control_addr}, timeout_s=5.0)
+        chains = [blocks(8, seed=s) for s in range(3)]
+        try:
+            for chain in chains:
+                assert await client.put(chain) == 8
+            arenas = pool.data_plane.inbox.arenas
+            assert (arenas.made, arenas.reused) == (1, 2)  # one arena, refilled per put
+            for chain in chains:  # each put's bytes were copied out before the next landed
+                assert [bytes(b) for b in await client.get([k for k, _, _ in chain])] == \
+                    [d for _, d, _ in chain]
+            # Each get's copies out of DRAM went to an arena too: that arena again, or a
+            # second one while a send still held the one before.
+            assert arenas.made + arenas.reused == 6 and arenas.made <= 2
+            assert await client.get([7]) == []  # nothing held: no arena taken
+            assert arenas.made + arenas.reused == 6
+        finally:
+            await client.close()
     assert arenas.kept_bytes == 0
