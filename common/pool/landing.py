@@ -58,7 +58,7 @@ class LandingArenas:
         """Let go of the oldest arenas until those kept fit ``keep_bytes``; the newest
         (just taken) too when it alone is larger. An arena still viewed is only
         forgotten: its views keep it mapped until they go."""
-        total = sum(map(len, self._arenas))
+        total = self.kept_bytes
         while self._arenas and total > self.keep_bytes:
             arena = self._arenas.pop(0)
             total -= len(arena)

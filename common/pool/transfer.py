@@ -77,23 +77,21 @@ class BlockInbox:
             raise ValueError(f"no pool transfer {request_id!r} is open")
         slots, size, land = entry
         n = len(block_ids)
-        if layer != 0 or n == 0 or payload.nbytes % n or payload.nbytes == 0:
+        if layer != 0 or n == 0 or not payload.nbytes or payload.nbytes % n:
             raise ValueError(f"a chunk of {payload.nbytes} bytes for layer {layer} cannot "
                              f"hold blocks {block_ids[:4]}")
         each = payload.nbytes // n
-        if size == 0:
-            size = each
-            self._open[request_id] = (slots, size, land)
+        size = size or each  # 0: the first chunk sets it
         if each != size:
             raise ValueError(f"blocks of {each} bytes in a transfer of {size}-byte blocks")
         for i in block_ids:
             if not 0 <= i < len(slots) or slots[i] is not None:
                 raise ValueError(f"block index {i} is out of range or sent twice")
-        if len(set(block_ids)) != n:
+        if n > 1 and len(set(block_ids)) != n:
             raise ValueError(f"block indices {block_ids[:4]} are sent twice in one chunk")
         if self.arenas is not None and land is None:
             land = self.arenas.take(len(slots) * size)
-            self._open[request_id] = (slots, size, land)
+        self._open[request_id] = (slots, size, land)
         for j, i in enumerate(block_ids):
             piece = payload[j * each:(j + 1) * each]
             if land is None:
