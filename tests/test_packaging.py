@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,12 +21,8 @@ def _constraints() -> dict[str, str]:
             continue
         name, _, version = line.partition("==")
         assert version, f"not a pin: {line!r}"
-        pins[_norm(name)] = version
+        pins[canonicalize_name(name)] = version
     return pins
-
-
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def _project_requirements() -> list[Requirement]:
@@ -40,11 +37,12 @@ def test_every_pin_satisfies_the_projects_range():
     pins = _constraints()
     checked = 0
     for req in _project_requirements():
-        if _norm(req.name) == "torch":  # pinned by the Makefile, not the constraints
+        name = canonicalize_name(req.name)
+        if name == "torch":  # pinned by the Makefile, not the constraints
             continue
-        assert _norm(req.name) in pins, f"{req.name} is not pinned in deploy/constraints.txt"
-        assert req.specifier.contains(pins[_norm(req.name)], prereleases=True), (
-            f"{req.name}=={pins[_norm(req.name)]} is outside {req.specifier}"
+        assert name in pins, f"{req.name} is not pinned in deploy/constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"{req.name}=={pins[name]} is outside {req.specifier}"
         )
         checked += 1
     assert checked >= 20
@@ -58,7 +56,7 @@ def test_nothing_installs_a_second_top_level_kernels_package():
     transformers_needs = [
         Requirement(r) for r in importlib.metadata.requires("transformers") or []
     ]
-    unconditional = {_norm(r.name) for r in transformers_needs if r.marker is None}
+    unconditional = {canonicalize_name(r.name) for r in transformers_needs if r.marker is None}
     assert "kernels" not in unconditional
     assert importlib.metadata.version("transformers") == pins["transformers"]
 
